@@ -1,0 +1,151 @@
+//! The in-process backend: the embedded default, with the same semantics as the Redis scripts.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::time::Instant;
+
+use super::{AcquireReply, Backend};
+use crate::error::Result;
+use crate::types::{LockKey, Token};
+use crate::wake::{Wakeups, Watch};
+
+/// Leases kept in this process. Clones share the same state.
+///
+/// Expiry, fences, token-checked release and extend, and wake-ups behave as on Redis, so code
+/// tested here behaves the same against a server. It only excludes holders within one process.
+///
+/// ```
+/// use lock_core::{Locker, LockOptions};
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// let locker = Locker::memory();
+/// let lease = locker.try_acquire("report", &LockOptions::default()).await?;
+/// assert!(locker.try_acquire("report", &LockOptions::default()).await.is_err());
+/// lease.release().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Default)]
+pub struct MemoryBackend {
+    inner: Arc<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    state: Mutex<State>,
+    wakeups: Arc<Wakeups>,
+}
+
+#[derive(Default)]
+struct State {
+    locks: HashMap<LockKey, (Token, Instant)>,
+    fences: HashMap<LockKey, u64>,
+    gates: HashMap<String, u64>,
+}
+
+impl MemoryBackend {
+    /// An empty store.
+    pub fn new() -> MemoryBackend {
+        MemoryBackend::default()
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Deletes a lease whoever holds it, as an operator's `DEL` would. For tests and tools.
+    pub fn force_delete(&self, key: &LockKey) -> bool {
+        self.state().locks.remove(key).is_some()
+    }
+}
+
+fn now_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+impl Backend for MemoryBackend {
+    async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
+        let now = Instant::now();
+        let mut st = self.state();
+        if let Some((holder, expires)) = st.locks.get(key) {
+            if *expires > now {
+                if holder == token {
+                    let fence = st.fences.get(key).copied().unwrap_or(0);
+                    st.locks.insert(key.clone(), (token.clone(), now + ttl));
+                    return Ok(AcquireReply::Granted { fence });
+                }
+                return Ok(AcquireReply::Held {
+                    remaining: Some(*expires - now),
+                });
+            }
+        }
+        let stored = st.fences.get(key).copied().unwrap_or(0);
+        let fence = (stored + 1).max(now_micros());
+        st.fences.insert(key.clone(), fence);
+        st.locks.insert(key.clone(), (token.clone(), now + ttl));
+        Ok(AcquireReply::Granted { fence })
+    }
+
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
+        let released = {
+            let mut st = self.state();
+            match st.locks.get(key) {
+                Some((holder, expires)) if holder == token && *expires > Instant::now() => {
+                    st.locks.remove(key);
+                    true
+                }
+                _ => false,
+            }
+        };
+        if released {
+            self.inner.wakeups.wake(&key.channel());
+        }
+        Ok(released)
+    }
+
+    async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
+        let now = Instant::now();
+        let mut st = self.state();
+        Ok(items
+            .iter()
+            .map(|(key, token)| match st.locks.get_mut(key) {
+                Some((holder, expires)) if holder == token && *expires > now => {
+                    *expires = now + ttl;
+                    true
+                }
+                _ => false,
+            })
+            .collect())
+    }
+
+    async fn admit(&self, gate_key: &str, fence: u64) -> Result<Option<u64>> {
+        let mut st = self.state();
+        let highest = st.gates.entry(gate_key.to_owned()).or_insert(0);
+        if fence < *highest {
+            return Ok(Some(*highest));
+        }
+        *highest = fence;
+        Ok(None)
+    }
+
+    async fn watch(&self, key: &LockKey) -> Result<Watch> {
+        let channel = key.channel();
+        let (rx, _) = self.inner.wakeups.register(&channel);
+        Ok(Watch {
+            rx,
+            channel,
+            wakeups: self.inner.wakeups.clone(),
+            on_last: None,
+        })
+    }
+
+    fn wakeups(&self) -> &Arc<Wakeups> {
+        &self.inner.wakeups
+    }
+}

@@ -1,0 +1,105 @@
+//! The small trait every backend implements, and the backends themselves.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::types::{LockKey, Token};
+use crate::wake::{Wakeups, Watch};
+
+pub mod memory;
+pub mod redis;
+
+pub use self::memory::MemoryBackend;
+pub use self::redis::{RedisBackend, RedisConfig};
+
+/// What the server answered to an acquire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AcquireReply {
+    /// The lease is ours, with this fence.
+    Granted {
+        /// The fence of this grant.
+        fence: u64,
+    },
+    /// Another holder has it; its remaining TTL if it has one.
+    Held {
+        /// The holder's time left, `None` when the key has no expiry.
+        remaining: Option<Duration>,
+    },
+}
+
+/// The storage a [`Locker`](crate::Locker) runs on.
+///
+/// Every operation is one atomic step on the backend. `release` and `extend` check the token and
+/// never touch a lease that is not the caller's; `extend` never recreates an expired lease.
+pub trait Backend: Send + Sync + 'static {
+    /// Grants the lease (`SET NX PX` semantics) and advances the fence, or reports the holder.
+    fn acquire(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<AcquireReply>> + Send;
+
+    /// Deletes the lease if `token` still holds it and wakes waiters. Returns whether it did.
+    fn release(&self, key: &LockKey, token: &Token) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Resets the TTL of each lease still held by its token; one answer per item, in order.
+    fn extend(
+        &self,
+        items: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Vec<bool>>> + Send;
+
+    /// Admits `fence` at the gate stored under `gate_key` if no higher fence was admitted before.
+    /// Returns `Ok(None)` when admitted and `Ok(Some(highest))` when stale.
+    fn admit(&self, gate_key: &str, fence: u64)
+    -> impl Future<Output = Result<Option<u64>>> + Send;
+
+    /// Registers interest in releases of `key`. When this returns, a release that happens later
+    /// is guaranteed to bump the watch (or, after a subscription gap, every watch).
+    fn watch(&self, key: &LockKey) -> impl Future<Output = Result<Watch>> + Send;
+
+    /// The wake-up registry this backend feeds.
+    fn wakeups(&self) -> &Arc<Wakeups>;
+}
+
+/// Either built-in backend, chosen at run time (for example from a command-line flag).
+#[derive(Clone)]
+pub enum AnyBackend {
+    /// The in-process backend.
+    Memory(MemoryBackend),
+    /// A Redis or Valkey server.
+    Redis(RedisBackend),
+}
+
+macro_rules! dispatch {
+    ($self:ident, $b:ident => $e:expr) => {
+        match $self {
+            AnyBackend::Memory($b) => $e,
+            AnyBackend::Redis($b) => $e,
+        }
+    };
+}
+
+impl Backend for AnyBackend {
+    async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
+        dispatch!(self, b => b.acquire(key, token, ttl).await)
+    }
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
+        dispatch!(self, b => b.release(key, token).await)
+    }
+    async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
+        dispatch!(self, b => b.extend(items, ttl).await)
+    }
+    async fn admit(&self, gate_key: &str, fence: u64) -> Result<Option<u64>> {
+        dispatch!(self, b => b.admit(gate_key, fence).await)
+    }
+    async fn watch(&self, key: &LockKey) -> Result<Watch> {
+        dispatch!(self, b => b.watch(key).await)
+    }
+    fn wakeups(&self) -> &Arc<Wakeups> {
+        dispatch!(self, b => b.wakeups())
+    }
+}

@@ -1,0 +1,330 @@
+//! The Redis / Valkey backend: one multiplexed, auto-reconnecting connection per backend and one
+//! subscription connection for every waited key.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Script, Value};
+use tokio::sync::{mpsc, oneshot};
+use tracing::{debug, warn};
+
+use super::{AcquireReply, Backend};
+use crate::error::{Error, Result, classify};
+use crate::types::{LockKey, Token};
+use crate::wake::{Registered, Wakeups, Watch};
+
+const EXTEND_CHUNK: usize = 256;
+
+/// Connection settings for [`RedisBackend`]. The defaults suit a server on the same network.
+#[derive(Clone, Debug)]
+pub struct RedisConfig {
+    /// How long one command may wait for its reply before it fails (default 2 s), so that a dead
+    /// server turns into an error rather than a hang.
+    pub response_timeout: Duration,
+    /// How long connecting may take (default 2 s).
+    pub connection_timeout: Duration,
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        RedisConfig {
+            response_timeout: Duration::from_secs(2),
+            connection_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+struct Scripts {
+    acquire: Script,
+    release: Script,
+    extend: Script,
+    admit: Script,
+}
+
+enum SubCmd {
+    Subscribe(String, oneshot::Sender<()>),
+    Unsubscribe(String),
+}
+
+/// A Redis or Valkey server. Clones share the connection.
+///
+/// Scripts run by `EVALSHA`, falling back to loading them on `NOSCRIPT` (after a restart or a
+/// `SCRIPT FLUSH`).
+#[derive(Clone)]
+pub struct RedisBackend {
+    conn: ConnectionManager,
+    scripts: Arc<Scripts>,
+    wakeups: Arc<Wakeups>,
+    sub_tx: mpsc::UnboundedSender<SubCmd>,
+}
+
+impl RedisBackend {
+    /// Connects to `url` (`redis://host:port/db`) with default settings.
+    pub async fn connect(url: &str) -> Result<RedisBackend> {
+        RedisBackend::connect_with(url, RedisConfig::default()).await
+    }
+
+    /// Connects to `url` with explicit settings.
+    pub async fn connect_with(url: &str, config: RedisConfig) -> Result<RedisBackend> {
+        let client = redis::Client::open(url).map_err(Error::Unavailable)?;
+        let cm_config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(config.response_timeout))
+            .set_connection_timeout(Some(config.connection_timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_millis(500));
+        let conn = ConnectionManager::new_with_config(client.clone(), cm_config)
+            .await
+            .map_err(Error::Unavailable)?;
+        let wakeups = Arc::new(Wakeups::default());
+        let (sub_tx, sub_rx) = mpsc::unbounded_channel();
+        tokio::spawn(subscriber(client, config, wakeups.clone(), sub_rx));
+        Ok(RedisBackend {
+            conn,
+            scripts: Arc::new(Scripts {
+                acquire: Script::new(include_str!("../lua/acquire.lua")),
+                release: Script::new(include_str!("../lua/release.lua")),
+                extend: Script::new(include_str!("../lua/extend.lua")),
+                admit: Script::new(include_str!("../lua/fence_gate.lua")),
+            }),
+            wakeups,
+            sub_tx,
+        })
+    }
+
+    /// The shared connection, for callers that want to run their own commands beside the locks.
+    pub fn connection(&self) -> ConnectionManager {
+        self.conn.clone()
+    }
+}
+
+fn int(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        _ => None,
+    }
+}
+
+fn text(v: &Value) -> String {
+    match v {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::SimpleString(s) => s.clone(),
+        other => format!("{other:?}"),
+    }
+}
+
+fn pair(reply: &Value) -> Option<(i64, &Value)> {
+    match reply {
+        Value::Array(items) if items.len() == 2 => Some((int(&items[0])?, &items[1])),
+        _ => None,
+    }
+}
+
+fn unexpected(what: &str, reply: &Value) -> Error {
+    Error::Unavailable(redis::RedisError::from((
+        redis::ErrorKind::UnexpectedReturnType,
+        "unexpected script reply",
+        format!("{what}: {reply:?}"),
+    )))
+}
+
+impl Backend for RedisBackend {
+    async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
+        let mut conn = self.conn.clone();
+        let reply: Value = self
+            .scripts
+            .acquire
+            .key(key.lock_key())
+            .key(key.fence_key())
+            .arg(token.as_str())
+            .arg(ttl.as_millis() as u64)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| classify("acquire", key.user(), e))?;
+        match pair(&reply) {
+            Some((1, fence)) => Ok(AcquireReply::Granted {
+                fence: int(fence).ok_or_else(|| unexpected("acquire", &reply))? as u64,
+            }),
+            Some((0, pttl)) => {
+                let pttl = int(pttl).unwrap_or(-1);
+                Ok(AcquireReply::Held {
+                    remaining: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
+                })
+            }
+            Some((-1, found)) => Err(Error::WrongType {
+                key: key.lock_key(),
+                found: text(found),
+            }),
+            _ => Err(unexpected("acquire", &reply)),
+        }
+    }
+
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
+        let mut conn = self.conn.clone();
+        let n: i64 = self
+            .scripts
+            .release
+            .key(key.lock_key())
+            .arg(token.as_str())
+            .arg(key.channel())
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| classify("release", key.user(), e))?;
+        Ok(n == 1)
+    }
+
+    async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
+        let ttl_ms = ttl.as_millis() as u64;
+        // Chunks go out together on the multiplexed connection: one pipelined burst, no
+        // per-lease round trip, and no single script long enough to stall the server.
+        let calls = items.chunks(EXTEND_CHUNK).map(|chunk| {
+            let mut inv = self.scripts.extend.prepare_invoke();
+            inv.arg(ttl_ms);
+            for (key, token) in chunk {
+                inv.key(key.lock_key()).arg(token.as_str());
+            }
+            let mut conn = self.conn.clone();
+            async move {
+                inv.invoke_async::<Vec<i64>>(&mut conn)
+                    .await
+                    .map_err(|e| classify("extend", "(batch)", e))
+            }
+        });
+        let answers = futures_util::future::try_join_all(calls).await?;
+        Ok(answers.into_iter().flatten().map(|n| n == 1).collect())
+    }
+
+    async fn admit(&self, gate_key: &str, fence: u64) -> Result<Option<u64>> {
+        let mut conn = self.conn.clone();
+        let reply: Value = self
+            .scripts
+            .admit
+            .key(gate_key)
+            .arg(fence)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| classify("admit", gate_key, e))?;
+        match pair(&reply) {
+            Some((1, _)) => Ok(None),
+            Some((0, highest)) => Ok(Some(
+                int(highest).ok_or_else(|| unexpected("admit", &reply))? as u64,
+            )),
+            Some((-1, found)) => Err(Error::WrongType {
+                key: gate_key.to_owned(),
+                found: text(found),
+            }),
+            _ => Err(unexpected("admit", &reply)),
+        }
+    }
+
+    async fn watch(&self, key: &LockKey) -> Result<Watch> {
+        let channel = key.channel();
+        let (rx, reg) = self.wakeups.register(&channel);
+        let tx = self.sub_tx.clone();
+        let watch = Watch {
+            rx,
+            channel: channel.clone(),
+            wakeups: self.wakeups.clone(),
+            on_last: Some(Box::new(move |ch| {
+                let _ = tx.send(SubCmd::Unsubscribe(ch));
+            })),
+        };
+        if let Registered::First = reg {
+            let (ack_tx, ack_rx) = oneshot::channel();
+            if self.sub_tx.send(SubCmd::Subscribe(channel, ack_tx)).is_ok() {
+                // Without the ack a release could slip in unseen; if the subscriber is down the
+                // waiter still has its timer, and the subscriber wakes everyone on reconnect.
+                let _ = tokio::time::timeout(Duration::from_secs(1), ack_rx).await;
+            }
+        }
+        Ok(watch)
+    }
+
+    fn wakeups(&self) -> &Arc<Wakeups> {
+        &self.wakeups
+    }
+}
+
+/// The single subscription connection: reconnects, resubscribes, and on every (re)connect wakes
+/// all waiters, since releases during the gap were not seen.
+async fn subscriber(
+    client: redis::Client,
+    config: RedisConfig,
+    wakeups: Arc<Wakeups>,
+    mut rx: mpsc::UnboundedReceiver<SubCmd>,
+) {
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        let pubsub = match tokio::time::timeout(
+            config.connection_timeout,
+            client.get_async_pubsub(),
+        )
+        .await
+        {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => {
+                debug!(error = %e, "subscription connect failed");
+                if !drain_while_down(&mut rx, backoff).await {
+                    return;
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                continue;
+            }
+            Err(_) => {
+                if !drain_while_down(&mut rx, backoff).await {
+                    return;
+                }
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(20);
+        let (mut sink, mut stream) = pubsub.split();
+        let current = wakeups.channels();
+        if !current.is_empty() && sink.subscribe(&current).await.is_err() {
+            continue;
+        }
+        wakeups.wake_all();
+        loop {
+            tokio::select! {
+                msg = stream.next() => match msg {
+                    Some(msg) => wakeups.wake(msg.get_channel_name()),
+                    None => {
+                        warn!("subscription connection lost; waiters fall back to timers");
+                        break;
+                    }
+                },
+                cmd = rx.recv() => match cmd {
+                    None => return,
+                    Some(SubCmd::Subscribe(ch, ack)) => {
+                        if sink.subscribe(&ch).await.is_err() {
+                            break;
+                        }
+                        let _ = ack.send(());
+                    }
+                    Some(SubCmd::Unsubscribe(ch)) => {
+                        if sink.unsubscribe(&ch).await.is_err() {
+                            break;
+                        }
+                    }
+                },
+            }
+        }
+    }
+}
+
+/// While disconnected, answer subscribe requests at once (the waiter keeps its timer) and sleep
+/// the backoff. Returns false when the backend is gone.
+async fn drain_while_down(rx: &mut mpsc::UnboundedReceiver<SubCmd>, backoff: Duration) -> bool {
+    let sleep = tokio::time::sleep(backoff);
+    tokio::pin!(sleep);
+    loop {
+        tokio::select! {
+            _ = &mut sleep => return true,
+            cmd = rx.recv() => match cmd {
+                None => return false,
+                Some(_) => {}
+            },
+        }
+    }
+}

@@ -1,0 +1,105 @@
+use std::time::Duration;
+
+/// Everything that can go wrong when taking, keeping or using a lease.
+///
+/// Input problems ([`Error::InvalidKey`], [`Error::InvalidTtl`]) are reported before any round
+/// trip. Server problems keep the underlying [`redis::RedisError`] as their source.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Another holder has the key; `remaining` is its lease's time left, when the server knows it
+    /// (a key set without expiry by someone else has none).
+    #[error("lock `{key}` is held by another holder")]
+    Busy {
+        /// The key that was asked for.
+        key: String,
+        /// Time left on the holder's lease, if it has an expiry.
+        remaining: Option<Duration>,
+    },
+    /// The wait deadline passed while another holder kept the key.
+    #[error("gave up waiting for lock `{key}` after {waited:?}")]
+    WaitTimeout {
+        /// The key that was waited for.
+        key: String,
+        /// How long the caller waited.
+        waited: Duration,
+    },
+    /// The lease ran out or was taken away while it was supposed to be held.
+    #[error("lease on `{key}` was lost")]
+    LeaseLost {
+        /// The key whose lease was lost.
+        key: String,
+    },
+    /// A fenced resource refused a write from an older grant.
+    #[error("stale fence {fence} for `{resource}`: {highest} was already accepted")]
+    Stale {
+        /// The resource that refused the write.
+        resource: String,
+        /// The fence that was offered.
+        fence: u64,
+        /// The highest fence the resource has accepted.
+        highest: u64,
+    },
+    /// The key is empty, too long or contains a forbidden character.
+    #[error("invalid key: {reason}")]
+    InvalidKey {
+        /// Why the key was refused.
+        reason: &'static str,
+    },
+    /// The TTL is zero, too short or above [`MAX_TTL`](crate::MAX_TTL).
+    #[error("invalid ttl {ttl:?}: {reason}")]
+    InvalidTtl {
+        /// The TTL that was refused.
+        ttl: Duration,
+        /// Why it was refused.
+        reason: &'static str,
+    },
+    /// The server key already holds a value of another type; nothing was overwritten.
+    #[error("key `{key}` holds a {found}, not a leasehold value; nothing was changed")]
+    WrongType {
+        /// The server key (with prefix and hash tag).
+        key: String,
+        /// The Redis type found there.
+        found: String,
+    },
+    /// The server could not be reached or refused the command.
+    #[error("backend unavailable: {0}")]
+    Unavailable(#[source] redis::RedisError),
+    /// The connection dropped after the command was sent, so whether it took effect is unknown.
+    #[error("outcome of {op} on `{key}` is unknown: the connection failed mid-command")]
+    OutcomeUnknown {
+        /// The operation that was in flight.
+        op: &'static str,
+        /// The key it was for.
+        key: String,
+        /// The error that cut the reply off.
+        #[source]
+        source: redis::RedisError,
+    },
+}
+
+/// Shorthand for results whose error is [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Whether the failure came from the transport rather than from the lock's state, so that a
+    /// retry later may succeed.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Error::Unavailable(_) | Error::OutcomeUnknown { .. })
+    }
+}
+
+/// Sorts a redis error into "certainly not applied" and "maybe applied".
+pub(crate) fn classify(op: &'static str, key: &str, err: redis::RedisError) -> Error {
+    let maybe_sent = (err.is_io_error() || err.is_timeout() || err.is_connection_dropped())
+        && !err.is_connection_refusal();
+    if maybe_sent {
+        Error::OutcomeUnknown {
+            op,
+            key: key.to_owned(),
+            source: err,
+        }
+    } else {
+        Error::Unavailable(err)
+    }
+}

@@ -1,0 +1,217 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tracing::{debug, instrument};
+
+use crate::backend::{AnyBackend, Backend};
+use crate::error::{Error, Result};
+use crate::locker::Core;
+use crate::renew::{Cmd, LeaseState};
+use crate::types::{Fence, LockKey, Token, drift, validate_ttl};
+
+/// What [`Lease::release`] found on the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Release {
+    /// This holder still held the lease, and it is now deleted.
+    Released,
+    /// The lease had already expired or been taken by another holder; nothing was touched.
+    NotHeld,
+}
+
+/// A held lease: the guard returned by [`Locker::acquire`](crate::Locker::acquire).
+///
+/// While it lives (and renewal is on) the lease is renewed at about a third of its TTL. When
+/// renewal fails or the deadline comes without a renewal, [`lost`](Lease::lost) resolves before
+/// the local deadline. Dropping the guard stops renewal at once and releases it in the
+/// background; [`release`](Lease::release) does so in the foreground and reports what it found.
+///
+/// ```
+/// use lock_core::{Locker, LockOptions, Release};
+/// use std::time::Duration;
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// let locker = Locker::memory();
+/// let lease = locker.acquire("invoice:42", &LockOptions::new().ttl(Duration::from_secs(5))).await?;
+/// assert!(lease.remaining() <= Duration::from_secs(5));
+/// println!("fence {}", lease.fence());
+/// assert_eq!(lease.release().await?, Release::Released);
+/// # Ok(()) }
+/// ```
+pub struct Lease<B: Backend + Clone = AnyBackend> {
+    pub(crate) core: Arc<Core<B>>,
+    pub(crate) id: u64,
+    pub(crate) key: LockKey,
+    pub(crate) token: Token,
+    pub(crate) fence: Fence,
+    pub(crate) state: Arc<LeaseState>,
+    pub(crate) done: bool,
+}
+
+impl<B: Backend + Clone> std::fmt::Debug for Lease<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("key", &self.key.user())
+            .field("fence", &self.fence)
+            .field("remaining", &self.remaining())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend + Clone> Lease<B> {
+    /// The fence of this grant; strictly greater than every earlier grant's on the same key.
+    pub fn fence(&self) -> Fence {
+        self.fence
+    }
+
+    /// The random token naming this acquisition.
+    pub fn token(&self) -> &Token {
+        &self.token
+    }
+
+    /// The key as the caller named it.
+    pub fn key(&self) -> &str {
+        self.key.user()
+    }
+
+    /// Time left on the lease, measured on the local monotonic clock from before the request
+    /// that granted or last renewed it, less the drift allowance. Never more than the truth;
+    /// zero once the lease is lost.
+    pub fn remaining(&self) -> Duration {
+        self.state.remaining()
+    }
+
+    /// Whether the lease is known to be lost.
+    pub fn is_lost(&self) -> bool {
+        self.state.lost.is_cancelled() || self.state.deadline() <= Instant::now()
+    }
+
+    /// Resolves when the lease is lost (renewal refused or failing until the deadline).
+    pub async fn lost(&self) {
+        self.state.lost.cancelled().await
+    }
+
+    /// A cheap, cloneable view of this lease for code that must not own the guard.
+    pub fn info(&self) -> LeaseInfo {
+        LeaseInfo {
+            key: self.key.user().to_owned(),
+            fence: self.fence,
+            state: self.state.clone(),
+        }
+    }
+
+    /// Resets the lease's TTL to `ttl` if this holder still holds it; later automatic renewals
+    /// use the new TTL. Returns [`Error::LeaseLost`] (and marks the lease lost) if it does not.
+    #[instrument(level = "debug", skip(self), fields(key = self.key.user()))]
+    pub async fn extend(&self, ttl: Duration) -> Result<()> {
+        validate_ttl(ttl)?;
+        let start = Instant::now();
+        let held = self
+            .core
+            .backend
+            .extend(&[(self.key.clone(), self.token.clone())], ttl)
+            .await?;
+        if held.first().copied().unwrap_or(false) {
+            self.state.extend_to(start + ttl - drift(ttl));
+            self.core.send(Cmd::Retune { id: self.id, ttl });
+            Ok(())
+        } else {
+            self.state.lost.cancel();
+            Err(Error::LeaseLost {
+                key: self.key.user().to_owned(),
+            })
+        }
+    }
+
+    /// Stops renewal and deletes the lease if this holder still holds it. Idempotent on the
+    /// server: a lease that expired or passed to another holder is reported as
+    /// [`Release::NotHeld`] and left alone.
+    #[instrument(level = "debug", skip(self), fields(key = self.key.user(), fence = self.fence.0))]
+    pub async fn release(mut self) -> Result<Release> {
+        self.done = true;
+        self.core.send(Cmd::Remove {
+            id: self.id,
+            release: None,
+        });
+        let held = match self.core.backend.release(&self.key, &self.token).await {
+            Ok(held) => held,
+            // A token-checked delete is safe to repeat; only the second answer can be ambiguous.
+            Err(Error::OutcomeUnknown { .. }) => {
+                match self.core.backend.release(&self.key, &self.token).await {
+                    Ok(true) => true,
+                    Ok(false) => {
+                        return Err(Error::OutcomeUnknown {
+                            op: "release",
+                            key: self.key.user().to_owned(),
+                            source: redis::RedisError::from((
+                                redis::ErrorKind::Io,
+                                "reply lost; lease is gone, but whether it was still ours is unknown",
+                            )),
+                        });
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        self.state.lost.cancel();
+        debug!(held, "released");
+        Ok(if held {
+            Release::Released
+        } else {
+            Release::NotHeld
+        })
+    }
+}
+
+impl<B: Backend + Clone> Drop for Lease<B> {
+    fn drop(&mut self) {
+        if !self.done {
+            // Never blocks: the driver stops renewing and releases on its own task.
+            self.core.send(Cmd::Remove {
+                id: self.id,
+                release: Some((self.key.clone(), self.token.clone())),
+            });
+            self.state.lost.cancel();
+        }
+    }
+}
+
+/// A cloneable view of a held lease: its key, fence, time left and lost signal.
+#[derive(Clone)]
+pub struct LeaseInfo {
+    key: String,
+    fence: Fence,
+    state: Arc<LeaseState>,
+}
+
+impl std::fmt::Debug for LeaseInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseInfo")
+            .field("key", &self.key)
+            .field("fence", &self.fence)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LeaseInfo {
+    /// The key as the caller named it.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+    /// The fence of the grant.
+    pub fn fence(&self) -> Fence {
+        self.fence
+    }
+    /// Time left, as [`Lease::remaining`].
+    pub fn remaining(&self) -> Duration {
+        self.state.remaining()
+    }
+    /// Whether the lease is known to be lost.
+    pub fn is_lost(&self) -> bool {
+        self.state.lost.is_cancelled() || self.state.deadline() <= Instant::now()
+    }
+    /// Resolves when the lease is lost or released.
+    pub async fn lost(&self) {
+        self.state.lost.cancelled().await
+    }
+}

@@ -1,0 +1,31 @@
+//! The lease engine of leasehold: fenced, renewing lease locks on Redis/Valkey and in memory.
+//!
+//! A [`Locker`] takes [`Lease`]s on keys. Each grant carries a strictly increasing [`Fence`];
+//! protect your data with it through a [`FenceGate`] or your own check, because a lease alone
+//! cannot stop a paused holder from writing after it expired.
+//!
+//! ```
+//! use lock_core::{Locker, LockOptions, Error};
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+//! let locker = Locker::memory(); // or Locker::redis("redis://127.0.0.1/").await?
+//! let a = locker.try_acquire("resource", &LockOptions::default()).await?;
+//! let b = locker.try_acquire("resource", &LockOptions::default()).await;
+//! assert!(matches!(b, Err(Error::Busy { .. })));
+//! a.release().await?;
+//! # Ok(()) }
+//! ```
+
+pub mod backend;
+mod error;
+mod lease;
+mod locker;
+mod renew;
+mod types;
+mod wake;
+
+pub use backend::{AcquireReply, AnyBackend, Backend, MemoryBackend, RedisBackend, RedisConfig};
+pub use error::{Error, Result};
+pub use lease::{Lease, LeaseInfo, Release};
+pub use locker::{DEFAULT_PREFIX, FenceGate, LockOptions, Locker};
+pub use types::{Fence, LockKey, MAX_KEY_LEN, MAX_TTL, MIN_TTL, Token};
+pub use wake::{Wakeups, Watch};

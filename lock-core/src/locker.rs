@@ -1,0 +1,393 @@
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tracing::{Instrument, debug, debug_span, instrument};
+
+use crate::backend::{AcquireReply, AnyBackend, Backend, MemoryBackend, RedisBackend, RedisConfig};
+use crate::error::{Error, Result};
+use crate::lease::{Lease, LeaseInfo};
+use crate::renew::{self, Cmd, LeaseState};
+use crate::types::{Fence, LockKey, Token, drift, validate_key, validate_ttl};
+
+/// How one acquisition behaves. The defaults follow the common convention: a 30 s lease renewed
+/// automatically, and [`Locker::acquire`] waiting up to 10 s.
+///
+/// ```
+/// use lock_core::LockOptions;
+/// use std::time::Duration;
+/// let opts = LockOptions::new().ttl(Duration::from_secs(5)).wait(Duration::from_secs(1)).renew(false);
+/// assert_eq!(opts.ttl_value(), Duration::from_secs(5));
+/// ```
+#[derive(Clone, Debug)]
+pub struct LockOptions {
+    ttl: Duration,
+    wait: Duration,
+    renew: bool,
+}
+
+impl Default for LockOptions {
+    fn default() -> Self {
+        LockOptions {
+            ttl: Duration::from_secs(30),
+            wait: Duration::from_secs(10),
+            renew: true,
+        }
+    }
+}
+
+impl LockOptions {
+    /// The defaults: ttl 30 s, wait 10 s, renewal on.
+    pub fn new() -> LockOptions {
+        LockOptions::default()
+    }
+    /// The lease's time to live on the server.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+    /// How long [`Locker::acquire`] waits for a busy key before [`Error::WaitTimeout`].
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
+    }
+    /// Whether the locker renews the lease automatically while the guard lives.
+    pub fn renew(mut self, renew: bool) -> Self {
+        self.renew = renew;
+        self
+    }
+    /// The configured TTL.
+    pub fn ttl_value(&self) -> Duration {
+        self.ttl
+    }
+    /// The configured wait.
+    pub fn wait_value(&self) -> Duration {
+        self.wait
+    }
+}
+
+pub(crate) struct Core<B: Backend + Clone> {
+    pub(crate) backend: B,
+    prefix: String,
+    next_id: AtomicU64,
+    driver: OnceLock<mpsc::UnboundedSender<Cmd>>,
+}
+
+impl<B: Backend + Clone> Core<B> {
+    /// Hands a command to the renewal driver, starting it on first use (inside the runtime).
+    pub(crate) fn send(&self, cmd: Cmd) {
+        let tx = self.driver.get_or_init(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            tokio::spawn(renew::run(self.backend.clone(), rx));
+            tx
+        });
+        // The driver only stops when every sender is gone, so a failed send means shutdown.
+        let _ = tx.send(cmd);
+    }
+}
+
+/// Takes leases on one backend. Cheap to clone; clones share the backend, the renewal driver and
+/// the wake-up subscription.
+///
+/// ```
+/// use lock_core::{Locker, LockOptions};
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// let locker = Locker::memory();
+/// let lease = locker.acquire("payments:7", &LockOptions::default()).await?;
+/// // ... work, passing lease.fence() to the resource ...
+/// lease.release().await?;
+/// # Ok(()) }
+/// ```
+pub struct Locker<B: Backend + Clone = AnyBackend> {
+    core: Arc<Core<B>>,
+}
+
+impl<B: Backend + Clone> Clone for Locker<B> {
+    fn clone(&self) -> Self {
+        Locker {
+            core: self.core.clone(),
+        }
+    }
+}
+
+/// The key prefix used unless [`Locker::with_prefix`] says otherwise.
+pub const DEFAULT_PREFIX: &str = "leasehold";
+
+impl Locker<AnyBackend> {
+    /// A locker on a fresh in-memory backend.
+    pub fn memory() -> Locker {
+        Locker::new(AnyBackend::Memory(MemoryBackend::new()))
+    }
+
+    /// A locker on a Redis or Valkey server at `url`.
+    pub async fn redis(url: &str) -> Result<Locker> {
+        Ok(Locker::new(AnyBackend::Redis(
+            RedisBackend::connect(url).await?,
+        )))
+    }
+
+    /// A locker on a Redis or Valkey server, with explicit connection settings.
+    pub async fn redis_with(url: &str, config: RedisConfig) -> Result<Locker> {
+        Ok(Locker::new(AnyBackend::Redis(
+            RedisBackend::connect_with(url, config).await?,
+        )))
+    }
+}
+
+impl<B: Backend + Clone> Locker<B> {
+    /// A locker on any backend, with the default key prefix.
+    pub fn new(backend: B) -> Locker<B> {
+        Locker {
+            core: Arc::new(Core {
+                backend,
+                prefix: DEFAULT_PREFIX.to_owned(),
+                next_id: AtomicU64::new(1),
+                driver: OnceLock::new(),
+            }),
+        }
+    }
+
+    /// The same backend under another key prefix (server keys become `{prefix:key}:...`).
+    pub fn with_prefix(&self, prefix: impl Into<String>) -> Locker<B> {
+        Locker {
+            core: Arc::new(Core {
+                backend: self.core.backend.clone(),
+                prefix: prefix.into(),
+                next_id: AtomicU64::new(1),
+                driver: OnceLock::new(),
+            }),
+        }
+    }
+
+    /// The backend this locker runs on.
+    pub fn backend(&self) -> &B {
+        &self.core.backend
+    }
+
+    /// The server-side names of `key` under this locker's prefix.
+    pub fn lock_key(&self, key: &str) -> Result<LockKey> {
+        validate_key(key)?;
+        Ok(LockKey::new(&self.core.prefix, key))
+    }
+
+    /// Takes the lease if it is free, in one round trip; otherwise [`Error::Busy`] with the
+    /// holder's remaining TTL.
+    #[instrument(level = "debug", skip(self, opts), fields(ttl = ?opts.ttl))]
+    pub async fn try_acquire(&self, key: &str, opts: &LockOptions) -> Result<Lease<B>> {
+        let key = self.lock_key(key)?;
+        validate_ttl(opts.ttl)?;
+        let token = Token::generate();
+        match self.attempt(&key, &token, opts).await? {
+            Ok(lease) => Ok(lease),
+            Err(remaining) => Err(Error::Busy {
+                key: key.user,
+                remaining,
+            }),
+        }
+    }
+
+    /// Takes the lease, waiting up to the options' `wait` for the holder to release it.
+    ///
+    /// Waiters wake when the holder releases (a release publishes on the key's channel, and one
+    /// subscription per locker serves every waited key), and otherwise when the holder's TTL runs
+    /// out plus a small jitter, which covers holders that crashed without releasing.
+    #[instrument(level = "debug", skip(self, opts), fields(ttl = ?opts.ttl, wait = ?opts.wait))]
+    pub async fn acquire(&self, key: &str, opts: &LockOptions) -> Result<Lease<B>> {
+        let key = self.lock_key(key)?;
+        validate_ttl(opts.ttl)?;
+        let token = Token::generate();
+        let started = Instant::now();
+        let give_up = started + opts.wait;
+        let mut watch = None;
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            if let Some(w) = watch.as_mut() {
+                crate::wake::Watch::mark_seen(w);
+            }
+            let remaining = match self.attempt(&key, &token, opts).await? {
+                Ok(lease) => {
+                    debug!(waited = ?started.elapsed(), fence = lease.fence.0, "acquired");
+                    return Ok(lease);
+                }
+                Err(remaining) => remaining,
+            };
+            if watch.is_none() {
+                // Subscribe, then try once more at once: a release between the failed attempt
+                // and the subscription would otherwise go unseen until the timer.
+                watch = Some(self.core.backend.watch(&key).await?);
+                continue;
+            }
+            let now = Instant::now();
+            if now >= give_up {
+                return Err(Error::WaitTimeout {
+                    key: key.user,
+                    waited: now - started,
+                });
+            }
+            let timer = match remaining {
+                Some(r) => r + jitter(Duration::from_millis(5)),
+                None => {
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                    jitter(backoff) + backoff / 2
+                }
+            };
+            let wake_at = (now + timer).min(give_up);
+            let w = watch.as_mut().expect("watch was set above");
+            tokio::select! {
+                _ = w.changed() => {},
+                _ = tokio::time::sleep_until(wake_at) => {},
+            }
+        }
+    }
+
+    /// One acquire round trip; `Err(remaining)` inside `Ok` means the key is held.
+    async fn attempt(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        opts: &LockOptions,
+    ) -> Result<std::result::Result<Lease<B>, Option<Duration>>> {
+        // Validity counts from before the request leaves, so a slow reply can only shorten it.
+        let start = Instant::now();
+        let reply = match self.core.backend.acquire(key, token, opts.ttl).await {
+            Err(Error::OutcomeUnknown { .. }) => {
+                // The script is idempotent per token: asking again tells us whether the first
+                // one landed. If even that fails, free whatever we may have been granted.
+                match self.core.backend.acquire(key, token, opts.ttl).await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let backend = self.core.backend.clone();
+                        let (key, token) = (key.clone(), token.clone());
+                        tokio::spawn(async move {
+                            let _ = backend.release(&key, &token).await;
+                        });
+                        return Err(e);
+                    }
+                }
+            }
+            other => other?,
+        };
+        match reply {
+            AcquireReply::Held { remaining } => Ok(Err(remaining)),
+            AcquireReply::Granted { fence } => {
+                let deadline = start + opts.ttl - drift(opts.ttl);
+                let state = LeaseState::new(deadline);
+                let id = self.core.next_id.fetch_add(1, Ordering::Relaxed);
+                self.core.send(Cmd::Add {
+                    id,
+                    key: key.clone(),
+                    token: token.clone(),
+                    ttl: opts.ttl,
+                    renew: opts.renew,
+                    state: state.clone(),
+                });
+                Ok(Ok(Lease {
+                    core: self.core.clone(),
+                    id,
+                    key: key.clone(),
+                    token: token.clone(),
+                    fence: Fence(fence),
+                    state,
+                    done: false,
+                }))
+            }
+        }
+    }
+
+    /// Runs `body` while holding the lease on `key`, renewing it meanwhile, then releases it.
+    ///
+    /// If the lease is lost while the body runs, the body is dropped (cancelled) and the call
+    /// returns [`Error::LeaseLost`]; the work never runs on unprotected.
+    ///
+    /// ```
+    /// use lock_core::{Locker, LockOptions};
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// let locker = Locker::memory();
+    /// let fence = locker
+    ///     .with_lock("nightly-report", &LockOptions::default(), |lease| async move {
+    ///         lease.fence()
+    ///     })
+    ///     .await?;
+    /// println!("ran with fence {fence}");
+    /// # Ok(()) }
+    /// ```
+    pub async fn with_lock<F, Fut, T>(&self, key: &str, opts: &LockOptions, body: F) -> Result<T>
+    where
+        F: FnOnce(LeaseInfo) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        let lease = self.acquire(key, opts).await?;
+        let span = debug_span!("with_lock", key = lease.key(), fence = lease.fence().0);
+        let info = lease.info();
+        let fut = body(info).instrument(span);
+        tokio::select! {
+            biased;
+            _ = lease.lost() => Err(Error::LeaseLost { key: lease.key().to_owned() }),
+            out = fut => {
+                // The result is the body's; a lease that lapsed right at the end is still
+                // reported as released-or-not only in the logs.
+                let _ = lease.release().await;
+                Ok(out)
+            }
+        }
+    }
+
+    /// A fence-checking gate for `resource` (see [`FenceGate`]).
+    pub fn fence_gate(&self, resource: &str) -> Result<FenceGate<B>> {
+        validate_key(resource)?;
+        Ok(FenceGate {
+            core: self.core.clone(),
+            resource: resource.to_owned(),
+            key: format!("{{{}:{}}}:gate", self.core.prefix, resource),
+        })
+    }
+}
+
+/// Refuses writes from older grants: admits a fence only if it is at least every fence admitted
+/// before for the same resource.
+///
+/// Equal fences are admitted so that one lease may write several times. Run the check in the
+/// same store as the data where you can; this gate is the reference form, on the locker's
+/// backend (a script on Redis).
+///
+/// ```
+/// use lock_core::{Error, Fence, Locker};
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// let locker = Locker::memory();
+/// let gate = locker.fence_gate("ledger")?;
+/// gate.admit(Fence(10)).await?;
+/// assert!(matches!(gate.admit(Fence(9)).await, Err(Error::Stale { highest: 10, .. })));
+/// # Ok(()) }
+/// ```
+pub struct FenceGate<B: Backend + Clone = AnyBackend> {
+    core: Arc<Core<B>>,
+    resource: String,
+    key: String,
+}
+
+impl<B: Backend + Clone> FenceGate<B> {
+    /// Admits `fence`, or refuses it with [`Error::Stale`] if a higher one was admitted.
+    pub async fn admit(&self, fence: Fence) -> Result<()> {
+        match self.core.backend.admit(&self.key, fence.0).await? {
+            None => Ok(()),
+            Some(highest) => Err(Error::Stale {
+                resource: self.resource.clone(),
+                fence: fence.0,
+                highest,
+            }),
+        }
+    }
+}
+
+/// A random duration in `[0, max]` from the OS RNG, to spread waiters apart.
+fn jitter(max: Duration) -> Duration {
+    let mut b = [0u8; 4];
+    if getrandom::fill(&mut b).is_err() {
+        return max / 2;
+    }
+    let frac = u32::from_le_bytes(b) as f64 / u32::MAX as f64;
+    max.mul_f64(frac)
+}
