@@ -1,0 +1,452 @@
+//! One behaviour suite, run on every backend: memory, a real `redis-server`, and a real
+//! `valkey-server` where one is installed. Scenario numbers refer to the reliability notes
+//! (docs in the README).
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use leasehold::{Error, Fence, LockOptions, Locker, MemoryBackend, Release};
+use support::{Flavor, Server};
+use tokio::time::{Instant, sleep};
+
+/// A backend under test, with the out-of-band operations faults need.
+enum Harness {
+    Memory(MemoryBackend),
+    Server(Server),
+}
+
+impl Harness {
+    async fn locker(&self) -> Locker {
+        match self {
+            Harness::Memory(m) => Locker::new(leasehold::AnyBackend::Memory(m.clone())),
+            Harness::Server(s) => Locker::redis(&s.url()).await.expect("connect"),
+        }
+    }
+
+    /// Deletes a lock from outside, as an operator or a failover would.
+    fn delete(&self, locker: &Locker, key: &str) {
+        let k = locker.lock_key(key).expect("key");
+        match self {
+            Harness::Memory(m) => {
+                m.force_delete(&k);
+            }
+            Harness::Server(s) => {
+                let _: i64 = s.cmd(&["DEL", &k.lock_key()]);
+            }
+        }
+    }
+
+    fn exists(&self, locker: &Locker, key: &str) -> bool {
+        let k = locker.lock_key(key).expect("key");
+        match self {
+            // The memory backend has no stray keys to look at: a free key is one we can take.
+            Harness::Memory(_) => false,
+            Harness::Server(s) => s.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1,
+        }
+    }
+}
+
+fn opts(ttl_ms: u64) -> LockOptions {
+    LockOptions::new().ttl(Duration::from_millis(ttl_ms))
+}
+
+async fn exclusion(h: Harness) {
+    let locker = h.locker().await;
+    let a = locker.try_acquire("x", &opts(5_000)).await.expect("first");
+    match locker.try_acquire("x", &opts(5_000)).await {
+        Err(Error::Busy { remaining, .. }) => {
+            let r = remaining.expect("holder has a ttl");
+            assert!(
+                r <= Duration::from_secs(5) && r > Duration::from_secs(3),
+                "{r:?}"
+            );
+        }
+        other => panic!("expected Busy, got {other:?}"),
+    }
+    assert!(a.remaining() <= Duration::from_secs(5));
+    assert_eq!(a.release().await.expect("release"), Release::Released);
+    let b = locker
+        .try_acquire("x", &opts(5_000))
+        .await
+        .expect("free again");
+    assert!(b.fence() > Fence(0));
+}
+
+/// Scenario 1: a stale holder's release is a no-op and does not touch the new holder.
+async fn token_checked_release(h: Harness) {
+    let locker = h.locker().await;
+    let a = locker
+        .try_acquire("r1", &opts(100).renew(false))
+        .await
+        .expect("a");
+    sleep(Duration::from_millis(200)).await;
+    assert!(a.is_lost());
+    let b = locker.try_acquire("r1", &opts(10_000)).await.expect("b");
+    assert!(b.fence() > a.fence());
+    assert_eq!(a.release().await.expect("release"), Release::NotHeld);
+    match locker.try_acquire("r1", &opts(1_000)).await {
+        Err(Error::Busy { remaining, .. }) => {
+            assert!(
+                remaining.expect("ttl") > Duration::from_secs(9),
+                "B's ttl untouched"
+            );
+        }
+        other => panic!("B's lease must survive A's release: {other:?}"),
+    }
+    assert_eq!(b.release().await.expect("release"), Release::Released);
+}
+
+/// Scenario 2: extending an expired or deleted lease fails and recreates nothing.
+async fn extend_after_expiry(h: Harness) {
+    let locker = h.locker().await;
+    let a = locker
+        .try_acquire("r2", &opts(50).renew(false))
+        .await
+        .expect("a");
+    sleep(Duration::from_millis(120)).await;
+    assert!(matches!(
+        a.extend(Duration::from_secs(10)).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    assert!(!h.exists(&locker, "r2"), "extend recreated an expired key");
+    let b = locker
+        .try_acquire("r2", &opts(10_000).renew(false))
+        .await
+        .expect("b");
+    h.delete(&locker, "r2");
+    assert!(matches!(
+        b.extend(Duration::from_secs(10)).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    assert!(!h.exists(&locker, "r2"), "extend recreated a deleted key");
+    assert!(b.is_lost());
+    locker
+        .try_acquire("r2", &opts(1_000))
+        .await
+        .expect("key is free after the failed extend");
+}
+
+async fn fences_strictly_increase(h: Harness) {
+    let locker = h.locker().await;
+    let mut last = Fence(0);
+    for _ in 0..50 {
+        let l = locker
+            .try_acquire("f", &opts(1_000))
+            .await
+            .expect("acquire");
+        assert!(l.fence() > last, "{:?} then {:?}", last, l.fence());
+        last = l.fence();
+        l.release().await.expect("release");
+    }
+}
+
+/// Scenario 3: holders paused past their TTL cannot get a stale write past the fence gate, and
+/// the same workload on an unfenced resource loses updates (negative control).
+async fn fenced_writes_under_pauses(h: Harness) {
+    let locker = h.locker().await;
+    let gate = Arc::new(locker.fence_gate("account").expect("gate"));
+    let accepted = Arc::new(std::sync::Mutex::new(Vec::<u64>::new()));
+    let refused = Arc::new(AtomicUsize::new(0));
+    // The unfenced resource: read, think, write back; a paused holder overwrites newer values.
+    let unfenced = Arc::new(AtomicU64::new(0));
+    let increments = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for w in 0..6u64 {
+        let (locker, gate, accepted, refused, unfenced, increments) = (
+            locker.clone(),
+            gate.clone(),
+            accepted.clone(),
+            refused.clone(),
+            unfenced.clone(),
+            increments.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            for i in 0..15u64 {
+                let o = opts(40).renew(false).wait(Duration::from_secs(5));
+                let lease = locker.acquire("pauses", &o).await.expect("acquire");
+                let seen = unfenced.load(Ordering::SeqCst);
+                if (i + w) % 3 == 0 {
+                    // The pause: longer than the lease, as a GC stop or SIGSTOP would be.
+                    sleep(Duration::from_millis(70)).await;
+                }
+                unfenced.store(seen + 1, Ordering::SeqCst);
+                increments.fetch_add(1, Ordering::SeqCst);
+                match gate.admit(lease.fence()).await {
+                    Ok(()) => accepted.lock().expect("log").push(lease.fence().get()),
+                    Err(Error::Stale { fence, highest, .. }) => {
+                        assert!(fence < highest);
+                        refused.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+                let _ = lease.release().await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    let log = accepted.lock().expect("log").clone();
+    assert!(
+        log.windows(2).all(|w| w[0] <= w[1]),
+        "the gate accepted a fence lower than one it had accepted"
+    );
+    assert!(
+        refused.load(Ordering::SeqCst) > 0,
+        "pauses produced no stale writer: the test exercised nothing"
+    );
+    let lost = increments.load(Ordering::SeqCst) - unfenced.load(Ordering::SeqCst);
+    assert!(
+        lost > 0,
+        "negative control: the unfenced resource should have lost updates"
+    );
+}
+
+/// Waiters wake on release, long before the holder's TTL would free the key.
+async fn waiter_wakes_on_release(h: Harness) {
+    let locker = h.locker().await;
+    let holder = locker
+        .try_acquire("w", &opts(20_000))
+        .await
+        .expect("holder");
+    let l2 = locker.clone();
+    let waiter = tokio::spawn(async move {
+        let t = Instant::now();
+        let lease = l2
+            .acquire("w", &opts(5_000).wait(Duration::from_secs(10)))
+            .await
+            .expect("waiter acquires");
+        (t.elapsed(), lease.fence())
+    });
+    sleep(Duration::from_millis(100)).await;
+    let f = holder.fence();
+    holder.release().await.expect("release");
+    let (waited, fence) = waiter.await.expect("join");
+    assert!(fence > f);
+    assert!(
+        waited < Duration::from_secs(3),
+        "woken by the 20 s timer, not the release: {waited:?}"
+    );
+}
+
+async fn wait_times_out(h: Harness) {
+    let locker = h.locker().await;
+    let _holder = locker
+        .try_acquire("wt", &opts(10_000))
+        .await
+        .expect("holder");
+    let t = Instant::now();
+    let r = locker
+        .acquire("wt", &opts(1_000).wait(Duration::from_millis(300)))
+        .await;
+    assert!(matches!(r, Err(Error::WaitTimeout { .. })), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(2));
+}
+
+/// Scenario 11: a holder that vanishes without releasing frees the key at expiry.
+async fn holder_crash_frees_on_expiry(h: Harness) {
+    let locker = h.locker().await;
+    let a = locker
+        .try_acquire("crash", &opts(200).renew(false))
+        .await
+        .expect("a");
+    let t = Instant::now();
+    // A crashed process runs no destructor, so nothing releases the lease.
+    std::mem::forget(a);
+    let b = locker
+        .acquire("crash", &opts(1_000).wait(Duration::from_secs(3)))
+        .await
+        .expect("b after expiry");
+    let waited = t.elapsed();
+    assert!(waited < Duration::from_millis(200 + 300), "{waited:?}");
+    drop(b);
+}
+
+/// Scenario 9: renewal keeps a lease alive well past its TTL; deleting it from outside makes the
+/// holder lose it (and renewal does not recreate it).
+async fn renewal_and_loss(h: Harness) {
+    let locker = h.locker().await;
+    let a = locker.try_acquire("renew", &opts(150)).await.expect("a");
+    sleep(Duration::from_millis(600)).await;
+    assert!(!a.is_lost(), "renewal should keep the lease");
+    assert!(matches!(
+        locker.try_acquire("renew", &opts(150)).await,
+        Err(Error::Busy { .. })
+    ));
+    h.delete(&locker, "renew");
+    tokio::time::timeout(Duration::from_secs(1), a.lost())
+        .await
+        .expect("lost fires after the key was deleted");
+    sleep(Duration::from_millis(200)).await;
+    assert!(
+        !h.exists(&locker, "renew"),
+        "renewal recreated a deleted key"
+    );
+}
+
+/// Dropping the guard releases in the background.
+async fn drop_releases(h: Harness) {
+    let locker = h.locker().await;
+    let a = locker.try_acquire("drop", &opts(30_000)).await.expect("a");
+    drop(a);
+    let b = locker
+        .acquire("drop", &opts(1_000).wait(Duration::from_secs(2)))
+        .await
+        .expect("freed by drop, long before the 30 s ttl");
+    drop(b);
+}
+
+/// Scenario 8: acquire futures and guards dropped at random points leave nothing held.
+async fn cancellation(h: Harness) {
+    let locker = h.locker().await;
+    for i in 0..300u64 {
+        let key = format!("cancel:{}", i % 7);
+        let o = opts(300).wait(Duration::from_millis(50));
+        let fut = locker.acquire(&key, &o);
+        let cut = Duration::from_micros((i * 37) % 900);
+        if let Ok(Ok(lease)) = tokio::time::timeout(cut, fut).await {
+            if i % 2 == 0 {
+                drop(lease);
+            } else {
+                let _ = tokio::time::timeout(cut, lease.release()).await;
+            }
+        }
+    }
+    sleep(Duration::from_millis(400)).await;
+    for k in 0..7 {
+        let l = locker
+            .try_acquire(&format!("cancel:{k}"), &opts(1_000))
+            .await
+            .expect("every abandoned grant was released or expired");
+        l.release().await.expect("release");
+    }
+}
+
+async fn with_lock_cancels_on_loss(h: Harness) {
+    let locker = h.locker().await;
+    let done = Arc::new(AtomicUsize::new(0));
+    let d = done.clone();
+    let l2 = locker.clone();
+    let run = tokio::spawn(async move {
+        l2.with_lock("scoped", &opts(200), |info| async move {
+            assert!(info.fence() > Fence(0));
+            sleep(Duration::from_secs(3)).await;
+            d.fetch_add(1, Ordering::SeqCst);
+        })
+        .await
+    });
+    sleep(Duration::from_millis(100)).await;
+    h.delete(&locker, "scoped");
+    let r = run.await.expect("join");
+    assert!(matches!(r, Err(Error::LeaseLost { .. })), "{r:?}");
+    assert_eq!(
+        done.load(Ordering::SeqCst),
+        0,
+        "the body ran on after the lease was lost"
+    );
+    let ok = locker
+        .with_lock("scoped", &opts(1_000), |info| async move { info.fence() })
+        .await
+        .expect("runs");
+    assert!(ok > Fence(0));
+}
+
+async fn bad_input(h: Harness) {
+    let locker = h.locker().await;
+    let o = LockOptions::default();
+    assert!(matches!(
+        locker.try_acquire("", &o).await,
+        Err(Error::InvalidKey { .. })
+    ));
+    let long = "k".repeat(leasehold::MAX_KEY_LEN + 1);
+    assert!(matches!(
+        locker.try_acquire(&long, &o).await,
+        Err(Error::InvalidKey { .. })
+    ));
+    assert!(matches!(
+        locker
+            .try_acquire("k", &o.clone().ttl(Duration::ZERO))
+            .await,
+        Err(Error::InvalidTtl { .. })
+    ));
+    assert!(matches!(
+        locker
+            .try_acquire("k", &o.clone().ttl(Duration::from_secs(365 * 86_400)))
+            .await,
+        Err(Error::InvalidTtl { .. })
+    ));
+    assert!(matches!(
+        locker.fence_gate(""),
+        Err(Error::InvalidKey { .. })
+    ));
+}
+
+macro_rules! suite {
+    ($modname:ident, $make:expr) => {
+        mod $modname {
+            use super::*;
+            fn harness() -> Harness {
+                $make
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn exclusion() {
+                super::exclusion(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn token_checked_release() {
+                super::token_checked_release(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn extend_after_expiry() {
+                super::extend_after_expiry(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fences_strictly_increase() {
+                super::fences_strictly_increase(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fenced_writes_under_pauses() {
+                super::fenced_writes_under_pauses(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn waiter_wakes_on_release() {
+                super::waiter_wakes_on_release(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn wait_times_out() {
+                super::wait_times_out(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn holder_crash_frees_on_expiry() {
+                super::holder_crash_frees_on_expiry(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn renewal_and_loss() {
+                super::renewal_and_loss(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn drop_releases() {
+                super::drop_releases(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn cancellation() {
+                super::cancellation(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn with_lock_cancels_on_loss() {
+                super::with_lock_cancels_on_loss(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn bad_input() {
+                super::bad_input(harness()).await
+            }
+        }
+    };
+}
+
+suite!(memory, Harness::Memory(MemoryBackend::new()));
+suite!(redis, Harness::Server(Server::start(Flavor::Redis)));
+suite!(valkey, Harness::Server(Server::start(Flavor::Valkey)));
