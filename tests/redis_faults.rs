@@ -1,0 +1,159 @@
+//! Faults only a real server can show: restarts, script loss, killed connections, foreign key
+//! types, a server that goes away. Each runs on Redis and, where installed, on Valkey.
+
+mod support;
+
+use std::time::Duration;
+
+use leasehold::{Error, LockOptions, Locker, RedisConfig, Release};
+use support::{Flavor, Server};
+use tokio::time::{Instant, sleep};
+
+fn opts(ttl_ms: u64) -> LockOptions {
+    LockOptions::new().ttl(Duration::from_millis(ttl_ms))
+}
+
+/// Scenario 6: a restart without persistence loses the counter, yet the next fence is higher.
+async fn fence_survives_restart(flavor: Flavor) {
+    let mut server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let before = locker.try_acquire("restart", &opts(1_000)).await.expect("a");
+    let f1 = before.fence();
+    before.release().await.expect("release");
+    server.restart();
+    let fence_key = locker.lock_key("restart").expect("key").fence_key();
+    assert_eq!(server.cmd::<i64>(&["EXISTS", &fence_key]), 0, "the restart kept the counter");
+    let after = acquire_retrying(&locker, "restart").await;
+    assert!(after.fence() > f1, "fence went back: {} then {}", f1, after.fence());
+}
+
+async fn acquire_retrying(locker: &Locker, key: &str) -> leasehold::Lease {
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        match locker.try_acquire(key, &opts(1_000)).await {
+            Ok(l) => return l,
+            Err(e) if e.is_transient() && Instant::now() < give_up => {
+                sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("no reconnect: {e}"),
+        }
+    }
+}
+
+/// Scenario 7: `SCRIPT FLUSH` between acquire and release; release and extend still work.
+async fn script_flush(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let a = locker
+        .try_acquire("flush", &opts(5_000).renew(false))
+        .await
+        .expect("a");
+    let _: String = server.cmd(&["SCRIPT", "FLUSH"]);
+    a.extend(Duration::from_secs(5)).await.expect("extend after flush");
+    let _: String = server.cmd(&["SCRIPT", "FLUSH"]);
+    assert_eq!(a.release().await.expect("release"), Release::Released);
+}
+
+/// Scenario 10: the client's connections are killed; operations work again after reconnect.
+async fn client_kill(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let a = locker.try_acquire("ck", &opts(5_000)).await.expect("a");
+    let _: i64 = server.cmd(&["CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"]);
+    let _: i64 = server.cmd(&["CLIENT", "KILL", "TYPE", "pubsub"]);
+    // The first command after the kill may fail (its outcome unknown); later ones must succeed.
+    let give_up = Instant::now() + Duration::from_secs(5);
+    let released = loop {
+        match locker.try_acquire("ck2", &opts(1_000)).await {
+            Ok(l) => break l,
+            Err(e) if e.is_transient() && Instant::now() < give_up => {
+                sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("no recovery after CLIENT KILL: {e}"),
+        }
+    };
+    drop(released);
+    assert_eq!(a.release().await.expect("release"), Release::Released);
+}
+
+/// A key holding another type is reported and left untouched.
+async fn wrong_type(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let k = locker.lock_key("typed").expect("key");
+    let _: i64 = server.cmd(&["RPUSH", &k.lock_key(), "precious"]);
+    match locker.try_acquire("typed", &opts(1_000)).await {
+        Err(Error::WrongType { found, .. }) => assert_eq!(found, "list"),
+        other => panic!("expected WrongType, got {other:?}"),
+    }
+    let kept: Vec<String> = server.cmd(&["LRANGE", &k.lock_key(), "0", "-1"]);
+    assert_eq!(kept, vec!["precious".to_owned()]);
+    let _: i64 = server.cmd(&["DEL", &k.lock_key()]);
+    let _: i64 = server.cmd(&["HSET", &k.fence_key(), "f", "v"]);
+    assert!(matches!(
+        locker.try_acquire("typed", &opts(1_000)).await,
+        Err(Error::WrongType { .. })
+    ));
+    assert_eq!(server.cmd::<i64>(&["EXISTS", &k.lock_key()]), 0, "nothing was written");
+    let gate_key = "{leasehold:ledger}:gate";
+    let _: i64 = server.cmd(&["SADD", gate_key, "x"]);
+    let gate = locker.fence_gate("ledger").expect("gate");
+    assert!(matches!(
+        gate.admit(leasehold::Fence(5)).await,
+        Err(Error::WrongType { .. })
+    ));
+}
+
+/// A server that goes away turns into errors within the response timeout, not a hang, and a
+/// held lease is reported lost before its local deadline.
+async fn server_goes_away(flavor: Flavor) {
+    let mut server = Server::start(flavor);
+    let config = RedisConfig {
+        response_timeout: Duration::from_millis(300),
+        connection_timeout: Duration::from_millis(300),
+    };
+    let locker = Locker::redis_with(&server.url(), config).await.expect("connect");
+    let lease = locker.try_acquire("gone", &opts(1_500)).await.expect("lease");
+    let granted = Instant::now();
+    server.kill();
+    tokio::time::timeout(Duration::from_millis(1_500), lease.lost())
+        .await
+        .expect("lost must fire before the local deadline");
+    assert!(granted.elapsed() < Duration::from_millis(1_500));
+    assert_eq!(lease.remaining(), Duration::ZERO);
+    let t = Instant::now();
+    let r = locker.try_acquire("other", &opts(1_000)).await;
+    assert!(matches!(r, Err(ref e) if e.is_transient()), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(3), "hung for {:?}", t.elapsed());
+}
+
+macro_rules! faults {
+    ($modname:ident, $flavor:expr) => {
+        mod $modname {
+            use super::*;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fence_survives_restart() {
+                super::fence_survives_restart($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn script_flush() {
+                super::script_flush($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn client_kill() {
+                super::client_kill($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn wrong_type() {
+                super::wrong_type($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn server_goes_away() {
+                super::server_goes_away($flavor).await
+            }
+        }
+    };
+}
+
+faults!(redis, Flavor::Redis);
+faults!(valkey, Flavor::Valkey);
