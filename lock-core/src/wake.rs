@@ -100,10 +100,10 @@ impl Watch {
 
 impl Drop for Watch {
     fn drop(&mut self) {
-        if self.wakeups.unregister(&self.channel) {
-            if let Some(f) = &self.on_last {
-                f(std::mem::take(&mut self.channel));
-            }
+        if self.wakeups.unregister(&self.channel)
+            && let Some(f) = &self.on_last
+        {
+            f(std::mem::take(&mut self.channel));
         }
     }
 }

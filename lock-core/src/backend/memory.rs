@@ -73,17 +73,17 @@ impl Backend for MemoryBackend {
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
         let now = Instant::now();
         let mut st = self.state();
-        if let Some((holder, expires)) = st.locks.get(key) {
-            if *expires > now {
-                if holder == token {
-                    let fence = st.fences.get(key).copied().unwrap_or(0);
-                    st.locks.insert(key.clone(), (token.clone(), now + ttl));
-                    return Ok(AcquireReply::Granted { fence });
-                }
-                return Ok(AcquireReply::Held {
-                    remaining: Some(*expires - now),
-                });
+        if let Some((holder, expires)) = st.locks.get(key)
+            && *expires > now
+        {
+            if holder == token {
+                let fence = st.fences.get(key).copied().unwrap_or(0);
+                st.locks.insert(key.clone(), (token.clone(), now + ttl));
+                return Ok(AcquireReply::Granted { fence });
             }
+            return Ok(AcquireReply::Held {
+                remaining: Some(*expires - now),
+            });
         }
         let stored = st.fences.get(key).copied().unwrap_or(0);
         let fence = (stored + 1).max(now_micros());

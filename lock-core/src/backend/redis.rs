@@ -321,9 +321,8 @@ async fn drain_while_down(rx: &mut mpsc::UnboundedReceiver<SubCmd>, backoff: Dur
     loop {
         tokio::select! {
             _ = &mut sleep => return true,
-            cmd = rx.recv() => match cmd {
-                None => return false,
-                Some(_) => {}
+            cmd = rx.recv() => if cmd.is_none() {
+                return false;
             },
         }
     }
