@@ -325,6 +325,30 @@ async fn cancellation(h: Harness) {
     }
 }
 
+/// Scenario 9, the race half: release racing in-flight renewals never leaves the key alive.
+async fn nothing_renews_after_release(h: Harness) {
+    let locker = h.locker().await;
+    for i in 0..60u64 {
+        let lease = locker
+            .try_acquire("race-renew", &opts(30))
+            .await
+            .expect("acquire");
+        // Around the renewal point (ttl/3 = 10 ms), so releases land before, during and after.
+        sleep(Duration::from_micros(8_000 + (i * 157) % 6_000)).await;
+        assert_eq!(lease.release().await.expect("release"), Release::Released);
+        assert!(
+            !h.exists(&locker, "race-renew"),
+            "a renewal outlived release"
+        );
+        let again = locker
+            .try_acquire("race-renew", &opts(30).renew(false))
+            .await
+            .expect("free right after release");
+        drop(again);
+        sleep(Duration::from_millis(2)).await;
+    }
+}
+
 async fn with_lock_cancels_on_loss(h: Harness) {
     let locker = h.locker().await;
     let done = Arc::new(AtomicUsize::new(0));
@@ -438,6 +462,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn with_lock_cancels_on_loss() {
                 super::with_lock_cancels_on_loss(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn nothing_renews_after_release() {
+                super::nothing_renews_after_release(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn bad_input() {
