@@ -17,14 +17,26 @@ fn opts(ttl_ms: u64) -> LockOptions {
 async fn fence_survives_restart(flavor: Flavor) {
     let mut server = Server::start(flavor);
     let locker = Locker::redis(&server.url()).await.expect("connect");
-    let before = locker.try_acquire("restart", &opts(1_000)).await.expect("a");
+    let before = locker
+        .try_acquire("restart", &opts(1_000))
+        .await
+        .expect("a");
     let f1 = before.fence();
     before.release().await.expect("release");
     server.restart();
     let fence_key = locker.lock_key("restart").expect("key").fence_key();
-    assert_eq!(server.cmd::<i64>(&["EXISTS", &fence_key]), 0, "the restart kept the counter");
+    assert_eq!(
+        server.cmd::<i64>(&["EXISTS", &fence_key]),
+        0,
+        "the restart kept the counter"
+    );
     let after = acquire_retrying(&locker, "restart").await;
-    assert!(after.fence() > f1, "fence went back: {} then {}", f1, after.fence());
+    assert!(
+        after.fence() > f1,
+        "fence went back: {} then {}",
+        f1,
+        after.fence()
+    );
 }
 
 async fn acquire_retrying(locker: &Locker, key: &str) -> leasehold::Lease {
@@ -49,7 +61,9 @@ async fn script_flush(flavor: Flavor) {
         .await
         .expect("a");
     let _: String = server.cmd(&["SCRIPT", "FLUSH"]);
-    a.extend(Duration::from_secs(5)).await.expect("extend after flush");
+    a.extend(Duration::from_secs(5))
+        .await
+        .expect("extend after flush");
     let _: String = server.cmd(&["SCRIPT", "FLUSH"]);
     assert_eq!(a.release().await.expect("release"), Release::Released);
 }
@@ -94,7 +108,11 @@ async fn wrong_type(flavor: Flavor) {
         locker.try_acquire("typed", &opts(1_000)).await,
         Err(Error::WrongType { .. })
     ));
-    assert_eq!(server.cmd::<i64>(&["EXISTS", &k.lock_key()]), 0, "nothing was written");
+    assert_eq!(
+        server.cmd::<i64>(&["EXISTS", &k.lock_key()]),
+        0,
+        "nothing was written"
+    );
     let gate_key = "{leasehold:ledger}:gate";
     let _: i64 = server.cmd(&["SADD", gate_key, "x"]);
     let gate = locker.fence_gate("ledger").expect("gate");
@@ -112,8 +130,13 @@ async fn server_goes_away(flavor: Flavor) {
         response_timeout: Duration::from_millis(300),
         connection_timeout: Duration::from_millis(300),
     };
-    let locker = Locker::redis_with(&server.url(), config).await.expect("connect");
-    let lease = locker.try_acquire("gone", &opts(1_500)).await.expect("lease");
+    let locker = Locker::redis_with(&server.url(), config)
+        .await
+        .expect("connect");
+    let lease = locker
+        .try_acquire("gone", &opts(1_500))
+        .await
+        .expect("lease");
     let granted = Instant::now();
     server.kill();
     tokio::time::timeout(Duration::from_millis(1_500), lease.lost())
@@ -124,7 +147,11 @@ async fn server_goes_away(flavor: Flavor) {
     let t = Instant::now();
     let r = locker.try_acquire("other", &opts(1_000)).await;
     assert!(matches!(r, Err(ref e) if e.is_transient()), "{r:?}");
-    assert!(t.elapsed() < Duration::from_secs(3), "hung for {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "hung for {:?}",
+        t.elapsed()
+    );
 }
 
 macro_rules! faults {
