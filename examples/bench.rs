@@ -1,0 +1,390 @@
+//! Benchmark: leasehold beside a raw redis-rs baseline, measured in the same run against a
+//! `redis-server` this program starts on a free loopback port.
+//!
+//! ```text
+//! cargo run --release --example bench
+//! ```
+//!
+//! Shared machines are noisy, so read the ratios, not the absolute times.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use leasehold::{LockOptions, Locker, Token};
+use tokio::sync::Mutex;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The server process, and its data directory (kept alive until the server is gone).
+struct Server(Child, #[allow(dead_code)] tempfile::TempDir);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_server() -> Result<(Server, u16), BoxError> {
+    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let dir = tempfile::tempdir()?;
+    let child = Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .arg("--dir")
+        .arg(dir.path())
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start redis-server (is it installed?): {e}"))?;
+    let server = Server(child, dir);
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
+    for _ in 0..200 {
+        if let Ok(mut c) = client.get_connection()
+            && redis::cmd("PING").query::<String>(&mut c).is_ok()
+        {
+            return Ok((server, port));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err("redis-server did not answer PING".into())
+}
+
+fn pct(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+const RELEASE: &str =
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0";
+
+async fn raw_cycle(
+    conn: &mut redis::aio::MultiplexedConnection,
+    script: &redis::Script,
+    key: &str,
+) -> Result<(), BoxError> {
+    let token = Token::generate();
+    let ok: Option<String> = redis::cmd("SET")
+        .arg(key)
+        .arg(token.as_str())
+        .arg("NX")
+        .arg("PX")
+        .arg(30_000)
+        .query_async(conn)
+        .await?;
+    ok.ok_or("raw SET NX found the key held")?;
+    let _: i64 = script
+        .key(key)
+        .arg(token.as_str())
+        .invoke_async(conn)
+        .await?;
+    Ok(())
+}
+
+async fn lh_cycle(locker: &Locker, key: &str, opts: &LockOptions) -> Result<(), BoxError> {
+    locker.try_acquire(key, opts).await?.release().await?;
+    Ok(())
+}
+
+fn cpu_ticks() -> Result<u64, BoxError> {
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = stat.rsplit_once(')').ok_or("bad /proc/self/stat")?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Ok(f.get(11).ok_or("no utime")?.parse::<u64>()?
+        + f.get(12).ok_or("no stime")?.parse::<u64>()?)
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok { "PASS" } else { "MISS" }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let (_server, port) = start_server()?;
+    let url = format!("redis://127.0.0.1:{port}/");
+    let client = redis::Client::open(url.as_str())?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let locker = Locker::redis(&url).await?;
+    let script = redis::Script::new(RELEASE);
+    let opts = LockOptions::new().renew(false);
+
+    // PING round trip.
+    let mut pings = Vec::new();
+    for _ in 0..2_000 {
+        let t = Instant::now();
+        let _: String = redis::cmd("PING").query_async(&mut conn).await?;
+        pings.push(t.elapsed());
+    }
+    pings.sort();
+    let ping50 = pct(&pings, 0.5);
+    println!(
+        "PING round trip: p50 {:.1} us, p99 {:.1} us",
+        us(ping50),
+        us(pct(&pings, 0.99))
+    );
+    if let Ok(out) = Command::new("redis-benchmark")
+        .args(["-p", &port.to_string(), "-t", "ping", "-n", "20000", "-q"])
+        .output()
+    {
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let line = text
+            .split(['\r', '\n'])
+            .map(str::trim)
+            .rfind(|l| !l.is_empty())
+            .unwrap_or("no output");
+        println!("redis-benchmark (same server): {line}");
+    }
+
+    // One task, one key.
+    const N: usize = 3_000;
+    let mut raw = Vec::with_capacity(N);
+    let mut lh = Vec::with_capacity(N);
+    for _ in 0..300 {
+        raw_cycle(&mut conn, &script, "bench:raw").await?;
+        lh_cycle(&locker, "bench:one", &opts).await?;
+    }
+    // Interleaved so both sides see the same background noise.
+    for _ in 0..N {
+        let t = Instant::now();
+        raw_cycle(&mut conn, &script, "bench:raw").await?;
+        raw.push(t.elapsed());
+        let t = Instant::now();
+        lh_cycle(&locker, "bench:one", &opts).await?;
+        lh.push(t.elapsed());
+    }
+    raw.sort();
+    lh.sort();
+    let raw_rate = N as f64 / raw.iter().sum::<Duration>().as_secs_f64();
+    let lh_rate = N as f64 / lh.iter().sum::<Duration>().as_secs_f64();
+    println!(
+        "\n{:<44} {:>14} {:>14} {:>8}",
+        "measure", "leasehold", "raw redis-rs", "ratio"
+    );
+    println!(
+        "{:<44} {:>14.0} {:>14.0} {:>8.2}",
+        "1 task: cycles/s",
+        lh_rate,
+        raw_rate,
+        lh_rate / raw_rate
+    );
+    println!(
+        "{:<44} {:>14.1} {:>14.1} {:>8.2}",
+        "1 task: p50 cycle (us)",
+        us(pct(&lh, 0.5)),
+        us(pct(&raw, 0.5)),
+        us(pct(&lh, 0.5)) / us(pct(&raw, 0.5))
+    );
+    println!(
+        "{:<44} {:>14.1} {:>14.1} {:>8.2}",
+        "1 task: p99 cycle (us)",
+        us(pct(&lh, 0.99)),
+        us(pct(&raw, 0.99)),
+        us(pct(&lh, 0.99)) / us(pct(&raw, 0.99))
+    );
+    let single_ratio = us(pct(&lh, 0.5)) / us(pct(&raw, 0.5));
+
+    // 64 tasks on distinct keys.
+    const PER: usize = 200;
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let (mut c, s) = (conn.clone(), script.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..PER {
+                raw_cycle(&mut c, &s, &format!("bench:raw:{i}")).await?;
+            }
+            Ok::<_, BoxError>(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let raw64 = (64 * PER) as f64 / t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let (l, o) = (locker.clone(), opts.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..PER {
+                lh_cycle(&l, &format!("bench:lh:{i}"), &o).await?;
+            }
+            Ok::<_, BoxError>(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let lh64 = (64 * PER) as f64 / t.elapsed().as_secs_f64();
+    println!(
+        "{:<44} {:>14.0} {:>14.0} {:>8.2}",
+        "64 tasks, distinct keys: cycles/s",
+        lh64,
+        raw64,
+        lh64 / raw64
+    );
+
+    // 16 tasks contending for one key.
+    const TOTAL: usize = 1_000;
+    let holding = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicUsize::new(0));
+    // (task that released, when) of the last release; the next grant measures its handoff.
+    let last = Arc::new(Mutex::new(None::<(usize, Instant)>));
+    let handoffs = Arc::new(Mutex::new(Vec::<(bool, Duration)>::new()));
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for id in 0..16usize {
+        let (l, holding, count, last, handoffs) = (
+            locker.clone(),
+            holding.clone(),
+            count.clone(),
+            last.clone(),
+            handoffs.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let o = LockOptions::new()
+                .renew(false)
+                .wait(Duration::from_secs(10));
+            while count.load(Ordering::SeqCst) < TOTAL {
+                let lease = l.acquire("bench:hot", &o).await?;
+                let granted = Instant::now();
+                if holding.swap(true, Ordering::SeqCst) {
+                    return Err::<(), BoxError>("mutual exclusion violated".into());
+                }
+                count.fetch_add(1, Ordering::SeqCst);
+                if let Some((prev, at)) = last.lock().await.take() {
+                    handoffs.lock().await.push((prev == id, granted - at));
+                }
+                holding.store(false, Ordering::SeqCst);
+                *last.lock().await = Some((id, Instant::now()));
+                lease.release().await?;
+            }
+            Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let elapsed = t.elapsed();
+    let h = handoffs.lock().await;
+    let same = h.iter().filter(|(s, _)| *s).count();
+    let mut other: Vec<Duration> = h.iter().filter(|(s, _)| !*s).map(|(_, d)| *d).collect();
+    let mut all: Vec<Duration> = h.iter().map(|(_, d)| *d).collect();
+    other.sort();
+    all.sort();
+    let acq = count.load(Ordering::SeqCst) as f64 / elapsed.as_secs_f64();
+    println!(
+        "{:<44} {:>14.0} {:>14} {:>8}",
+        "16 tasks, one key: acquisitions/s", acq, "-", "-"
+    );
+    println!(
+        "{:<44} {:>14.1} {:>14} {:>8}",
+        "  handoff p50 (us), any task",
+        us(pct(&all, 0.5)),
+        "-",
+        "-"
+    );
+    println!(
+        "{:<44} {:>14.1} {:>14} {:>8}",
+        "  handoff p99 (us), any task",
+        us(pct(&all, 0.99)),
+        "-",
+        "-"
+    );
+    println!(
+        "{:<44} {:>14.1} {:>14} {:>8}",
+        "  handoff to another task p50 (PING RTTs)",
+        us(pct(&other, 0.5)) / us(ping50),
+        "-",
+        "-"
+    );
+    println!(
+        "{:<44} {:>14.1} {:>14} {:>8}",
+        "  handoff to another task p99 (PING RTTs)",
+        us(pct(&other, 0.99)) / us(ping50),
+        "-",
+        "-"
+    );
+    println!(
+        "{:<44} {:>13.1}% {:>14} {:>8}",
+        "  won again by the releasing task",
+        100.0 * same as f64 / h.len().max(1) as f64,
+        "-",
+        "-"
+    );
+    let other50 = us(pct(&other, 0.5)) / us(ping50);
+    let other99 = us(pct(&other, 0.99)) / us(ping50);
+    drop(h);
+
+    // 10,000 leases with renewal on.
+    let ttl = Duration::from_secs(3);
+    let renewing = LockOptions::new().ttl(ttl);
+    let mut leases = Vec::with_capacity(10_000);
+    for i in 0..10_000 {
+        leases.push(
+            locker
+                .try_acquire(&format!("bench:held:{i}"), &renewing)
+                .await?,
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = cpu_ticks()?;
+    let window = Duration::from_secs(6);
+    tokio::time::sleep(window).await;
+    let ticks = cpu_ticks()? - before;
+    let lost = leases.iter().filter(|l| l.is_lost()).count();
+    let cpu = 100.0 * ticks as f64 / 100.0 / window.as_secs_f64();
+    println!(
+        "{:<44} {:>13.1}% {:>14} {:>8}",
+        "10k leases renewing: CPU (% of one core)", cpu, "-", "-"
+    );
+    println!(
+        "{:<44} {:>14} {:>14} {:>8}",
+        "  leases lost during the window", lost, "-", "-"
+    );
+    drop(leases);
+
+    println!("\ntargets:");
+    println!(
+        "  single-task p50 cycle within 1.10x raw: {:.2}x {}",
+        single_ratio,
+        verdict(single_ratio <= 1.10)
+    );
+    println!(
+        "  distinct-key throughput >= 0.85x raw: {:.2}x {}",
+        lh64 / raw64,
+        verdict(lh64 / raw64 >= 0.85)
+    );
+    println!(
+        "  handoff to another task p50 <= 3 RTT: {:.1} {}",
+        other50,
+        verdict(other50 <= 3.0)
+    );
+    println!(
+        "  handoff to another task p99 <= 10 RTT: {:.1} {}",
+        other99,
+        verdict(other99 <= 10.0)
+    );
+    println!(
+        "  renewal of 10k leases < 5% of a core: {:.1}% {}",
+        cpu,
+        verdict(cpu < 5.0)
+    );
+    Ok(())
+}
