@@ -2,7 +2,7 @@
 -- Returns a list of 1/0: renewed, or not held (an expired key is never recreated).
 local out = {}
 for i, key in ipairs(KEYS) do
-  if redis.call('TYPE', key).ok == 'string' and redis.call('GET', key) == ARGV[i + 1] then
+  if redis.pcall('GET', key) == ARGV[i + 1] then
     redis.call('PEXPIRE', key, ARGV[1])
     out[i] = 1
   else
