@@ -44,6 +44,8 @@ pub struct Lease<B: Backend + Clone = AnyBackend> {
     pub(crate) token: Token,
     pub(crate) fence: Fence,
     pub(crate) state: Arc<LeaseState>,
+    /// Whether the renewal driver tracks this lease; leases without renewal never touch it.
+    pub(crate) renewing: bool,
     pub(crate) done: bool,
 }
 
@@ -87,7 +89,7 @@ impl<B: Backend + Clone> Lease<B> {
 
     /// Resolves when the lease is lost (renewal refused or failing until the deadline).
     pub async fn lost(&self) {
-        self.state.lost.cancelled().await
+        self.state.wait_lost().await
     }
 
     /// A cheap, cloneable view of this lease for code that must not own the guard.
@@ -112,7 +114,9 @@ impl<B: Backend + Clone> Lease<B> {
             .await?;
         if held.first().copied().unwrap_or(false) {
             self.state.extend_to(start + ttl - drift(ttl));
-            self.core.send(Cmd::Retune { id: self.id, ttl });
+            if self.renewing {
+                self.core.send(Cmd::Retune { id: self.id, ttl });
+            }
             Ok(())
         } else {
             self.state.lost.cancel();
@@ -128,10 +132,12 @@ impl<B: Backend + Clone> Lease<B> {
     #[instrument(level = "debug", skip(self), fields(key = self.key.user(), fence = self.fence.0))]
     pub async fn release(mut self) -> Result<Release> {
         self.done = true;
-        self.core.send(Cmd::Remove {
-            id: self.id,
-            release: None,
-        });
+        if self.renewing {
+            self.core.send(Cmd::Remove {
+                id: self.id,
+                release: None,
+            });
+        }
         let held = match self.core.backend.release(&self.key, &self.token).await {
             Ok(held) => held,
             // A token-checked delete is safe to repeat; only the second answer can be ambiguous.
@@ -165,14 +171,24 @@ impl<B: Backend + Clone> Lease<B> {
 
 impl<B: Backend + Clone> Drop for Lease<B> {
     fn drop(&mut self) {
-        if !self.done {
+        if self.done {
+            return;
+        }
+        self.state.lost.cancel();
+        let pair = (self.key.clone(), self.token.clone());
+        if self.renewing {
             // Never blocks: the driver stops renewing and releases on its own task.
             self.core.send(Cmd::Remove {
                 id: self.id,
-                release: Some((self.key.clone(), self.token.clone())),
+                release: Some(pair),
             });
-            self.state.lost.cancel();
+        } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let core = self.core.clone();
+            rt.spawn(async move {
+                let _ = core.backend.release(&pair.0, &pair.1).await;
+            });
         }
+        // Outside a runtime nothing can run the release; the lease expires with its TTL.
     }
 }
 
@@ -212,6 +228,6 @@ impl LeaseInfo {
     }
     /// Resolves when the lease is lost or released.
     pub async fn lost(&self) {
-        self.state.lost.cancelled().await
+        self.state.wait_lost().await
     }
 }

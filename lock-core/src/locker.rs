@@ -276,14 +276,16 @@ impl<B: Backend + Clone> Locker<B> {
                 let deadline = start + opts.ttl - drift(opts.ttl);
                 let state = LeaseState::new(deadline);
                 let id = self.core.next_id.fetch_add(1, Ordering::Relaxed);
-                self.core.send(Cmd::Add {
-                    id,
-                    key: key.clone(),
-                    token: token.clone(),
-                    ttl: opts.ttl,
-                    renew: opts.renew,
-                    state: state.clone(),
-                });
+                if opts.renew {
+                    self.core.send(Cmd::Add {
+                        id,
+                        key: key.clone(),
+                        token: token.clone(),
+                        ttl: opts.ttl,
+                        renew: true,
+                        state: state.clone(),
+                    });
+                }
                 Ok(Ok(Lease {
                     core: self.core.clone(),
                     id,
@@ -291,6 +293,7 @@ impl<B: Backend + Clone> Locker<B> {
                     token: token.clone(),
                     fence: Fence(fence),
                     state,
+                    renewing: opts.renew,
                     done: false,
                 }))
             }

@@ -40,6 +40,24 @@ impl LeaseState {
         }
     }
 
+    /// Resolves once the lease is lost: cancelled by the driver or a failed extend, or its
+    /// deadline passed (the only signal a lease without renewal gets).
+    pub(crate) async fn wait_lost(&self) {
+        loop {
+            let deadline = self.deadline();
+            tokio::select! {
+                _ = self.lost.cancelled() => return,
+                _ = tokio::time::sleep_until(deadline) => {
+                    // An extend may have moved the deadline while we slept.
+                    if self.deadline() <= Instant::now() {
+                        self.lost.cancel();
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
     pub(crate) fn remaining(&self) -> Duration {
         if self.lost.is_cancelled() {
             return Duration::ZERO;

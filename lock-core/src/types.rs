@@ -43,9 +43,11 @@ impl Token {
         // The OS RNG failing is not a condition a lock library can recover from sensibly; a
         // predictable token would silently break release safety, so refusing is the only option.
         getrandom::fill(&mut bytes).expect("the operating system's random source failed");
+        const HEX: &[u8; 16] = b"0123456789abcdef";
         let mut s = String::with_capacity(32);
         for b in bytes {
-            s.push_str(&format!("{b:02x}"));
+            s.push(HEX[usize::from(b >> 4)] as char);
+            s.push(HEX[usize::from(b & 0xf)] as char);
         }
         Token(s)
     }
