@@ -282,7 +282,6 @@ impl<B: Backend + Clone> Locker<B> {
                         key: key.clone(),
                         token: token.clone(),
                         ttl: opts.ttl,
-                        renew: true,
                         state: state.clone(),
                     });
                 }

@@ -1,7 +1,7 @@
 //! One renewal driver per `Locker`: a single task that keeps every lease of that locker alive in
 //! batches and marks a lease lost before its local deadline when renewal does not get through.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -72,7 +72,6 @@ pub(crate) enum Cmd {
         key: LockKey,
         token: Token,
         ttl: Duration,
-        renew: bool,
         state: Arc<LeaseState>,
     },
     Retune {
@@ -90,31 +89,74 @@ struct Entry {
     key: LockKey,
     token: Token,
     ttl: Duration,
-    renew: bool,
     state: Arc<LeaseState>,
-    next_renew: Instant,
-    in_flight: bool,
-    /// The last renewal failed: retry at `next_renew` exactly, without the batching slack.
-    retrying: bool,
+    /// The deadline this entry is filed under in `Driver::deadlines`.
+    filed_deadline: Instant,
+    /// When it is filed in `Driver::renews`; `None` while a renewal is in flight.
+    filed_renew: Option<Instant>,
 }
+
+/// Leases due within this window of the first due one renew in the same batch: early renewal is
+/// harmless, and it turns many leases into few script calls.
+const BATCH_WINDOW: Duration = Duration::from_millis(20);
+
+/// The leases of one batch: their ids and what the backend needs to renew them.
+type Batch = (Vec<u64>, Vec<(LockKey, Token)>);
 
 type BatchResult = (Instant, Duration, Vec<u64>, crate::Result<Vec<bool>>);
 
+/// Timers kept in ordered sets, so each wake-up costs O(log n) per lease it touches rather than a
+/// scan of every lease.
+#[derive(Default)]
+struct Driver {
+    entries: HashMap<u64, Entry>,
+    deadlines: BTreeSet<(Instant, u64)>,
+    renews: BTreeSet<(Instant, u64)>,
+}
+
+impl Driver {
+    fn file_renew(&mut self, id: u64, at: Instant) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            if let Some(old) = e.filed_renew.take() {
+                self.renews.remove(&(old, id));
+            }
+            e.filed_renew = Some(at);
+            self.renews.insert((at, id));
+        }
+    }
+
+    fn file_deadline(&mut self, id: u64) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            self.deadlines.remove(&(e.filed_deadline, id));
+            e.filed_deadline = e.state.deadline();
+            self.deadlines.insert((e.filed_deadline, id));
+        }
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Entry> {
+        let e = self.entries.remove(&id)?;
+        self.deadlines.remove(&(e.filed_deadline, id));
+        if let Some(at) = e.filed_renew {
+            self.renews.remove(&(at, id));
+        }
+        Some(e)
+    }
+
+    fn next_wake(&self) -> Option<Instant> {
+        let d = self.deadlines.first().map(|(t, _)| *t);
+        let r = self.renews.first().map(|(t, _)| *t);
+        match (d, r) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
 pub(crate) async fn run<B: Backend + Clone>(backend: B, mut rx: mpsc::UnboundedReceiver<Cmd>) {
-    let mut entries: HashMap<u64, Entry> = HashMap::new();
+    let mut d = Driver::default();
     let mut inflight = FuturesUnordered::new();
     loop {
-        let next_wake = entries
-            .values()
-            .map(|e| {
-                let d = e.state.deadline();
-                if e.renew && !e.in_flight {
-                    d.min(e.next_renew)
-                } else {
-                    d
-                }
-            })
-            .min();
+        let next_wake = d.next_wake();
         let sleep = async {
             match next_wake {
                 Some(t) => tokio::time::sleep_until(t).await,
@@ -124,46 +166,54 @@ pub(crate) async fn run<B: Backend + Clone>(backend: B, mut rx: mpsc::UnboundedR
         tokio::select! {
             cmd = rx.recv() => match cmd {
                 None => return,
-                Some(cmd) => apply(&backend, &mut entries, cmd),
+                Some(cmd) => apply(&backend, &mut d, cmd),
             },
             Some(result) = inflight.next(), if !inflight.is_empty() => {
-                settle(&mut entries, result);
+                settle(&mut d, result);
             },
             _ = sleep => {},
         }
         let now = Instant::now();
-        entries.retain(|_, e| {
-            if e.state.deadline() <= now {
+        while let Some(&(at, id)) = d.deadlines.first() {
+            if at > now {
+                break;
+            }
+            d.deadlines.remove(&(at, id));
+            let Some(e) = d.entries.get(&id) else {
+                continue;
+            };
+            if e.state.deadline() > now {
+                // An explicit extend moved the deadline since it was filed.
+                let fresh = e.state.deadline();
+                if let Some(e) = d.entries.get_mut(&id) {
+                    e.filed_deadline = fresh;
+                }
+                d.deadlines.insert((fresh, id));
+                continue;
+            }
+            if let Some(e) = d.remove(id) {
                 warn!(
                     key = e.key.user(),
                     "lease lost: no renewal got through before its deadline"
                 );
                 e.state.lost.cancel();
-                return false;
-            }
-            true
-        });
-        // Renewing early is harmless, so leases due within a sixth of their TTL join the batch;
-        // that keeps many leases on few wake-ups instead of one timer each.
-        let mut due: HashMap<Duration, Vec<u64>> = HashMap::new();
-        for (id, e) in &entries {
-            let slack = if e.retrying {
-                Duration::ZERO
-            } else {
-                e.ttl / 6
-            };
-            if e.renew && !e.in_flight && e.next_renew <= now + slack {
-                due.entry(e.ttl).or_default().push(*id);
             }
         }
-        for (ttl, ids) in due {
-            let mut items: Vec<(LockKey, Token)> = Vec::with_capacity(ids.len());
-            for id in &ids {
-                if let Some(e) = entries.get_mut(id) {
-                    e.in_flight = true;
-                    items.push((e.key.clone(), e.token.clone()));
-                }
+        let mut due: HashMap<Duration, Batch> = HashMap::new();
+        let first_due = d.renews.first().is_some_and(|(t, _)| *t <= now);
+        while let Some(&(at, id)) = d.renews.first() {
+            if !first_due || at > now + BATCH_WINDOW {
+                break;
             }
+            d.renews.remove(&(at, id));
+            if let Some(e) = d.entries.get_mut(&id) {
+                e.filed_renew = None;
+                let slot = due.entry(e.ttl).or_default();
+                slot.0.push(id);
+                slot.1.push((e.key.clone(), e.token.clone()));
+            }
+        }
+        for (ttl, (ids, items)) in due {
             let backend = backend.clone();
             debug!(count = items.len(), ?ttl, "renewing leases");
             inflight.push(async move {
@@ -175,38 +225,41 @@ pub(crate) async fn run<B: Backend + Clone>(backend: B, mut rx: mpsc::UnboundedR
     }
 }
 
-fn apply<B: Backend + Clone>(backend: &B, entries: &mut HashMap<u64, Entry>, cmd: Cmd) {
+fn apply<B: Backend + Clone>(backend: &B, d: &mut Driver, cmd: Cmd) {
     match cmd {
         Cmd::Add {
             id,
             key,
             token,
             ttl,
-            renew,
             state,
         } => {
-            entries.insert(
+            let deadline = state.deadline();
+            d.entries.insert(
                 id,
                 Entry {
                     key,
                     token,
                     ttl,
-                    renew,
                     state,
-                    next_renew: Instant::now() + ttl / 3,
-                    in_flight: false,
-                    retrying: false,
+                    filed_deadline: deadline,
+                    filed_renew: None,
                 },
             );
+            d.deadlines.insert((deadline, id));
+            d.file_renew(id, Instant::now() + ttl / 3);
         }
         Cmd::Retune { id, ttl } => {
-            if let Some(e) = entries.get_mut(&id) {
+            if let Some(e) = d.entries.get_mut(&id) {
                 e.ttl = ttl;
-                e.next_renew = Instant::now() + ttl / 3;
+                if e.filed_renew.is_some() {
+                    d.file_renew(id, Instant::now() + ttl / 3);
+                }
+                d.file_deadline(id);
             }
         }
         Cmd::Remove { id, release } => {
-            entries.remove(&id);
+            d.remove(id);
             if let Some((key, token)) = release {
                 let backend = backend.clone();
                 tokio::spawn(async move {
@@ -222,37 +275,32 @@ fn apply<B: Backend + Clone>(backend: &B, entries: &mut HashMap<u64, Entry>, cmd
     }
 }
 
-fn settle(entries: &mut HashMap<u64, Entry>, (sent_at, ttl, ids, result): BatchResult) {
+fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
     match result {
         Ok(answers) => {
             for (id, held) in ids.iter().zip(answers) {
-                let Some(e) = entries.get_mut(id) else {
-                    continue;
-                };
-                e.in_flight = false;
+                let Some(e) = d.entries.get(id) else { continue };
                 if held {
-                    e.retrying = false;
                     e.state.extend_to(sent_at + ttl - drift(ttl));
-                    e.next_renew = sent_at + e.ttl / 3;
-                } else {
+                    let next = sent_at + e.ttl / 3;
+                    d.file_deadline(*id);
+                    d.file_renew(*id, next);
+                } else if let Some(e) = d.remove(*id) {
                     warn!(
                         key = e.key.user(),
                         "lease lost: the server no longer holds it"
                     );
                     e.state.lost.cancel();
-                    entries.remove(id);
                 }
             }
         }
         Err(err) => {
             for id in &ids {
-                if let Some(e) = entries.get_mut(id) {
-                    e.in_flight = false;
-                    e.retrying = true;
-                    // Retry soon; the deadline check above marks the lease lost if none succeeds.
-                    e.next_renew = Instant::now() + (e.ttl / 10).min(Duration::from_millis(250));
-                    debug!(key = e.key.user(), error = %err, "renewal failed; retrying");
-                }
+                let Some(e) = d.entries.get(id) else { continue };
+                // Retry soon; the deadline timer marks the lease lost if none succeeds in time.
+                let retry = Instant::now() + (e.ttl / 10).min(Duration::from_millis(250));
+                debug!(key = e.key.user(), error = %err, "renewal failed; retrying");
+                d.file_renew(*id, retry);
             }
         }
     }
