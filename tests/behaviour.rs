@@ -349,6 +349,28 @@ async fn nothing_renews_after_release(h: Harness) {
     }
 }
 
+/// One driver keeps 10,000 leases alive: none is lost over several TTLs.
+async fn many_leases_renew(h: Harness) {
+    let locker = h.locker().await;
+    let o = opts(1_000);
+    let mut leases = Vec::with_capacity(10_000);
+    for i in 0..10_000 {
+        leases.push(
+            locker
+                .try_acquire(&format!("many:{i}"), &o)
+                .await
+                .expect("acquire"),
+        );
+    }
+    sleep(Duration::from_secs(3)).await;
+    let lost = leases.iter().filter(|l| l.is_lost()).count();
+    assert_eq!(lost, 0, "{lost} of 10,000 renewing leases were lost");
+    match locker.try_acquire("many:0", &o).await {
+        Err(Error::Busy { .. }) => {}
+        other => panic!("a renewed lease must still be held on the server: {other:?}"),
+    }
+}
+
 async fn with_lock_cancels_on_loss(h: Harness) {
     let locker = h.locker().await;
     let done = Arc::new(AtomicUsize::new(0));
@@ -466,6 +488,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn nothing_renews_after_release() {
                 super::nothing_renews_after_release(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn many_leases_renew() {
+                super::many_leases_renew(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn bad_input() {
