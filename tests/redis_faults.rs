@@ -175,6 +175,10 @@ macro_rules! faults {
                 super::wrong_type($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn holder_process_killed() {
+                super::holder_process_killed($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn server_goes_away() {
                 super::server_goes_away($flavor).await
             }
@@ -184,3 +188,69 @@ macro_rules! faults {
 
 faults!(redis, Flavor::Redis);
 faults!(valkey, Flavor::Valkey);
+
+/// The child side of `holder_process_killed`: holds a renewing lease until it is killed. It is
+/// an entry point for that child process, not a check of its own, so it is ignored in normal
+/// runs and the parent starts it with `--ignored`.
+#[tokio::test]
+#[ignore = "entry point of the holder process spawned by holder_process_killed"]
+async fn holder_child() {
+    let Ok(url) = std::env::var("LEASEHOLD_CHILD_URL") else {
+        return;
+    };
+    let locker = Locker::redis(&url).await.expect("child connects");
+    let lease = locker
+        .try_acquire("killed", &opts(1_000))
+        .await
+        .expect("child acquires");
+    println!("HELD {}", lease.fence());
+    sleep(Duration::from_secs(60)).await;
+}
+
+/// Scenario 11 with a real process: a holder process renewing its lease is SIGKILLed; another
+/// acquires within one TTL plus a small margin.
+async fn holder_process_killed(flavor: Flavor) {
+    use std::io::{BufRead, BufReader};
+    let server = Server::start(flavor);
+    let mut child = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args([
+            "--exact",
+            "holder_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("LEASEHOLD_CHILD_URL", server.url())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn holder process");
+    let stdout = child.stdout.take().expect("child stdout");
+    let mut fence = None;
+    for line in BufReader::new(stdout).lines() {
+        let line = line.expect("read child");
+        // libtest prints the test name on the same line, before the child's own output.
+        if let Some((_, f)) = line.split_once("HELD ") {
+            fence = Some(f.trim().parse::<u64>().expect("fence"));
+            break;
+        }
+    }
+    let child_fence = fence.expect("the child never reported its lease");
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    // Held well past its TTL while the child renews.
+    sleep(Duration::from_millis(1_500)).await;
+    assert!(matches!(
+        locker.try_acquire("killed", &opts(1_000)).await,
+        Err(Error::Busy { .. })
+    ));
+    child.kill().expect("SIGKILL the holder");
+    let killed = Instant::now();
+    let _ = child.wait();
+    let lease = locker
+        .acquire("killed", &opts(1_000).wait(Duration::from_secs(5)))
+        .await
+        .expect("acquire after the holder died");
+    let waited = killed.elapsed();
+    assert!(waited <= Duration::from_millis(1_000 + 300), "{waited:?}");
+    assert!(lease.fence().get() > child_fence);
+}
