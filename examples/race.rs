@@ -13,7 +13,7 @@
 
 use std::time::Duration;
 
-use leasehold::{Error, LockOptions, Locker};
+use leasehold::{Error, LockOptions, Locker, Token};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -36,7 +36,7 @@ async fn main() -> Result<(), BoxError> {
             .unwrap_or("in-memory (pass --redis URL for a server)")
     );
     // A fresh key per run, so reruns against one server never see each other's locks.
-    let key = format!("resource:race-{}", std::process::id());
+    let key = format!("resource:race-{}", &Token::generate().as_str()[..12]);
     let ttl = Duration::from_millis(800);
     let opts = LockOptions::new().ttl(ttl).renew(false);
 
@@ -61,7 +61,8 @@ async fn main() -> Result<(), BoxError> {
                 holder = Some((name, lease));
             }
             Err(Error::Busy { remaining, .. }) => {
-                println!("worker {name}: held by another (expires in {remaining:?})");
+                let left = remaining.map_or("no expiry".to_owned(), |r| format!("{r:.0?}"));
+                println!("worker {name}: held (holder's lease expires in {left})");
                 others.push(name);
             }
             Err(e) => return Err(e.into()),
@@ -86,9 +87,7 @@ async fn main() -> Result<(), BoxError> {
             let lease = locker.acquire(&key, &wait).await?;
             let at = started.elapsed();
             let fence = lease.fence();
-            println!(
-                "worker {name}: took the lock after {at:.0?}, fence {fence}, then released it"
-            );
+            println!("worker {name}: took it after {at:.0?}, fence {fence}; releases it");
             lease.release().await?;
             Ok::<_, Error>((at, fence))
         }));
@@ -105,14 +104,15 @@ async fn main() -> Result<(), BoxError> {
     let mut last = first_fence;
     for (_, fence) in &grants {
         if *fence <= last {
-            return Err("the fence did not increase".into());
+            return Err(format!("fence {fence} is not higher than {last}").into());
         }
+        println!("  fence {fence} > {last}: higher than every earlier grant");
         last = *fence;
     }
-    println!("every later grant carried a higher fence than {first_fence}.");
-    println!("with PX the crash cost one TTL, not the lock.");
+    println!("with PX the crash cost one TTL, not the lock; a resource checking fences");
+    println!("can refuse the crashed holder if it wakes up and writes.");
 
-    println!("\n== 3. the anti-pattern: SET {key} NX with no expiry, then the same crash");
+    println!("\n== 3. the anti-pattern: SET NX with no expiry, then the same crash");
     let never = format!("{key}:no-px");
     let stuck = match &redis_url {
         Some(url) => {
@@ -126,16 +126,20 @@ async fn main() -> Result<(), BoxError> {
                 .arg("NX")
                 .query_async(&mut conn)
                 .await?;
-            println!("worker {holder_name}: SET NX -> {set:?}, then crashes");
+            let set = set.ok_or("the no-expiry key already existed")?;
+            println!("worker {holder_name}: SET {server_key} NX -> {set}, then crashes");
             Some((conn, server_key))
         }
         None => {
-            // In memory there is no raw SET; a holder that renews forever and never releases
-            // is what a key without expiry is to everyone else.
-            let lease = locker
-                .try_acquire(&never, &LockOptions::new().ttl(ttl))
-                .await?;
-            println!("worker {holder_name}: took a lock that never expires, then crashes");
+            // In memory there is no raw SET. A lease that keeps renewing and is never released
+            // is, to everyone else, exactly a key without expiry. (mem::forget is not enough:
+            // it stops renewal, so the lease would still expire.)
+            let renewing = LockOptions::new()
+                .ttl(Duration::from_millis(300))
+                .renew(true);
+            let lease = locker.try_acquire(&never, &renewing).await?;
+            println!("worker {holder_name}: takes the lock and never lets go");
+            println!("  (a lock with no expiry behaves like a holder that never lets go)");
             tokio::spawn(async move {
                 let _held_forever = lease;
                 std::future::pending::<()>().await;
@@ -151,9 +155,26 @@ async fn main() -> Result<(), BoxError> {
             (name, locker.acquire(&never, &wait).await)
         }));
     }
-    let mut deadlocked = 0;
+    let mut results = Vec::new();
     for t in tasks {
-        let (name, result) = t.await?;
+        results.push(t.await);
+    }
+    // Clean up before judging, so a failed run leaves no key without expiry on the server.
+    let cleaned = if let Some((mut conn, server_key)) = stuck {
+        // The stuck key, and the fence counters of this run's one-off keys.
+        let _: i64 = redis::cmd("DEL")
+            .arg(&server_key)
+            .arg(locker.lock_key(&never)?.fence_key())
+            .arg(locker.lock_key(&key)?.fence_key())
+            .query_async(&mut conn)
+            .await?;
+        Some(server_key)
+    } else {
+        None
+    };
+    let mut deadlocked = 0;
+    for result in results {
+        let (name, result) = result?;
         match result {
             Err(Error::WaitTimeout { waited, .. }) => {
                 println!("worker {name}: gave up after {waited:.1?}: deadlock");
@@ -163,14 +184,11 @@ async fn main() -> Result<(), BoxError> {
             Err(e) => return Err(e.into()),
         }
     }
-    if let Some((mut conn, server_key)) = stuck {
-        let _: i64 = redis::cmd("DEL")
-            .arg(&server_key)
-            .query_async(&mut conn)
-            .await?;
-    }
     println!(
         "{deadlocked} workers deadlocked: without an expiry, a crashed holder holds the lock forever."
     );
+    if let Some(server_key) = cleaned {
+        println!("(deleted {server_key} from the server)");
+    }
     Ok(())
 }
