@@ -84,7 +84,7 @@ impl<B: Backend + Clone> Lease<B> {
 
     /// Whether the lease is known to be lost.
     pub fn is_lost(&self) -> bool {
-        self.state.lost.is_cancelled() || self.state.deadline() <= Instant::now()
+        self.state.is_lost()
     }
 
     /// Resolves when the lease is lost (renewal refused or failing until the deadline).
@@ -224,7 +224,7 @@ impl LeaseInfo {
     }
     /// Whether the lease is known to be lost.
     pub fn is_lost(&self) -> bool {
-        self.state.lost.is_cancelled() || self.state.deadline() <= Instant::now()
+        self.state.is_lost()
     }
     /// Resolves when the lease is lost or released.
     pub async fn lost(&self) {

@@ -58,6 +58,10 @@ impl LeaseState {
         }
     }
 
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.is_cancelled() || self.deadline() <= Instant::now()
+    }
+
     pub(crate) fn remaining(&self) -> Duration {
         if self.lost.is_cancelled() {
             return Duration::ZERO;
