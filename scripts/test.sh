@@ -32,7 +32,7 @@ export PATH="$tools:$PATH"
 
 echo "servers: $(redis-server --version | cut -d' ' -f1-3); $(valkey-server --version | cut -d' ' -f1-3)"
 log="$PWD/target/test-tools/last-run.log"
-cargo test --workspace --doc 2>&1 | tee "$log"
-cargo test --workspace --all-targets "$@" 2>&1 | tee -a "$log"
+cargo test --workspace --all-features --doc 2>&1 | tee "$log"
+cargo test --workspace --all-features --all-targets "$@" 2>&1 | tee -a "$log"
 # One closing line for the whole run, summed over every test binary above.
 awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "total: %d passed, %d failed, %d skipped\n", p, f, i }' "$log"
