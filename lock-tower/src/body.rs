@@ -1,0 +1,240 @@
+//! The response body of both layers: it keeps the lease alive while the response streams and
+//! releases it when the body ends or is dropped.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::Full;
+use lock_core::Lease;
+use pin_project_lite::pin_project;
+
+/// The error type of [`LockBody`]: the inner body's error, or [`LeaseLostWhileStreaming`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+type BoxFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// The lease was lost while the response body streamed; the body ends with this error, so the
+/// client sees a cut-off response rather than a complete one produced without the lock.
+#[derive(Debug)]
+pub struct LeaseLostWhileStreaming {
+    key: String,
+}
+
+impl fmt::Display for LeaseLostWhileStreaming {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "lease on `{}` was lost while the response streamed",
+            self.key
+        )
+    }
+}
+
+impl std::error::Error for LeaseLostWhileStreaming {}
+
+enum Hold {
+    None,
+    Holding {
+        lease: Lease,
+        lost: BoxFuture,
+    },
+    /// The inner body ended; the final frame (if any) waits until the release is done, so a
+    /// client that reads the whole response and sends the next request never finds its own
+    /// lease still in place.
+    Releasing {
+        release: BoxFuture,
+        pending: Option<Frame<Bytes>>,
+    },
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<B> {
+        Inner { #[pin] body: B },
+        Local { #[pin] body: Full<Bytes> },
+    }
+}
+
+pin_project! {
+    /// The response body of [`LockLayer`](crate::LockLayer) and
+    /// [`DedupeLayer`](crate::DedupeLayer): the handler's body (or the layer's own answer) with
+    /// the lease attached.
+    ///
+    /// While it streams, the lease stays renewed. When it ends, the lease is released before the
+    /// last frame is handed on; when it is dropped unfinished (the client went away), the lease
+    /// is released in the background. If the lease is lost meanwhile, the body ends with
+    /// [`LeaseLostWhileStreaming`].
+    pub struct LockBody<B> {
+        #[pin]
+        kind: Kind<B>,
+        prefix: Option<Bytes>,
+        hold: Hold,
+    }
+}
+
+impl<B> fmt::Debug for LockBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let hold = match &self.hold {
+            Hold::None => "none",
+            Hold::Holding { .. } => "holding",
+            Hold::Releasing { .. } => "releasing",
+        };
+        f.debug_struct("LockBody")
+            .field("hold", &hold)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B> LockBody<B> {
+    /// The inner body as it is, with no lease.
+    pub(crate) fn pass(body: B) -> Self {
+        LockBody {
+            kind: Kind::Inner { body },
+            prefix: None,
+            hold: Hold::None,
+        }
+    }
+
+    /// A body the layer produced itself.
+    pub(crate) fn local(body: Full<Bytes>) -> Self {
+        LockBody {
+            kind: Kind::Local { body },
+            prefix: None,
+            hold: Hold::None,
+        }
+    }
+
+    /// The inner body, keeping `lease` until it ends.
+    pub(crate) fn holding(body: B, lease: Lease) -> Self {
+        let info = lease.info();
+        LockBody {
+            kind: Kind::Inner { body },
+            prefix: None,
+            hold: Hold::Holding {
+                lease,
+                lost: Box::pin(async move { info.lost().await }),
+            },
+        }
+    }
+
+    /// `prefix` first, then the rest of the inner body (for a body partly read by the layer).
+    #[allow(dead_code)]
+    pub(crate) fn prefixed(prefix: Bytes, body: B) -> Self {
+        LockBody {
+            kind: Kind::Inner { body },
+            prefix: Some(prefix),
+            hold: Hold::None,
+        }
+    }
+}
+
+impl<B> Body for LockBody<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        loop {
+            match this.hold {
+                Hold::Releasing { release, pending } => {
+                    ready!(release.as_mut().poll(cx));
+                    let frame = pending.take();
+                    *this.hold = Hold::None;
+                    return Poll::Ready(frame.map(Ok));
+                }
+                Hold::Holding { lease, lost } => {
+                    if lost.as_mut().poll(cx).is_ready() {
+                        let key = lease.key().to_owned();
+                        tracing::warn!(key = %key, "lease lost while the response streamed");
+                        // Dropping the guard stops renewal; there is nothing left to release.
+                        *this.hold = Hold::None;
+                        return Poll::Ready(Some(Err(Box::new(LeaseLostWhileStreaming { key }))));
+                    }
+                }
+                Hold::None => {}
+            }
+            if let Some(prefix) = this.prefix.take() {
+                return Poll::Ready(Some(Ok(Frame::data(prefix))));
+            }
+            let (frame, at_end) = match this.kind.as_mut().project() {
+                KindProj::Inner { mut body } => {
+                    let f = ready!(body.as_mut().poll_frame(cx));
+                    let f = f.map(|r| r.map_err(Into::into));
+                    (f, body.is_end_stream())
+                }
+                KindProj::Local { mut body } => {
+                    let f = ready!(body.as_mut().poll_frame(cx));
+                    let f = f.map(|r| r.map_err(|never| match never {}));
+                    (f, body.is_end_stream())
+                }
+            };
+            match frame {
+                Some(Err(e)) => {
+                    *this.hold = Hold::None;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Some(Ok(f)) if !at_end => return Poll::Ready(Some(Ok(f))),
+                // The body is complete: release first (if holding), then hand on the last frame.
+                end => {
+                    let pending = match end {
+                        Some(Ok(f)) => Some(f),
+                        _ => None,
+                    };
+                    match std::mem::replace(this.hold, Hold::None) {
+                        Hold::Holding { lease, .. } => {
+                            *this.hold = Hold::Releasing {
+                                release: Box::pin(async move {
+                                    if let Err(e) = lease.release().await {
+                                        tracing::warn!(error = %e, "releasing after the response failed; the lease expires with its TTL");
+                                    }
+                                }),
+                                pending,
+                            };
+                        }
+                        _ => return Poll::Ready(pending.map(Ok)),
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        // While a lease is attached the body must be polled to its end, or the release would
+        // only happen on drop.
+        matches!(self.hold, Hold::None)
+            && self.prefix.is_none()
+            && match &self.kind {
+                Kind::Inner { body } => body.is_end_stream(),
+                Kind::Local { body } => body.is_end_stream(),
+            }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let mut hint = match &self.kind {
+            Kind::Inner { body } => body.size_hint(),
+            Kind::Local { body } => body.size_hint(),
+        };
+        if let Some(p) = &self.prefix {
+            let n = p.len() as u64;
+            let mut shifted = SizeHint::new();
+            // Upper first: `set_lower` refuses a lower bound above the current upper one.
+            if let Some(u) = hint.upper() {
+                shifted.set_upper(u + n);
+            }
+            shifted.set_lower(hint.lower() + n);
+            hint = shifted;
+        }
+        hint
+    }
+}

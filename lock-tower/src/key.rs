@@ -1,0 +1,275 @@
+//! Where a layer finds the key of a request.
+
+use std::fmt;
+use std::sync::Arc;
+
+use axum::extract::RawPathParams;
+use axum_core::extract::FromRequestParts;
+use bytes::Bytes;
+use http::HeaderName;
+use http::request::Parts;
+
+use crate::reject::Reason;
+
+/// Longest `Idempotency-Key` accepted, the common limit among senders and servers.
+pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
+
+type KeyFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+#[derive(Clone)]
+enum Source {
+    PathSegment(usize),
+    RouteParam(Arc<str>),
+    Header(HeaderName),
+    IdempotencyKey,
+    WebhookId,
+    GithubDelivery,
+    Json(Arc<str>),
+    Fn(Arc<KeyFn>),
+}
+
+/// Where a layer reads the key of a request from.
+///
+/// ```
+/// use lock_tower::KeyExtractor;
+/// let by_account = KeyExtractor::route_param("id");
+/// let by_header = KeyExtractor::header(http::HeaderName::from_static("x-account"));
+/// let by_event = KeyExtractor::json_field("/id");
+/// let custom = KeyExtractor::from_fn(|parts| parts.uri.query().map(str::to_owned));
+/// # let _ = (by_account, by_header, by_event, custom);
+/// ```
+#[derive(Clone)]
+pub struct KeyExtractor {
+    source: Source,
+}
+
+impl fmt::Debug for KeyExtractor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match &self.source {
+            Source::PathSegment(i) => format!("path segment {i}"),
+            Source::RouteParam(p) => format!("route parameter `{p}`"),
+            Source::Header(h) => format!("header `{h}`"),
+            Source::IdempotencyKey => "Idempotency-Key header".to_owned(),
+            Source::WebhookId => "webhook-id / svix-id header".to_owned(),
+            Source::GithubDelivery => "X-GitHub-Delivery header, scoped by path".to_owned(),
+            Source::Json(p) => format!("JSON body field `{p}`"),
+            Source::Fn(_) => "closure".to_owned(),
+        };
+        f.debug_tuple("KeyExtractor").field(&what).finish()
+    }
+}
+
+/// Why no key came out of a request.
+pub(crate) struct KeyProblem {
+    pub(crate) reason: Reason,
+    pub(crate) detail: String,
+}
+
+fn missing(detail: impl Into<String>) -> KeyProblem {
+    KeyProblem {
+        reason: Reason::MissingKey,
+        detail: detail.into(),
+    }
+}
+
+fn invalid(detail: impl Into<String>) -> KeyProblem {
+    KeyProblem {
+        reason: Reason::InvalidKey,
+        detail: detail.into(),
+    }
+}
+
+impl KeyExtractor {
+    /// The `index`-th non-empty segment of the request path, counting from 0, as sent
+    /// (percent-encoded). For `/accounts/7/withdraw`, segment 1 is `7`. Works with any Tower
+    /// server and with `Router::layer` as well as `route_layer`.
+    pub fn path_segment(index: usize) -> KeyExtractor {
+        KeyExtractor {
+            source: Source::PathSegment(index),
+        }
+    }
+
+    /// A parameter of the matched axum route (`/accounts/{id}/withdraw` → `id`),
+    /// percent-decoded. axum only knows the parameters after routing, so add the layer with
+    /// `route_layer` (or to the `MethodRouter`), not with `Router::layer`: there every request
+    /// would miss its key.
+    pub fn route_param(name: &str) -> KeyExtractor {
+        KeyExtractor {
+            source: Source::RouteParam(name.into()),
+        }
+    }
+
+    /// The value of a header, which must be visible ASCII.
+    pub fn header(name: HeaderName) -> KeyExtractor {
+        KeyExtractor {
+            source: Source::Header(name),
+        }
+    }
+
+    /// The `Idempotency-Key` header of the IETF httpapi draft. Its value is a structured-field
+    /// string, so it arrives quoted (`"abc"`); the quotes and escapes are removed. A bare value
+    /// without quotes (as some senders use) is accepted as it is. Keys longer than
+    /// [`MAX_IDEMPOTENCY_KEY_LEN`] are refused.
+    pub fn idempotency_key() -> KeyExtractor {
+        KeyExtractor {
+            source: Source::IdempotencyKey,
+        }
+    }
+
+    /// The delivery id of Standard Webhooks senders: the `webhook-id` header, or `svix-id`.
+    pub fn webhook_id() -> KeyExtractor {
+        KeyExtractor {
+            source: Source::WebhookId,
+        }
+    }
+
+    /// GitHub's `X-GitHub-Delivery` header, scoped by the request path: GitHub sends the same
+    /// delivery id to every hook that receives the event, so two hooks must not dedupe each other.
+    pub fn github_delivery() -> KeyExtractor {
+        KeyExtractor {
+            source: Source::GithubDelivery,
+        }
+    }
+
+    /// A field of a JSON request body, named by a JSON pointer (`/id`, `/data/object/id`); a
+    /// string or a number. The layer reads the body up to its body cap and hands the same bytes
+    /// on to the handler.
+    pub fn json_field(pointer: &str) -> KeyExtractor {
+        KeyExtractor {
+            source: Source::Json(pointer.into()),
+        }
+    }
+
+    /// Any function of the request head; `None` means the request has no key.
+    pub fn from_fn(f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> KeyExtractor {
+        KeyExtractor {
+            source: Source::Fn(Arc::new(f)),
+        }
+    }
+
+    /// Whether the key is in the body, so the layer must read it first.
+    pub(crate) fn needs_body(&self) -> bool {
+        matches!(self.source, Source::Json(_))
+    }
+
+    /// The key of a request; `body` is the buffered body when [`needs_body`](Self::needs_body)
+    /// (or the layer buffers anyway).
+    pub(crate) async fn extract(
+        &self,
+        parts: &mut Parts,
+        body: Option<&Bytes>,
+    ) -> Result<String, KeyProblem> {
+        match &self.source {
+            Source::PathSegment(i) => parts
+                .uri
+                .path()
+                .split('/')
+                .filter(|s| !s.is_empty())
+                .nth(*i)
+                .map(str::to_owned)
+                .ok_or_else(|| missing(format!("the path has no segment {i}"))),
+            Source::RouteParam(name) => {
+                let params = RawPathParams::from_request_parts(parts, &())
+                    .await
+                    .map_err(|e| missing(format!("no route parameters: {e}")))?;
+                params
+                    .iter()
+                    .find(|(k, _)| *k == &**name)
+                    .map(|(_, v)| v.to_owned())
+                    .ok_or_else(|| missing(format!("the route has no parameter `{name}`")))
+            }
+            Source::Header(name) => header_text(parts, name)?
+                .ok_or_else(|| missing(format!("the `{name}` header is missing"))),
+            Source::IdempotencyKey => {
+                let raw = header_text(parts, &HeaderName::from_static("idempotency-key"))?
+                    .ok_or_else(|| missing("the `Idempotency-Key` header is missing"))?;
+                let key = parse_sf_string(&raw).map_err(invalid)?;
+                if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY_LEN {
+                    return Err(invalid(format!(
+                        "the `Idempotency-Key` must have 1 to {MAX_IDEMPOTENCY_KEY_LEN} characters"
+                    )));
+                }
+                Ok(key)
+            }
+            Source::WebhookId => {
+                for name in ["webhook-id", "svix-id"] {
+                    if let Some(v) = header_text(parts, &HeaderName::from_static(name))? {
+                        return Ok(v);
+                    }
+                }
+                Err(missing("neither `webhook-id` nor `svix-id` is present"))
+            }
+            Source::GithubDelivery => {
+                let id = header_text(parts, &HeaderName::from_static("x-github-delivery"))?
+                    .ok_or_else(|| missing("the `X-GitHub-Delivery` header is missing"))?;
+                Ok(format!("{}#{id}", parts.uri.path()))
+            }
+            Source::Json(pointer) => {
+                let body = body.ok_or_else(|| missing("the body was not read"))?;
+                let value: serde_json::Value = serde_json::from_slice(body)
+                    .map_err(|e| missing(format!("the body is not JSON: {e}")))?;
+                match value.pointer(pointer) {
+                    Some(serde_json::Value::String(s)) => Ok(s.clone()),
+                    Some(serde_json::Value::Number(n)) => Ok(n.to_string()),
+                    Some(_) => Err(invalid(format!(
+                        "the body field `{pointer}` is neither a string nor a number"
+                    ))),
+                    None => Err(missing(format!("the body has no field `{pointer}`"))),
+                }
+            }
+            Source::Fn(f) => f(parts).ok_or_else(|| missing("the request has no key")),
+        }
+    }
+}
+
+fn header_text(parts: &Parts, name: &HeaderName) -> Result<Option<String>, KeyProblem> {
+    match parts.headers.get(name) {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .map(|s| Some(s.trim().to_owned()))
+            .map_err(|_| invalid(format!("the `{name}` header is not visible ASCII"))),
+    }
+}
+
+/// An RFC 8941 string (`"..."` with `\"` and `\\` escapes, printable ASCII), or a bare value.
+fn parse_sf_string(raw: &str) -> Result<String, String> {
+    let Some(rest) = raw.strip_prefix('"') else {
+        return Ok(raw.to_owned());
+    };
+    let mut out = String::with_capacity(rest.len());
+    let mut chars = rest.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => match chars.next() {
+                Some(e @ ('"' | '\\')) => out.push(e),
+                _ => return Err("bad escape in the structured string".to_owned()),
+            },
+            '"' => {
+                return if chars.as_str().is_empty() {
+                    Ok(out)
+                } else {
+                    Err("text after the closing quote".to_owned())
+                };
+            }
+            ' '..='~' => out.push(c),
+            _ => return Err("a character outside printable ASCII".to_owned()),
+        }
+    }
+    Err("the structured string has no closing quote".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sf_strings() {
+        assert_eq!(parse_sf_string(r#""abc""#).as_deref(), Ok("abc"));
+        assert_eq!(parse_sf_string(r#""a\"b\\c""#).as_deref(), Ok(r#"a"b\c"#));
+        assert_eq!(parse_sf_string("bare-key").as_deref(), Ok("bare-key"));
+        assert!(parse_sf_string(r#""open"#).is_err());
+        assert!(parse_sf_string(r#""a"b"#).is_err());
+        assert!(parse_sf_string(r#""a\x""#).is_err());
+    }
+}

@@ -1,0 +1,155 @@
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::Body;
+use http_body_util::{Either, Full};
+use lock_core::Error;
+use tower_service::Service;
+use tracing::Instrument;
+
+use super::layer::LockConfig;
+use crate::body::{BoxError, LockBody};
+use crate::extract::Held;
+use crate::future::ResponseFuture;
+use crate::reject::Reason;
+use crate::util::{RequestBody, read_capped, reject};
+
+/// The service [`LockLayer`](super::LockLayer) wraps around an inner service.
+#[derive(Clone, Debug)]
+pub struct Lock<S> {
+    pub(crate) inner: S,
+    pub(crate) cfg: Arc<LockConfig>,
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Lock<S>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<LockBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<ResBody, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        // The clone is not necessarily ready; the one `poll_ready` readied goes into the future.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let cfg = self.cfg.clone();
+        let span = tracing::debug_span!(
+            "lock_layer",
+            key = tracing::field::Empty,
+            fence = tracing::field::Empty
+        );
+        ResponseFuture::new(run(cfg, inner, req).instrument(span))
+    }
+}
+
+async fn run<S, ReqBody, ResBody>(
+    cfg: Arc<LockConfig>,
+    mut inner: S,
+    req: Request<ReqBody>,
+) -> Result<Response<LockBody<ResBody>>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ReqBody: Body<Data = Bytes>,
+    ReqBody::Error: Into<BoxError>,
+{
+    if !cfg.applies_to(req.method()) {
+        let res = inner.call(req.map(Either::Left)).await?;
+        return Ok(res.map(LockBody::pass));
+    }
+    let rejections = &cfg.rejections;
+    let (mut parts, body) = req.into_parts();
+    let (body, bytes) = if cfg.key.needs_body() {
+        match read_capped(body, cfg.body_limit).await {
+            Ok(b) => (Either::Right(Full::new(b.clone())), Some(b)),
+            Err((reason, detail)) => return Ok(reject(rejections, reason, None, detail)),
+        }
+    } else {
+        (Either::Left(body), None)
+    };
+    let key = match cfg.key.extract(&mut parts, bytes.as_ref()).await {
+        Ok(k) => format!("{}{k}", cfg.prefix),
+        Err(p) if p.reason == Reason::MissingKey && cfg.pass_unkeyed => {
+            tracing::debug!(why = %p.detail, "no key; passing through unlocked");
+            let res = inner.call(Request::from_parts(parts, body)).await?;
+            return Ok(res.map(LockBody::pass));
+        }
+        Err(p) => return Ok(reject(rejections, p.reason, None, p.detail)),
+    };
+    tracing::Span::current().record("key", key.as_str());
+    let taken = if cfg.wait {
+        cfg.locker.acquire(&key, &cfg.opts).await
+    } else {
+        cfg.locker.try_acquire(&key, &cfg.opts).await
+    };
+    let lease = match taken {
+        Ok(lease) => lease,
+        Err(e) => return Ok(refusal(&cfg, &e)),
+    };
+    tracing::Span::current().record("fence", lease.fence().0);
+    let info = lease.info();
+    parts.extensions.insert(Held {
+        fence: lease.fence(),
+        info: info.clone(),
+    });
+    let handler = inner.call(Request::from_parts(parts, body));
+    tokio::select! {
+        biased;
+        _ = info.lost() => {
+            tracing::warn!("lease lost while the handler ran; handler cancelled");
+            Ok(reject(rejections, Reason::LeaseLost, None, format!("the lease on `{key}` was lost before the handler finished; the handler was cancelled")))
+        }
+        res = handler => Ok(res?.map(|b| LockBody::holding(b, lease))),
+    }
+}
+
+/// The answer to a failed acquire.
+pub(crate) fn refusal<B>(cfg: &LockConfig, e: &Error) -> Response<LockBody<B>> {
+    refuse(&cfg.rejections, e)
+}
+
+pub(crate) fn refuse<B>(
+    rejections: &crate::reject::Rejections,
+    e: &Error,
+) -> Response<LockBody<B>> {
+    use std::time::Duration;
+    match e {
+        Error::Busy { remaining, .. } => reject(
+            rejections,
+            Reason::Busy,
+            Some(remaining.unwrap_or(Duration::from_secs(1))),
+            e.to_string(),
+        ),
+        Error::WaitTimeout { .. } => reject(
+            rejections,
+            Reason::WaitTimeout,
+            Some(Duration::from_secs(1)),
+            e.to_string(),
+        ),
+        Error::InvalidKey { .. } => reject(rejections, Reason::InvalidKey, None, e.to_string()),
+        other => {
+            tracing::warn!(error = %other, "lock backend failed");
+            reject(
+                rejections,
+                Reason::Unavailable,
+                Some(Duration::from_secs(1)),
+                "the lock service is unavailable",
+            )
+        }
+    }
+}

@@ -1,0 +1,231 @@
+//! Rejections: the responses both layers give instead of running the handler.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use http::{Response, StatusCode};
+use http_body_util::Full;
+
+/// Why a layer answered a request itself instead of running the handler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Reason {
+    /// No key could be extracted from the request (default 400).
+    MissingKey,
+    /// The extracted key is not acceptable (empty, too long, forbidden characters; default 400).
+    InvalidKey,
+    /// The request body was larger than the layer's cap while the layer had to read it
+    /// (default 413).
+    BodyTooLarge,
+    /// Another request holds the key (default 409, with `Retry-After`).
+    Busy,
+    /// The layer waited for the key up to its deadline and the key stayed held (default 409,
+    /// with `Retry-After`).
+    WaitTimeout,
+    /// The lease was lost while the handler ran; the handler was cancelled (default 503).
+    LeaseLost,
+    /// The lock backend could not be reached (default 503, with `Retry-After`).
+    Unavailable,
+    /// Dedupe only: the key was seen before with a different request (method, path or body;
+    /// default 422).
+    KeyReused,
+}
+
+impl Reason {
+    /// The status a layer answers with unless configured otherwise.
+    pub fn default_status(self) -> StatusCode {
+        match self {
+            Reason::MissingKey | Reason::InvalidKey => StatusCode::BAD_REQUEST,
+            Reason::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Reason::Busy | Reason::WaitTimeout => StatusCode::CONFLICT,
+            Reason::LeaseLost | Reason::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Reason::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+        }
+    }
+
+    fn title(self) -> &'static str {
+        match self {
+            Reason::MissingKey => "Missing lock key",
+            Reason::InvalidKey => "Invalid lock key",
+            Reason::BodyTooLarge => "Request body too large",
+            Reason::Busy => "Resource is locked",
+            Reason::WaitTimeout => "Timed out waiting for the lock",
+            Reason::LeaseLost => "Lock lost while handling the request",
+            Reason::Unavailable => "Lock service unavailable",
+            Reason::KeyReused => "Idempotency key reused with a different request",
+        }
+    }
+
+    fn slug(self) -> &'static str {
+        match self {
+            Reason::MissingKey => "missing-key",
+            Reason::InvalidKey => "invalid-key",
+            Reason::BodyTooLarge => "body-too-large",
+            Reason::Busy => "busy",
+            Reason::WaitTimeout => "wait-timeout",
+            Reason::LeaseLost => "lease-lost",
+            Reason::Unavailable => "unavailable",
+            Reason::KeyReused => "key-reused",
+        }
+    }
+
+    const ALL: usize = 8;
+
+    fn index(self) -> usize {
+        match self {
+            Reason::MissingKey => 0,
+            Reason::InvalidKey => 1,
+            Reason::BodyTooLarge => 2,
+            Reason::Busy => 3,
+            Reason::WaitTimeout => 4,
+            Reason::LeaseLost => 5,
+            Reason::Unavailable => 6,
+            Reason::KeyReused => 7,
+        }
+    }
+}
+
+/// One rejection, as handed to a custom responder (see `rejection_response` on the layers).
+#[derive(Clone, Debug)]
+pub struct Rejection {
+    reason: Reason,
+    status: StatusCode,
+    retry_after: Option<Duration>,
+    detail: String,
+}
+
+impl Rejection {
+    /// Why the request was rejected.
+    pub fn reason(&self) -> Reason {
+        self.reason
+    }
+    /// The status configured for this reason.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+    /// When the client may usefully try again, for `Busy`, `WaitTimeout` and `Unavailable`.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+    /// A human-readable explanation.
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
+    /// The default answer: an RFC 9457 `application/problem+json` body, with `Retry-After` (in
+    /// whole seconds, rounded up) where the rejection has one.
+    pub fn problem_response(&self) -> Response<Full<Bytes>> {
+        let body = serde_json::json!({
+            "type": format!("urn:leasehold:problem:{}", self.reason.slug()),
+            "title": self.reason.title(),
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        let mut res = Response::new(Full::new(Bytes::from(body.to_string())));
+        *res.status_mut() = self.status;
+        res.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(after) = self.retry_after {
+            res.headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(after)));
+        }
+        res
+    }
+}
+
+/// Whole seconds, rounded up, at least 1: `Retry-After: 0` would invite a hot retry loop.
+pub(crate) fn retry_after_secs(d: Duration) -> u64 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    secs.max(1)
+}
+
+type Responder = dyn Fn(&Rejection) -> Response<Full<Bytes>> + Send + Sync;
+
+/// The status per reason and the responder, shared by a layer's services.
+#[derive(Clone)]
+pub(crate) struct Rejections {
+    statuses: [Option<StatusCode>; Reason::ALL],
+    responder: Option<Arc<Responder>>,
+}
+
+impl Default for Rejections {
+    fn default() -> Self {
+        Rejections {
+            statuses: [None; Reason::ALL],
+            responder: None,
+        }
+    }
+}
+
+impl fmt::Debug for Rejections {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Rejections")
+            .field("statuses", &self.statuses)
+            .field("custom_responder", &self.responder.is_some())
+            .finish()
+    }
+}
+
+impl Rejections {
+    pub(crate) fn set_status(&mut self, reason: Reason, status: StatusCode) {
+        self.statuses[reason.index()] = Some(status);
+    }
+
+    pub(crate) fn set_responder(
+        &mut self,
+        f: impl Fn(&Rejection) -> Response<Full<Bytes>> + Send + Sync + 'static,
+    ) {
+        self.responder = Some(Arc::new(f));
+    }
+
+    pub(crate) fn respond(
+        &self,
+        reason: Reason,
+        retry_after: Option<Duration>,
+        detail: impl Into<String>,
+    ) -> Response<Full<Bytes>> {
+        let rejection = Rejection {
+            reason,
+            status: self.statuses[reason.index()].unwrap_or_else(|| reason.default_status()),
+            retry_after,
+            detail: detail.into(),
+        };
+        tracing::debug!(reason = ?reason, status = rejection.status.as_u16(), detail = %rejection.detail, "rejected");
+        match &self.responder {
+            Some(f) => f(&rejection),
+            None => rejection.problem_response(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_and_is_never_zero() {
+        assert_eq!(retry_after_secs(Duration::ZERO), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1_001)), 2);
+        assert_eq!(retry_after_secs(Duration::from_secs(30)), 30);
+    }
+
+    #[test]
+    fn statuses_are_configurable() {
+        let mut r = Rejections::default();
+        assert_eq!(
+            r.respond(Reason::Busy, None, "x").status(),
+            StatusCode::CONFLICT
+        );
+        r.set_status(Reason::Busy, StatusCode::TOO_MANY_REQUESTS);
+        let res = r.respond(Reason::Busy, Some(Duration::from_millis(1500)), "x");
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(res.headers()[RETRY_AFTER], "2");
+        assert_eq!(res.headers()[CONTENT_TYPE], "application/problem+json");
+    }
+}

@@ -1,0 +1,190 @@
+//! HTTP test support: a real axum server on a loopback port, a real hyper client, and the
+//! backends under test (memory, a real redis-server, a real valkey-server).
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use axum::Router;
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use lock_core::{AnyBackend, Locker, MemoryBackend};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::support::{Flavor, Server};
+
+/// A backend under test, with the out-of-band delete that lease-loss tests need.
+pub enum Harness {
+    Memory(MemoryBackend),
+    Server(Server),
+}
+
+impl Harness {
+    pub fn memory() -> Harness {
+        Harness::Memory(MemoryBackend::new())
+    }
+    pub fn redis() -> Harness {
+        Harness::Server(Server::start(Flavor::Redis))
+    }
+    pub fn valkey() -> Harness {
+        Harness::Server(Server::start(Flavor::Valkey))
+    }
+
+    pub async fn locker(&self) -> Locker {
+        match self {
+            Harness::Memory(m) => Locker::new(AnyBackend::Memory(m.clone())),
+            Harness::Server(s) => Locker::redis(&s.url()).await.expect("connect"),
+        }
+    }
+
+    /// Deletes a lease from outside, as an operator or a failover would.
+    pub fn delete(&self, locker: &Locker, key: &str) {
+        let k = locker.lock_key(key).expect("key");
+        match self {
+            Harness::Memory(m) => {
+                assert!(m.force_delete(&k), "no lease on {key} to delete");
+            }
+            Harness::Server(s) => {
+                let n: i64 = s.cmd(&["DEL", &k.lock_key()]);
+                assert_eq!(n, 1, "no lease on {key} to delete");
+            }
+        }
+    }
+}
+
+/// Generates one test per backend from an `async fn(Harness)`.
+#[macro_export]
+macro_rules! on_every_backend {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name($crate::common::Harness::memory()).await })*
+        }
+        mod redis {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name($crate::common::Harness::redis()).await })*
+        }
+        mod valkey {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name($crate::common::Harness::valkey()).await })*
+        }
+    };
+}
+
+/// Serves `app` on a free loopback port until the test ends.
+pub async fn serve(app: Router) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        axum::serve(listener, app).await.expect("serve");
+    });
+    addr
+}
+
+/// A complete response.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// One request on its own connection.
+pub async fn send(
+    addr: SocketAddr,
+    method: Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Reply {
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string());
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(body.into())).expect("request");
+    let res = tx.send_request(req).await.expect("response");
+    let (parts, body) = res.into_parts();
+    let body = body.collect().await.expect("body").to_bytes();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+pub async fn post(addr: SocketAddr, path: &str) -> Reply {
+    send(addr, Method::POST, path, &[], Bytes::new()).await
+}
+
+/// A response body that yields `chunks` chunks, one per `every`.
+pub struct Drip {
+    sleep: Pin<Box<tokio::time::Sleep>>,
+    every: Duration,
+    left: usize,
+}
+
+impl Drip {
+    pub fn new(every: Duration, chunks: usize) -> Drip {
+        Drip {
+            sleep: Box::pin(tokio::time::sleep(every)),
+            every,
+            left: chunks,
+        }
+    }
+}
+
+impl Body for Drip {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.left == 0 {
+            return Poll::Ready(None);
+        }
+        ready!(self.sleep.as_mut().poll(cx));
+        let next = tokio::time::Instant::now() + self.every;
+        self.sleep.as_mut().reset(next);
+        self.left -= 1;
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"chunk\n")))))
+    }
+}
+
+/// Polls `f` every 20 ms until it returns true or `limit` passes.
+pub async fn eventually(limit: Duration, mut f: impl AsyncFnMut() -> bool) -> bool {
+    let start = tokio::time::Instant::now();
+    loop {
+        if f().await {
+            return true;
+        }
+        if start.elapsed() > limit {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,421 @@
+//! `LockLayer` over a real axum server and a real HTTP client, on memory, Redis and Valkey.
+
+mod common;
+#[path = "../../tests/support/mod.rs"]
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::{get, post};
+use bytes::Bytes;
+use common::{Drip, Harness, eventually, post as post_to, send, serve};
+use http::{Method, Response, StatusCode};
+use lock_tower::{Fence, HeldLease, KeyExtractor, LockLayer, Reason};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{Notify, mpsc};
+
+on_every_backend!(
+    held_key_gets_409_with_retry_after,
+    sequential_requests_see_increasing_fences,
+    concurrent_requests_run_one_at_a_time,
+    missing_key_is_400_or_passes_through,
+    lease_loss_cancels_the_handler,
+    client_disconnect_during_handler_releases,
+    client_disconnect_during_body_releases,
+    waiting_gets_the_key_after_the_holder,
+    json_body_key_is_handed_on_untouched,
+);
+
+/// A route whose handler reports it entered and then waits for `go`.
+fn gated(layer: LockLayer, entered: mpsc::UnboundedSender<u64>, go: Arc<Notify>) -> Router {
+    Router::new()
+        .route(
+            "/accounts/{id}/withdraw",
+            post(move |Fence(f): Fence| {
+                let entered = entered.clone();
+                let go = go.clone();
+                async move {
+                    let _ = entered.send(f.0);
+                    go.notified().await;
+                    format!("fence {}", f.0)
+                }
+            }),
+        )
+        .route_layer(layer)
+}
+
+async fn held_key_gets_409_with_retry_after(h: Harness) {
+    let locker = h.locker().await;
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let go = Arc::new(Notify::new());
+    let layer =
+        LockLayer::new(locker, KeyExtractor::route_param("id")).ttl(Duration::from_secs(20));
+    let addr = serve(gated(layer, tx, go.clone())).await;
+
+    let first = tokio::spawn(async move { post_to(addr, "/accounts/7/withdraw").await });
+    entered.recv().await.expect("first entered");
+    let second = post_to(addr, "/accounts/7/withdraw").await;
+    assert_eq!(second.status, StatusCode::CONFLICT);
+    assert_eq!(
+        second.header("content-type"),
+        Some("application/problem+json")
+    );
+    let after: u64 = second
+        .header("retry-after")
+        .expect("Retry-After")
+        .parse()
+        .expect("secs");
+    assert!((1..=20).contains(&after), "Retry-After {after}");
+    let problem: serde_json::Value = serde_json::from_slice(&second.body).expect("json");
+    assert_eq!(problem["status"], 409);
+    // Another key is not affected.
+    let other = tokio::spawn(async move { post_to(addr, "/accounts/8/withdraw").await });
+    entered.recv().await.expect("other key entered");
+    go.notify_waiters();
+    let first = first.await.expect("join");
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+    let other = other.await.expect("join");
+    assert_eq!(other.status, StatusCode::OK);
+}
+
+async fn sequential_requests_see_increasing_fences(h: Harness) {
+    let locker = h.locker().await;
+    let app = Router::new()
+        .route(
+            "/accounts/{id}/withdraw",
+            post(|Fence(f): Fence, HeldLease(info): HeldLease| async move {
+                assert_eq!(info.fence(), f);
+                assert!(info.remaining() > Duration::ZERO);
+                format!("{}|{}", f.0, info.key())
+            }),
+        )
+        .route_layer(
+            LockLayer::new(locker, KeyExtractor::route_param("id")).key_prefix("withdraw:"),
+        );
+    let addr = serve(app).await;
+    let mut last = 0u64;
+    // Back to back: a request sent right after the previous response must never find the
+    // previous lease still there (the layer releases before the last byte goes out).
+    for _ in 0..20 {
+        let r = post_to(addr, "/accounts/42/withdraw").await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+        let text = r.text();
+        let (fence, key) = text.split_once('|').expect("fence|key");
+        assert_eq!(key, "withdraw:42");
+        let fence: u64 = fence.parse().expect("fence");
+        assert!(fence > last, "fence {fence} after {last}");
+        last = fence;
+    }
+}
+
+async fn concurrent_requests_run_one_at_a_time(h: Harness) {
+    let locker = h.locker().await;
+    let inside = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let ran = Arc::new(AtomicUsize::new(0));
+    let (i, m, r) = (inside.clone(), most.clone(), ran.clone());
+    let app = Router::new()
+        .route(
+            "/accounts/{id}/withdraw",
+            post(move || {
+                let (i, m, r) = (i.clone(), m.clone(), r.clone());
+                async move {
+                    let now = i.fetch_add(1, Ordering::SeqCst) + 1;
+                    m.fetch_max(now, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    i.fetch_sub(1, Ordering::SeqCst);
+                    r.fetch_add(1, Ordering::SeqCst);
+                    "ok"
+                }
+            }),
+        )
+        .route_layer(
+            LockLayer::new(locker, KeyExtractor::path_segment(1)).wait(Duration::from_secs(30)),
+        );
+    let addr = serve(app).await;
+    let calls: Vec<_> = (0..20)
+        .map(|_| tokio::spawn(async move { post_to(addr, "/accounts/1/withdraw").await }))
+        .collect();
+    for c in calls {
+        let r = c.await.expect("join");
+        assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    }
+    assert_eq!(ran.load(Ordering::SeqCst), 20);
+    assert_eq!(most.load(Ordering::SeqCst), 1, "two handlers ran at once");
+}
+
+async fn missing_key_is_400_or_passes_through(h: Harness) {
+    let locker = h.locker().await;
+    let handler = |f: Option<Fence>| async move { format!("{:?}", f.map(|f| f.0.0)) };
+    let app = Router::new()
+        .route("/strict", post(handler))
+        .route_layer(LockLayer::new(
+            locker.clone(),
+            KeyExtractor::header(http::HeaderName::from_static("x-account")),
+        ));
+    let lenient = Router::new()
+        .route("/lenient", post(handler).get(handler))
+        .route_layer(
+            LockLayer::new(
+                locker.clone(),
+                KeyExtractor::header(http::HeaderName::from_static("x-account")),
+            )
+            .pass_through_without_key()
+            .methods([Method::POST]),
+        );
+    let unguarded = Router::new().route(
+        "/bare",
+        post(|Fence(f): Fence| async move { f.0.to_string() }),
+    );
+    let addr = serve(app.merge(lenient).merge(unguarded)).await;
+
+    let r = post_to(addr, "/strict").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(r.text().contains("x-account"), "{}", r.text());
+    let r = send(
+        addr,
+        Method::POST,
+        "/strict",
+        &[("x-account", "a{b")],
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(
+        r.status,
+        StatusCode::BAD_REQUEST,
+        "invalid key: {}",
+        r.text()
+    );
+    let r = send(
+        addr,
+        Method::POST,
+        "/strict",
+        &[("x-account", "a1")],
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(r.text().starts_with("Some("), "{}", r.text());
+
+    let r = post_to(addr, "/lenient").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.text(), "None");
+    // GET is outside the methods filter: unlocked even with a key.
+    let r = send(
+        addr,
+        Method::GET,
+        "/lenient",
+        &[("x-account", "a1")],
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(r.text(), "None");
+    let r = send(
+        addr,
+        Method::POST,
+        "/lenient",
+        &[("x-account", "a1")],
+        Bytes::new(),
+    )
+    .await;
+    assert!(r.text().starts_with("Some("), "{}", r.text());
+
+    // The extractor on a route without the layer: a clear 500.
+    let r = post_to(addr, "/bare").await;
+    assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(r.text().contains("without LockLayer"), "{}", r.text());
+}
+
+async fn lease_loss_cancels_the_handler(h: Harness) {
+    let locker = h.locker().await;
+    let finished = Arc::new(AtomicBool::new(false));
+    let dropped = Arc::new(AtomicBool::new(false));
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let (f2, d2) = (finished.clone(), dropped.clone());
+    struct OnDrop(Arc<AtomicBool>);
+    impl Drop for OnDrop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let app = Router::new()
+        .route(
+            "/jobs/{id}",
+            post(move || {
+                let (f2, d2, tx) = (f2.clone(), d2.clone(), tx.clone());
+                async move {
+                    let _guard = OnDrop(d2);
+                    let _ = tx.send(());
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                    f2.store(true, Ordering::SeqCst);
+                    "done"
+                }
+            }),
+        )
+        // Renewal every ~330 ms finds the lease gone soon after the delete.
+        .route_layer(
+            LockLayer::new(locker.clone(), KeyExtractor::route_param("id"))
+                .ttl(Duration::from_secs(1)),
+        );
+    let addr = serve(app).await;
+    let started = tokio::time::Instant::now();
+    let call = tokio::spawn(async move { post_to(addr, "/jobs/9").await });
+    entered.recv().await.expect("entered");
+    h.delete(&locker, "9");
+    let r = call.await.expect("join");
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
+    assert!(r.text().contains("lease-lost"), "{}", r.text());
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(dropped.load(Ordering::SeqCst), "handler future not dropped");
+    assert!(
+        !finished.load(Ordering::SeqCst),
+        "handler ran to completion"
+    );
+}
+
+/// Writes a request on a raw connection and returns the connection, for tests that hang up.
+async fn raw_post(addr: std::net::SocketAddr, path: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    let req = format!("POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n");
+    s.write_all(req.as_bytes()).await.expect("write");
+    s
+}
+
+async fn client_disconnect_during_handler_releases(h: Harness) {
+    let locker = h.locker().await;
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let go = Arc::new(Notify::new());
+    // A long TTL: only the release on disconnect can free the key in time.
+    let layer =
+        LockLayer::new(locker, KeyExtractor::route_param("id")).ttl(Duration::from_secs(60));
+    let addr = serve(gated(layer, tx, go.clone())).await;
+    let conn = raw_post(addr, "/accounts/5/withdraw").await;
+    entered.recv().await.expect("entered");
+    assert_eq!(
+        post_to(addr, "/accounts/5/withdraw").await.status,
+        StatusCode::CONFLICT
+    );
+    drop(conn);
+    let freed = eventually(Duration::from_secs(10), async || {
+        let call = tokio::spawn(async move { post_to(addr, "/accounts/5/withdraw").await });
+        // A request that got in waits in the gate; let it through.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        go.notify_waiters();
+        call.await.expect("join").status == StatusCode::OK
+    })
+    .await;
+    assert!(freed, "the key stayed held after the client hung up");
+}
+
+async fn client_disconnect_during_body_releases(h: Harness) {
+    let locker = h.locker().await;
+    let app = Router::new()
+        .route(
+            "/feeds/{id}",
+            post(|| async {
+                Response::new(Body::new(Drip::new(Duration::from_millis(100), 10_000)))
+            }),
+        )
+        .route("/quick/{id}", post(|| async { "quick" }))
+        .route_layer(
+            LockLayer::new(locker, KeyExtractor::route_param("id")).ttl(Duration::from_secs(60)),
+        );
+    let addr = serve(app).await;
+    let mut conn = raw_post(addr, "/feeds/3").await;
+    let mut buf = [0u8; 256];
+    let n = conn.read(&mut buf).await.expect("read head");
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    // Still streaming: the key is held.
+    assert_eq!(post_to(addr, "/quick/3").await.status, StatusCode::CONFLICT);
+    drop(conn);
+    let freed = eventually(Duration::from_secs(10), async || {
+        post_to(addr, "/quick/3").await.status == StatusCode::OK
+    })
+    .await;
+    assert!(
+        freed,
+        "the key stayed held after the client hung up mid-body"
+    );
+}
+
+async fn waiting_gets_the_key_after_the_holder(h: Harness) {
+    let locker = h.locker().await;
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let go = Arc::new(Notify::new());
+    let waiting = LockLayer::new(locker.clone(), KeyExtractor::route_param("id"))
+        .wait(Duration::from_secs(20));
+    let addr = serve(gated(waiting, tx, go.clone())).await;
+    let first = tokio::spawn(async move { post_to(addr, "/accounts/1/withdraw").await });
+    let f1 = entered.recv().await.expect("first");
+    let second = tokio::spawn(async move { post_to(addr, "/accounts/1/withdraw").await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        entered.try_recv().is_err(),
+        "second ran while the first held the key"
+    );
+    go.notify_waiters();
+    let f2 = entered
+        .recv()
+        .await
+        .expect("second entered after the first");
+    assert!(f2 > f1);
+    go.notify_waiters();
+    assert_eq!(first.await.expect("join").status, StatusCode::OK);
+    assert_eq!(second.await.expect("join").status, StatusCode::OK);
+
+    // A short deadline, answered with the configured status.
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let go = Arc::new(Notify::new());
+    let short = LockLayer::new(locker, KeyExtractor::route_param("id"))
+        .wait(Duration::from_millis(300))
+        .reject_status(Reason::WaitTimeout, StatusCode::SERVICE_UNAVAILABLE);
+    let addr = serve(gated(short, tx, go.clone())).await;
+    let first = tokio::spawn(async move { post_to(addr, "/accounts/2/withdraw").await });
+    entered.recv().await.expect("first");
+    let r = post_to(addr, "/accounts/2/withdraw").await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
+    assert!(r.header("retry-after").is_some());
+    go.notify_waiters();
+    assert_eq!(first.await.expect("join").status, StatusCode::OK);
+}
+
+async fn json_body_key_is_handed_on_untouched(h: Harness) {
+    let locker = h.locker().await;
+    let app = Router::new()
+        .route(
+            "/transfers",
+            post(|Fence(_): Fence, body: Bytes| async move { body }),
+        )
+        .route_layer(
+            LockLayer::new(locker, KeyExtractor::json_field("/account/id")).body_limit(1024),
+        );
+    let addr = serve(app).await;
+    let body = r#"{"account":{"id":"acc_1"},"amount":  10 }"#;
+    let r = send(addr, Method::POST, "/transfers", &[], body).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(r.body, body.as_bytes());
+    let r = send(addr, Method::POST, "/transfers", &[], r#"{"amount":1}"#).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    let r = send(addr, Method::POST, "/transfers", &[], "not json").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    let big = format!(r#"{{"account":{{"id":"a"}},"pad":"{}"}}"#, "x".repeat(2000));
+    let r = send(addr, Method::POST, "/transfers", &[], big).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", r.text());
+}
+
+/// A GET route is a plain sanity check that the router works without the layer.
+#[tokio::test]
+async fn bare_route_works() {
+    let addr = serve(Router::new().route("/", get(|| async { "hi" }))).await;
+    let r = send(addr, Method::GET, "/", &[], Bytes::new()).await;
+    assert_eq!(r.text(), "hi");
+}
