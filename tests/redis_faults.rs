@@ -97,17 +97,25 @@ async fn wrong_type(flavor: Flavor) {
     let k = locker.lock_key("typed").expect("key");
     let _: i64 = server.cmd(&["RPUSH", &k.lock_key(), "precious"]);
     match locker.try_acquire("typed", &opts(1_000)).await {
-        Err(Error::WrongType { found, .. }) => assert_eq!(found, "list"),
+        Err(Error::WrongType { found, key }) => {
+            assert_eq!(found, "list");
+            assert_eq!(key, k.lock_key());
+        }
         other => panic!("expected WrongType, got {other:?}"),
     }
     let kept: Vec<String> = server.cmd(&["LRANGE", &k.lock_key(), "0", "-1"]);
     assert_eq!(kept, vec!["precious".to_owned()]);
     let _: i64 = server.cmd(&["DEL", &k.lock_key()]);
     let _: i64 = server.cmd(&["HSET", &k.fence_key(), "f", "v"]);
-    assert!(matches!(
-        locker.try_acquire("typed", &opts(1_000)).await,
-        Err(Error::WrongType { .. })
-    ));
+    match locker.try_acquire("typed", &opts(1_000)).await {
+        Err(Error::WrongType { found, key }) => {
+            assert_eq!(found, "hash");
+            assert_eq!(key, k.fence_key(), "the error names the key that holds the hash");
+        }
+        other => panic!("expected WrongType, got {other:?}"),
+    }
+    let kept: Vec<String> = server.cmd(&["HGETALL", &k.fence_key()]);
+    assert_eq!(kept, vec!["f".to_owned(), "v".to_owned()]);
     assert_eq!(
         server.cmd::<i64>(&["EXISTS", &k.lock_key()]),
         0,

@@ -152,11 +152,20 @@ impl Backend for RedisBackend {
                     remaining: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
                 })
             }
-            Some((-1, found)) => Err(Error::WrongType {
-                key: key.lock_key(),
-                found: text(found),
-            }),
-            _ => Err(unexpected("acquire", &reply)),
+            _ => match &reply {
+                // {-1, type, i}: KEYS[i] holds a foreign type; name the key that does.
+                Value::Array(items) if items.len() == 3 && int(&items[0]) == Some(-1) => {
+                    Err(Error::WrongType {
+                        key: if int(&items[2]) == Some(2) {
+                            key.fence_key()
+                        } else {
+                            key.lock_key()
+                        },
+                        found: text(&items[1]),
+                    })
+                }
+                _ => Err(unexpected("acquire", &reply)),
+            },
         }
     }
 
