@@ -62,6 +62,26 @@ pub enum Error {
         /// The Redis type found there.
         found: String,
     },
+    /// The queue has no job with this id (never enqueued, or completed and forgotten).
+    #[error("queue `{queue}` has no job {id}")]
+    UnknownJob {
+        /// The queue that was asked.
+        queue: String,
+        /// The job id that was asked for.
+        id: u64,
+    },
+    /// A job payload is larger than [`MAX_PAYLOAD`](crate::queue::MAX_PAYLOAD); nothing was
+    /// enqueued.
+    #[error("payload of {len} bytes is larger than the {max}-byte limit")]
+    PayloadTooLarge {
+        /// The payload's size in bytes.
+        len: usize,
+        /// The limit in bytes.
+        max: usize,
+    },
+    /// A typed payload could not be encoded or decoded.
+    #[error("payload codec: {0}")]
+    Codec(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The server could not be reached or refused the command.
     #[error("backend unavailable: {0}")]
     Unavailable(#[source] redis::RedisError),

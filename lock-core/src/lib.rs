@@ -19,6 +19,7 @@ pub mod backend;
 mod error;
 mod lease;
 mod locker;
+pub mod queue;
 mod renew;
 mod types;
 mod wake;

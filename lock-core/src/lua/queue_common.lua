@@ -1,0 +1,54 @@
+-- Shared head of every queue script (prepended at build time).
+-- KEYS[1] pending (zset, score = job id: FIFO by enqueue order)
+-- KEYS[2] active  (zset, score = lease deadline in server ms)
+-- KEYS[3] delayed (zset, score = ready time in server ms)
+-- KEYS[4] dead    (zset, score = time of death in server ms)
+-- KEYS[5] seq     (string counter of job ids)
+-- ARGV[1] job key prefix (`{prefix:queue}:job:`), ARGV[2] wake-up channel.
+-- Job keys are built from ARGV[1]: they share the queue's hash tag, so they live in the same
+-- cluster slot as the declared keys.
+--
+-- Replies: {1, ...} done; {0, ...} nothing to do; {-1, key, type} a key of a foreign type,
+-- found before any write; {-2} no such job; {-3, attempts} stale caller; {-4, state} the
+-- caller's lease ended without a newer grant (reaped, retried, failed).
+
+local function foreign(key, want)
+  local t = redis.call('TYPE', key).ok
+  if t ~= 'none' and t ~= want then
+    return {-1, key, t}
+  end
+  return nil
+end
+
+local function check_keys()
+  for i = 1, 4 do
+    local bad = foreign(KEYS[i], 'zset')
+    if bad then return bad end
+  end
+  return foreign(KEYS[5], 'string')
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Integers as Redis wants them in keys and members (Lua numbers are doubles).
+local function s(n)
+  return string.format('%d', n)
+end
+
+-- nil when the caller, at attempt `want`, still holds the job's lease; otherwise the refusal.
+-- A lease that passed its deadline but was not reaped yet still holds: nobody else has the job.
+local function guard(jk, want, done_ok)
+  local t = redis.call('TYPE', jk).ok
+  if t == 'none' then return {-2} end
+  if t ~= 'hash' then return {-1, jk, t} end
+  local h = redis.call('HMGET', jk, 'state', 'attempts')
+  local att = tonumber(h[2]) or 0
+  if att ~= want then return {-3, att} end
+  if done_ok and h[1] == 'done' then return {1, 'done'} end
+  if h[1] ~= 'active' then return {-4, h[1] or ''} end
+  return nil
+end
+

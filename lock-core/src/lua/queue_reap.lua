@@ -1,0 +1,42 @@
+-- ARGV[3] most jobs to move in one call. Returns {1, id, attempts, new state, ...} for every
+-- active job whose deadline passed on the server clock.
+local bad = check_keys()
+if bad then return bad end
+local now = now_ms()
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. s(now), 'LIMIT', 0,
+  tonumber(ARGV[3]))
+for _, id in ipairs(expired) do
+  bad = foreign(ARGV[1] .. id, 'hash')
+  if bad then return bad end
+end
+local out = {1}
+local woke = false
+for _, id in ipairs(expired) do
+  local jk = ARGV[1] .. id
+  redis.call('ZREM', KEYS[2], id)
+  if redis.call('EXISTS', jk) == 1 then
+    local h = redis.call('HMGET', jk, 'attempts', 'max')
+    local att = tonumber(h[1]) or 0
+    local max = tonumber(h[2]) or 0
+    -- attempts stay as they are: the next claim raises the fence.
+    redis.call('HSET', jk, 'error', 'lease expired on attempt ' .. s(att))
+    local to
+    if max > 0 and att >= max then
+      to = 'dead'
+      redis.call('HSET', jk, 'state', 'dead')
+      redis.call('ZADD', KEYS[4], now, id)
+    else
+      to = 'pending'
+      woke = true
+      redis.call('HSET', jk, 'state', 'pending')
+      redis.call('ZADD', KEYS[1], id, id)
+    end
+    out[#out + 1] = id
+    out[#out + 1] = att
+    out[#out + 1] = to
+  end
+end
+if woke then
+  redis.call('PUBLISH', ARGV[2], 'reaped')
+end
+return out

@@ -1,0 +1,361 @@
+//! The queue in this process: the same steps as the Redis scripts, each under one lock, with
+//! deadlines on this process's wall clock.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use super::{ClaimReply, JobInfo, JobState, Op, QueueCounts, Reaped, Refusal, Settled};
+use crate::error::Result;
+use crate::types::LockKey;
+use crate::wake::{Wakeups, Watch};
+
+#[derive(Clone)]
+pub(crate) struct MemoryQueue {
+    state: Arc<Mutex<State>>,
+    wakeups: Arc<Wakeups>,
+    channel: String,
+}
+
+struct Job {
+    state: JobState,
+    attempts: u64,
+    max: u64,
+    payload: Vec<u8>,
+    error: Option<String>,
+    /// Deadline (active), ready time (delayed) or time of death (dead), in ms.
+    at_ms: Option<u64>,
+    /// When a done marker goes away, in ms.
+    expires_ms: Option<u64>,
+}
+
+#[derive(Default)]
+struct State {
+    seq: u64,
+    jobs: HashMap<u64, Job>,
+    pending: BTreeSet<u64>,
+    /// (deadline ms, id)
+    active: BTreeSet<(u64, u64)>,
+    /// (ready ms, id)
+    delayed: BTreeSet<(u64, u64)>,
+    /// (died ms, id)
+    dead: BTreeSet<(u64, u64)>,
+    /// Done markers in completion order with their expiry; `keep_done` is fixed per queue, so
+    /// expiries only grow along the queue.
+    done: VecDeque<(u64, u64)>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+impl State {
+    fn expire_done(&mut self, now: u64) {
+        while let Some(&(expires, id)) = self.done.front() {
+            if expires > now {
+                break;
+            }
+            self.done.pop_front();
+            if self
+                .jobs
+                .get(&id)
+                .is_some_and(|j| j.state == JobState::Done && j.expires_ms == Some(expires))
+            {
+                self.jobs.remove(&id);
+            }
+        }
+    }
+
+    /// Takes the job out of whichever timed set holds it.
+    fn unindex(&mut self, id: u64) {
+        let Some(job) = self.jobs.get(&id) else {
+            return;
+        };
+        match (job.state, job.at_ms) {
+            (JobState::Pending, _) => {
+                self.pending.remove(&id);
+            }
+            (JobState::Active, Some(at)) => {
+                self.active.remove(&(at, id));
+            }
+            (JobState::Delayed, Some(at)) => {
+                self.delayed.remove(&(at, id));
+            }
+            (JobState::Dead, Some(at)) => {
+                self.dead.remove(&(at, id));
+            }
+            _ => {}
+        }
+    }
+
+    fn promote_due(&mut self, now: u64) {
+        while let Some(&(ready, id)) = self.delayed.first() {
+            if ready > now {
+                break;
+            }
+            self.delayed.remove(&(ready, id));
+            if let Some(job) = self.jobs.get_mut(&id) {
+                job.state = JobState::Pending;
+                job.at_ms = None;
+                self.pending.insert(id);
+            }
+        }
+    }
+}
+
+impl MemoryQueue {
+    pub(crate) fn new(prefix: &str, name: &str) -> MemoryQueue {
+        MemoryQueue {
+            state: Arc::default(),
+            wakeups: Arc::default(),
+            channel: LockKey::new(prefix, name).channel(),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn wake(&self) {
+        self.wakeups.wake(&self.channel);
+    }
+
+    pub(crate) async fn enqueue(&self, payloads: &[&[u8]], max: u64) -> Result<Vec<u64>> {
+        let ids = {
+            let mut st = self.state();
+            let mut ids = Vec::with_capacity(payloads.len());
+            for p in payloads {
+                st.seq += 1;
+                let id = st.seq;
+                st.jobs.insert(
+                    id,
+                    Job {
+                        state: JobState::Pending,
+                        attempts: 0,
+                        max,
+                        payload: p.to_vec(),
+                        error: None,
+                        at_ms: None,
+                        expires_ms: None,
+                    },
+                );
+                st.pending.insert(id);
+                ids.push(id);
+            }
+            ids
+        };
+        self.wake();
+        Ok(ids)
+    }
+
+    pub(crate) async fn claim(&self, lease_ms: u64) -> Result<ClaimReply> {
+        let now = now_ms();
+        let mut st = self.state();
+        st.promote_due(now);
+        let Some(id) = st.pending.pop_first() else {
+            let next_due = st
+                .delayed
+                .first()
+                .map(|&(ready, _)| Duration::from_millis(ready.saturating_sub(now)));
+            return Ok(ClaimReply::Empty { next_due });
+        };
+        let deadline_ms = now.saturating_add(lease_ms);
+        st.active.insert((deadline_ms, id));
+        let Some(job) = st.jobs.get_mut(&id) else {
+            // Every pending id has a job in this store; an orphan cannot arise here.
+            st.active.remove(&(deadline_ms, id));
+            return Ok(ClaimReply::Empty { next_due: None });
+        };
+        job.attempts += 1;
+        job.state = JobState::Active;
+        job.at_ms = Some(deadline_ms);
+        Ok(ClaimReply::Claimed {
+            id,
+            attempts: job.attempts,
+            deadline_ms,
+            payload: job.payload.clone(),
+        })
+    }
+
+    pub(crate) async fn settle(
+        &self,
+        id: u64,
+        attempts: u64,
+        op: &Op<'_>,
+    ) -> Result<std::result::Result<Settled, Refusal>> {
+        let now = now_ms();
+        let mut woke = false;
+        let reply = {
+            let mut st = self.state();
+            st.expire_done(now);
+            let Some(job) = st.jobs.get(&id) else {
+                return Ok(Err(Refusal::Unknown));
+            };
+            if job.attempts != attempts {
+                return Ok(Err(Refusal::Stale {
+                    current: job.attempts,
+                }));
+            }
+            if job.state == JobState::Done && matches!(op, Op::Complete { .. }) {
+                return Ok(Ok(Settled {
+                    state: JobState::Done,
+                    at_ms: None,
+                }));
+            }
+            if job.state != JobState::Active {
+                return Ok(Err(Refusal::NotHeld {
+                    state: job.state.as_str().to_owned(),
+                }));
+            }
+            st.unindex(id);
+            let st = &mut *st;
+            let Some(job) = st.jobs.get_mut(&id) else {
+                return Ok(Err(Refusal::Unknown));
+            };
+            match *op {
+                Op::Complete { keep_done_ms } => {
+                    if keep_done_ms == 0 {
+                        st.jobs.remove(&id);
+                    } else {
+                        let expires = now.saturating_add(keep_done_ms);
+                        job.state = JobState::Done;
+                        job.payload = Vec::new();
+                        job.error = None;
+                        job.at_ms = None;
+                        job.expires_ms = Some(expires);
+                        st.done.push_back((expires, id));
+                    }
+                    Settled {
+                        state: JobState::Done,
+                        at_ms: None,
+                    }
+                }
+                Op::Retry { delay_ms, error } => {
+                    if !error.is_empty() {
+                        job.error = Some(error.to_owned());
+                    }
+                    if job.max > 0 && attempts >= job.max {
+                        job.state = JobState::Dead;
+                        job.at_ms = Some(now);
+                        st.dead.insert((now, id));
+                    } else if delay_ms > 0 {
+                        let ready = now.saturating_add(delay_ms);
+                        job.state = JobState::Delayed;
+                        job.at_ms = Some(ready);
+                        st.delayed.insert((ready, id));
+                    } else {
+                        job.state = JobState::Pending;
+                        job.at_ms = None;
+                        st.pending.insert(id);
+                        woke = true;
+                    }
+                    Settled {
+                        state: job.state,
+                        at_ms: job.at_ms,
+                    }
+                }
+                Op::Fail { reason } => {
+                    job.state = JobState::Dead;
+                    job.error = Some(reason.to_owned());
+                    job.at_ms = Some(now);
+                    st.dead.insert((now, id));
+                    Settled {
+                        state: JobState::Dead,
+                        at_ms: Some(now),
+                    }
+                }
+                Op::Extend { lease_ms } => {
+                    let deadline = now.saturating_add(lease_ms);
+                    job.at_ms = Some(deadline);
+                    st.active.insert((deadline, id));
+                    Settled {
+                        state: JobState::Active,
+                        at_ms: Some(deadline),
+                    }
+                }
+            }
+        };
+        if woke {
+            self.wake();
+        }
+        Ok(Ok(reply))
+    }
+
+    pub(crate) async fn reap(&self, limit: usize) -> Result<Vec<Reaped>> {
+        let now = now_ms();
+        let mut moved = Vec::new();
+        {
+            let mut st = self.state();
+            // Strictly before now, as the script's `(now` bound.
+            while moved.len() < limit {
+                let Some(&(deadline, id)) = st.active.first() else {
+                    break;
+                };
+                if deadline >= now {
+                    break;
+                }
+                st.active.remove(&(deadline, id));
+                let st = &mut *st;
+                let Some(job) = st.jobs.get_mut(&id) else {
+                    continue;
+                };
+                job.error = Some(format!("lease expired on attempt {}", job.attempts));
+                if job.max > 0 && job.attempts >= job.max {
+                    job.state = JobState::Dead;
+                    job.at_ms = Some(now);
+                    st.dead.insert((now, id));
+                } else {
+                    job.state = JobState::Pending;
+                    job.at_ms = None;
+                    st.pending.insert(id);
+                }
+                moved.push(Reaped {
+                    id: super::JobId(id),
+                    attempts: job.attempts,
+                    to: job.state,
+                });
+            }
+        }
+        if moved.iter().any(|r| r.to == JobState::Pending) {
+            self.wake();
+        }
+        Ok(moved)
+    }
+
+    pub(crate) async fn counts(&self) -> Result<QueueCounts> {
+        let st = self.state();
+        Ok(QueueCounts {
+            pending: st.pending.len() as u64,
+            active: st.active.len() as u64,
+            delayed: st.delayed.len() as u64,
+            dead: st.dead.len() as u64,
+        })
+    }
+
+    pub(crate) async fn job(&self, id: u64) -> Result<Option<JobInfo>> {
+        let mut st = self.state();
+        st.expire_done(now_ms());
+        Ok(st.jobs.get(&id).map(|j| JobInfo {
+            id: super::JobId(id),
+            state: j.state,
+            attempts: j.attempts,
+            max_attempts: j.max,
+            error: j.error.clone(),
+            payload: (j.state != JobState::Done).then(|| j.payload.clone()),
+            at_ms: j.at_ms,
+        }))
+    }
+
+    pub(crate) async fn watch(&self) -> Result<Watch> {
+        let (rx, _) = self.wakeups.register(&self.channel);
+        Ok(Watch {
+            rx,
+            channel: self.channel.clone(),
+            wakeups: self.wakeups.clone(),
+            on_last: None,
+        })
+    }
+}

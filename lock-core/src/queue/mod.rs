@@ -1,0 +1,812 @@
+//! Claim leases: a work queue whose mutual exclusion is the lease on each job, not a mutex.
+//!
+//! A job is leased to exactly one worker at a time by [`Queue::claim`]: one atomic step pops the
+//! oldest pending job, raises its `attempts` (the job's [`Fence`]) and scores it in the active
+//! set at *server time + lease*. Every later step ([`complete`](Queue::complete),
+//! [`retry`](Queue::retry), [`fail`](Queue::fail), [`extend`](Queue::extend)) names the attempt
+//! it belongs to and is refused with [`Error::Stale`] once a newer attempt exists, so a worker
+//! that paused past its lease cannot complete or retry a job another worker now holds.
+//! [`Queue::reap`] returns every job whose lease deadline passed to pending (keeping its
+//! attempts) or, after its maximum attempts, to the dead set.
+//!
+//! Delivery is at least once: a worker that finishes its work but loses the lease before
+//! `complete` lands sees [`Error::Stale`] or [`Error::LeaseLost`], and the job runs again. Make
+//! handlers idempotent, or pass [`Claim::fence`] to the resource they write (see
+//! [`FenceGate`](crate::FenceGate)).
+//!
+//! # Keys and clocks
+//!
+//! On Redis / Valkey everything lives under one hash tag, `{prefix:queue}`, so a queue sits in a
+//! single cluster slot: `:pending`, `:active`, `:delayed`, `:dead` (sorted sets), `:seq` (the id
+//! counter) and `:job:<id>` (a hash with `state`, `attempts`, `max`, `payload`, `error`).
+//! Deadlines are read from the server's `TIME` inside the scripts; a worker's own clock is never
+//! consulted, so a skewed client leases correctly. The memory backend uses this process's
+//! clock.
+//!
+//! Durability is the server's: with append-only persistence a restart loses no enqueued job;
+//! without it a restart loses the queue.
+//!
+//! ```
+//! use lock_core::queue::Queue;
+//! use std::time::Duration;
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+//! let queue = Queue::memory("emails")?; // or Queue::redis("redis://127.0.0.1/", "emails").await?
+//! let id = queue.enqueue(b"hello".as_slice()).await?;
+//! let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job is pending");
+//! assert_eq!((claim.id(), claim.attempts()), (id, 1));
+//! claim.complete().await?;
+//! assert_eq!(queue.counts().await?.pending, 0);
+//! # Ok(()) }
+//! ```
+
+mod memory;
+mod redis;
+mod worker;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, instrument};
+
+use crate::backend::RedisBackend;
+use crate::error::{Error, Result};
+use crate::locker::DEFAULT_PREFIX;
+use crate::types::{Fence, drift, validate_key, validate_ttl};
+use crate::wake::Watch;
+
+pub use worker::{Job, JobError, Worker, WorkerHandle, WorkerReport};
+
+/// Largest payload accepted by [`Queue::enqueue`], in bytes (1 MiB). Larger data belongs in a
+/// blob store, with its address in the payload.
+pub const MAX_PAYLOAD: usize = 1 << 20;
+/// Longest error or failure reason stored with a job, in bytes; longer texts are cut at a
+/// character boundary.
+pub const MAX_ERROR_LEN: usize = 4096;
+/// Attempts a job gets unless [`QueueBuilder::max_attempts`] says otherwise.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+/// How long a completed job leaves a marker behind unless [`QueueBuilder::keep_done`] says
+/// otherwise: long enough that a late worker is told it is stale rather than that the job is
+/// unknown.
+pub const DEFAULT_KEEP_DONE: Duration = Duration::from_secs(60 * 60);
+/// How often a waiting claim looks again when no wake-up arrives (a lost subscription, a
+/// reaped job whose wake-up was missed).
+pub const CLAIM_POLL_FALLBACK: Duration = Duration::from_secs(1);
+/// Most jobs one reap script moves; [`Queue::reap`] repeats until none are left.
+const REAP_BATCH: usize = 500;
+/// Most payloads one enqueue script carries.
+const ENQUEUE_BATCH: usize = 256;
+
+/// A job's number within its queue: assigned at enqueue, increasing in enqueue order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct JobId(pub u64);
+
+impl JobId {
+    /// The id as a plain number.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for JobId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Where a job is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum JobState {
+    /// Waiting to be claimed.
+    Pending,
+    /// Waiting for its retry delay to pass before it becomes pending again.
+    Delayed,
+    /// Leased to a worker until its deadline.
+    Active,
+    /// Out of attempts or failed for good; kept with its last error.
+    Dead,
+    /// Completed; only a marker is left, for [`QueueBuilder::keep_done`].
+    Done,
+}
+
+impl JobState {
+    fn parse(s: &str) -> Option<JobState> {
+        Some(match s {
+            "pending" => JobState::Pending,
+            "delayed" => JobState::Delayed,
+            "active" => JobState::Active,
+            "dead" => JobState::Dead,
+            "done" => JobState::Done,
+            _ => return None,
+        })
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            JobState::Pending => "pending",
+            JobState::Delayed => "delayed",
+            JobState::Active => "active",
+            JobState::Dead => "dead",
+            JobState::Done => "done",
+        }
+    }
+}
+
+impl fmt::Display for JobState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How many jobs are in each set.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QueueCounts {
+    /// Waiting to be claimed.
+    pub pending: u64,
+    /// Leased to a worker.
+    pub active: u64,
+    /// Waiting out a retry delay.
+    pub delayed: u64,
+    /// In the dead set.
+    pub dead: u64,
+}
+
+/// One job as the store holds it (see [`Queue::job`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobInfo {
+    /// The job.
+    pub id: JobId,
+    /// Where it is.
+    pub state: JobState,
+    /// Claims so far: the fence of the latest claim.
+    pub attempts: u64,
+    /// Claims it may have before it goes to the dead set (0: no limit).
+    pub max_attempts: u64,
+    /// The last error: a retry's or failure's reason, or the reaper's note of an expired lease.
+    pub error: Option<String>,
+    /// The payload; `None` once the job is done.
+    pub payload: Option<Vec<u8>>,
+    /// Milliseconds since the Unix epoch on the store's clock: the lease deadline (active), the
+    /// time it becomes pending again (delayed) or the time it died (dead).
+    pub at_ms: Option<u64>,
+}
+
+/// A job the reaper moved (see [`Queue::reap`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reaped {
+    /// The job.
+    pub id: JobId,
+    /// Its attempts, unchanged by the reap.
+    pub attempts: u64,
+    /// Where it went: [`JobState::Pending`], or [`JobState::Dead`] when out of attempts.
+    pub to: JobState,
+}
+
+/// Configures a [`Queue`]; finish with [`memory`](QueueBuilder::memory),
+/// [`redis`](QueueBuilder::redis) or [`on_redis`](QueueBuilder::on_redis).
+///
+/// ```
+/// use lock_core::queue::Queue;
+/// use std::time::Duration;
+/// let queue = Queue::builder("thumbnails")
+///     .prefix("media")
+///     .max_attempts(3)
+///     .keep_done(Duration::from_secs(600))
+///     .memory()?;
+/// assert_eq!(queue.name(), "thumbnails");
+/// # Ok::<(), lock_core::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct QueueBuilder {
+    name: String,
+    prefix: String,
+    max_attempts: u32,
+    keep_done: Duration,
+}
+
+impl QueueBuilder {
+    /// The key prefix (default [`DEFAULT_PREFIX`]); server keys become `{prefix:queue}:...`.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Claims a job may have before the reaper or a retry sends it to the dead set
+    /// (default [`DEFAULT_MAX_ATTEMPTS`]; 0 means no limit). Stored with each job at enqueue.
+    pub fn max_attempts(mut self, max: u32) -> Self {
+        self.max_attempts = max;
+        self
+    }
+
+    /// How long a completed job's marker stays (default [`DEFAULT_KEEP_DONE`]). While it stays,
+    /// a late caller of an old attempt gets [`Error::Stale`]; afterwards
+    /// [`Error::UnknownJob`]. Zero deletes completed jobs at once.
+    pub fn keep_done(mut self, keep: Duration) -> Self {
+        self.keep_done = keep;
+        self
+    }
+
+    fn check(&self) -> Result<()> {
+        validate_key(&self.name)?;
+        validate_key(&self.prefix)
+    }
+
+    /// A queue held in this process. Clones of the returned queue share it.
+    pub fn memory(self) -> Result<Queue> {
+        self.check()?;
+        let store = Store::Memory(memory::MemoryQueue::new(&self.prefix, &self.name));
+        Ok(self.finish(store))
+    }
+
+    /// A queue on the Redis or Valkey server at `url`, on its own connection.
+    pub async fn redis(self, url: &str) -> Result<Queue> {
+        self.check()?;
+        let backend = RedisBackend::connect(url).await?;
+        self.on_redis(backend)
+    }
+
+    /// A queue on an existing backend, sharing its connection and its wake-up subscription
+    /// with the locks taken through it.
+    pub fn on_redis(self, backend: RedisBackend) -> Result<Queue> {
+        self.check()?;
+        let store = Store::Redis(Box::new(redis::RedisQueue::new(
+            backend,
+            &self.prefix,
+            &self.name,
+        )));
+        Ok(self.finish(store))
+    }
+
+    fn finish(self, store: Store) -> Queue {
+        Queue {
+            inner: Arc::new(Inner {
+                name: self.name,
+                max_attempts: self.max_attempts,
+                keep_done: self.keep_done,
+                store,
+            }),
+        }
+    }
+}
+
+pub(crate) enum Store {
+    Memory(memory::MemoryQueue),
+    // Boxed: the Redis side carries its connection and key names, the memory side one Arc.
+    Redis(Box<redis::RedisQueue>),
+}
+
+/// What a claim script answered.
+pub(crate) enum ClaimReply {
+    Claimed {
+        id: u64,
+        attempts: u64,
+        deadline_ms: u64,
+        payload: Vec<u8>,
+    },
+    /// Nothing pending; when the next delayed job becomes due, if any.
+    Empty { next_due: Option<Duration> },
+}
+
+/// Why a step on a job was refused.
+pub(crate) enum Refusal {
+    Unknown,
+    Stale { current: u64 },
+    NotHeld { state: String },
+}
+
+/// One step on a claimed job.
+pub(crate) enum Op<'a> {
+    Complete { keep_done_ms: u64 },
+    Retry { delay_ms: u64, error: &'a str },
+    Fail { reason: &'a str },
+    Extend { lease_ms: u64 },
+}
+
+impl Op<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            Op::Complete { .. } => "complete",
+            Op::Retry { .. } => "retry",
+            Op::Fail { .. } => "fail",
+            Op::Extend { .. } => "extend",
+        }
+    }
+}
+
+/// Where a step left the job, and its new deadline or ready time if it has one.
+pub(crate) struct Settled {
+    pub(crate) state: JobState,
+    pub(crate) at_ms: Option<u64>,
+}
+
+macro_rules! store {
+    ($self:expr, $s:ident => $e:expr) => {
+        match &$self.inner.store {
+            Store::Memory($s) => $e,
+            Store::Redis($s) => $e,
+        }
+    };
+}
+
+struct Inner {
+    name: String,
+    max_attempts: u32,
+    keep_done: Duration,
+    store: Store,
+}
+
+/// A work queue with claim leases, on memory or Redis / Valkey. Cheap to clone; clones share
+/// the store and its connection.
+///
+/// See the [module documentation](self) for the model, keys and clocks.
+#[derive(Clone)]
+pub struct Queue {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Queue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Queue")
+            .field("name", &self.inner.name)
+            .finish_non_exhaustive()
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Cuts `text` to [`MAX_ERROR_LEN`] bytes at a character boundary.
+fn clip(text: &str) -> &str {
+    if text.len() <= MAX_ERROR_LEN {
+        return text;
+    }
+    let mut end = MAX_ERROR_LEN;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+impl Queue {
+    /// Starts configuring a queue named `name` (any key-safe text: no braces or control
+    /// characters, at most 512 bytes).
+    pub fn builder(name: impl Into<String>) -> QueueBuilder {
+        QueueBuilder {
+            name: name.into(),
+            prefix: DEFAULT_PREFIX.to_owned(),
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            keep_done: DEFAULT_KEEP_DONE,
+        }
+    }
+
+    /// A queue in this process with the defaults.
+    pub fn memory(name: &str) -> Result<Queue> {
+        Queue::builder(name).memory()
+    }
+
+    /// A queue on the Redis or Valkey server at `url`, with the defaults.
+    pub async fn redis(url: &str, name: &str) -> Result<Queue> {
+        Queue::builder(name).redis(url).await
+    }
+
+    /// The queue's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    fn job_name(&self, id: JobId) -> String {
+        format!("{}/job:{}", self.inner.name, id.0)
+    }
+
+    /// Adds a job at the back of the queue and wakes waiting claimers. Returns its id.
+    ///
+    /// Payloads above [`MAX_PAYLOAD`] are refused with [`Error::PayloadTooLarge`].
+    #[instrument(level = "debug", skip_all, fields(queue = %self.inner.name))]
+    pub async fn enqueue(&self, payload: impl AsRef<[u8]>) -> Result<JobId> {
+        let ids = self.enqueue_many([payload]).await?;
+        ids.into_iter().next().ok_or_else(|| Error::OutcomeUnknown {
+            op: "enqueue",
+            key: self.inner.name.clone(),
+            source: ::redis::RedisError::from((
+                ::redis::ErrorKind::UnexpectedReturnType,
+                "enqueue returned no id",
+            )),
+        })
+    }
+
+    /// Adds several jobs in order, a few hundred per round trip. Every payload is checked
+    /// before any is sent, so an oversize one means none were added.
+    #[instrument(level = "debug", skip_all, fields(queue = %self.inner.name))]
+    pub async fn enqueue_many<I, P>(&self, payloads: I) -> Result<Vec<JobId>>
+    where
+        I: IntoIterator<Item = P>,
+        P: AsRef<[u8]>,
+    {
+        let payloads: Vec<P> = payloads.into_iter().collect();
+        for p in &payloads {
+            let len = p.as_ref().len();
+            if len > MAX_PAYLOAD {
+                return Err(Error::PayloadTooLarge {
+                    len,
+                    max: MAX_PAYLOAD,
+                });
+            }
+        }
+        let mut ids = Vec::with_capacity(payloads.len());
+        for chunk in payloads.chunks(ENQUEUE_BATCH) {
+            let chunk: Vec<&[u8]> = chunk.iter().map(AsRef::as_ref).collect();
+            let max = u64::from(self.inner.max_attempts);
+            let got = store!(self, s => s.enqueue(&chunk, max).await)?;
+            ids.extend(got.into_iter().map(JobId));
+        }
+        debug!(count = ids.len(), "enqueued");
+        Ok(ids)
+    }
+
+    /// Serialises `value` as JSON and enqueues it.
+    #[cfg(feature = "serde")]
+    pub async fn enqueue_json<T: serde::Serialize + ?Sized>(&self, value: &T) -> Result<JobId> {
+        let bytes = serde_json::to_vec(value).map_err(|e| Error::Codec(Box::new(e)))?;
+        self.enqueue(bytes).await
+    }
+
+    /// Claims the oldest pending job for `lease`, or returns `None` when nothing is pending.
+    ///
+    /// One atomic step raises the job's attempts (its fence) and sets its deadline to the
+    /// store's clock plus `lease`. The lease is not renewed: call [`Claim::extend`] for long
+    /// work, or run jobs through a [`Worker`], which does. A claim whose reply is lost in
+    /// transit ([`Error::OutcomeUnknown`]) leaves the job active until the reaper returns it.
+    #[instrument(level = "debug", skip_all, fields(queue = %self.inner.name, lease = ?lease))]
+    pub async fn claim(&self, lease: Duration) -> Result<Option<Claim>> {
+        validate_ttl(lease)?;
+        Ok(self.claim_once(lease).await?.ok())
+    }
+
+    /// Claims the oldest pending job, waiting up to `wait` for one to arrive.
+    ///
+    /// Waiters wake on enqueue (and on retries and reaps that return jobs to pending), and
+    /// otherwise when the next delayed job is due or after [`CLAIM_POLL_FALLBACK`].
+    pub async fn claim_wait(&self, lease: Duration, wait: Duration) -> Result<Option<Claim>> {
+        validate_ttl(lease)?;
+        self.claim_until(lease, Instant::now() + wait, None).await
+    }
+
+    /// One claim round trip; `Err(next_due)` inside `Ok` means nothing was pending.
+    async fn claim_once(
+        &self,
+        lease: Duration,
+    ) -> Result<std::result::Result<Claim, Option<Duration>>> {
+        // The local deadline counts from before the request leaves, so a slow reply can only
+        // shorten it.
+        let start = Instant::now();
+        match store!(self, s => s.claim(ms(lease)).await)? {
+            ClaimReply::Claimed {
+                id,
+                attempts,
+                deadline_ms,
+                payload,
+            } => {
+                debug!(id, attempts, "claimed");
+                Ok(Ok(Claim {
+                    queue: self.clone(),
+                    id: JobId(id),
+                    attempts,
+                    deadline_ms,
+                    local_deadline: start + lease - drift(lease),
+                    payload,
+                }))
+            }
+            ClaimReply::Empty { next_due } => Ok(Err(next_due)),
+        }
+    }
+
+    /// The waiting claim shared by [`Queue::claim_wait`] and the worker. `stop` ends the wait
+    /// only between round trips, never in the middle of a claim, so a cancelled waiter cannot
+    /// strand a job it was granted.
+    pub(crate) async fn claim_until(
+        &self,
+        lease: Duration,
+        give_up: Instant,
+        stop: Option<&CancellationToken>,
+    ) -> Result<Option<Claim>> {
+        let mut watch: Option<Watch> = None;
+        loop {
+            if let Some(w) = watch.as_mut() {
+                w.mark_seen();
+            }
+            let next_due = match self.claim_once(lease).await? {
+                Ok(claim) => return Ok(Some(claim)),
+                Err(next_due) => next_due,
+            };
+            if watch.is_none() {
+                // Subscribe, then look once more: an enqueue between the empty claim and the
+                // subscription would otherwise wait for the fallback timer.
+                watch = Some(store!(self, s => s.watch().await)?);
+                continue;
+            }
+            let now = Instant::now();
+            if now >= give_up || stop.is_some_and(CancellationToken::is_cancelled) {
+                return Ok(None);
+            }
+            let timer = next_due
+                .map(|d| d + Duration::from_millis(2))
+                .unwrap_or(CLAIM_POLL_FALLBACK)
+                .min(CLAIM_POLL_FALLBACK);
+            let wake_at = (now + timer).min(give_up);
+            let Some(w) = watch.as_mut() else { continue };
+            let stopped = async {
+                match stop {
+                    Some(t) => t.cancelled().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = w.changed() => {},
+                _ = tokio::time::sleep_until(wake_at) => {},
+                _ = stopped => return Ok(None),
+            }
+        }
+    }
+
+    async fn settle(&self, id: JobId, attempts: u64, op: Op<'_>) -> Result<Settled> {
+        let name = op.name();
+        let reply = store!(self, s => s.settle(id.0, attempts, &op).await)?;
+        match reply {
+            Ok(done) => {
+                debug!(op = name, id = id.0, attempts, state = %done.state, "settled");
+                Ok(done)
+            }
+            Err(Refusal::Unknown) => Err(Error::UnknownJob {
+                queue: self.inner.name.clone(),
+                id: id.0,
+            }),
+            Err(Refusal::Stale { current }) => {
+                debug!(op = name, id = id.0, attempts, current, "stale");
+                Err(Error::Stale {
+                    resource: self.job_name(id),
+                    fence: attempts,
+                    highest: current,
+                })
+            }
+            Err(Refusal::NotHeld { state }) => {
+                debug!(
+                    op = name,
+                    id = id.0,
+                    attempts,
+                    state,
+                    "lease no longer held"
+                );
+                Err(Error::LeaseLost {
+                    key: self.job_name(id),
+                })
+            }
+        }
+    }
+
+    /// Marks attempt `attempts` of job `id` done and removes it from the active set.
+    ///
+    /// Refused with [`Error::Stale`] when a newer attempt exists, [`Error::LeaseLost`] when the
+    /// attempt's lease ended without a newer claim (reaped back to pending, or already retried
+    /// or failed), and [`Error::UnknownJob`] when no such job exists. Completing the same
+    /// attempt twice succeeds, so a complete whose reply was lost can be sent again.
+    #[instrument(level = "debug", skip(self), fields(queue = %self.inner.name))]
+    pub async fn complete(&self, id: JobId, attempts: u64) -> Result<()> {
+        let keep_done_ms = ms(self.inner.keep_done);
+        self.settle(id, attempts, Op::Complete { keep_done_ms })
+            .await
+            .map(|_| ())
+    }
+
+    /// Gives the job back: pending at once (at its original place) when `delay` is zero,
+    /// delayed otherwise, or dead when it has used all its attempts. Returns where it went.
+    /// Refused as [`Queue::complete`] is.
+    pub async fn retry(&self, id: JobId, attempts: u64, delay: Duration) -> Result<JobState> {
+        self.retry_because(id, attempts, delay, "").await
+    }
+
+    /// [`Queue::retry`], recording `error` as the job's last error (cut to [`MAX_ERROR_LEN`]).
+    #[instrument(level = "debug", skip(self, error), fields(queue = %self.inner.name))]
+    pub async fn retry_because(
+        &self,
+        id: JobId,
+        attempts: u64,
+        delay: Duration,
+        error: &str,
+    ) -> Result<JobState> {
+        let op = Op::Retry {
+            delay_ms: ms(delay),
+            error: clip(error),
+        };
+        Ok(self.settle(id, attempts, op).await?.state)
+    }
+
+    /// Sends the job to the dead set now, with `reason` (cut to [`MAX_ERROR_LEN`]) as its last
+    /// error, whatever attempts it has left. Refused as [`Queue::complete`] is.
+    #[instrument(level = "debug", skip(self, reason), fields(queue = %self.inner.name))]
+    pub async fn fail(&self, id: JobId, attempts: u64, reason: &str) -> Result<()> {
+        let op = Op::Fail {
+            reason: clip(reason),
+        };
+        self.settle(id, attempts, op).await.map(|_| ())
+    }
+
+    /// Moves the job's deadline to the store's clock plus `lease`. Returns the new deadline in
+    /// milliseconds since the Unix epoch on the store's clock. Refused as
+    /// [`Queue::complete`] is, so a lease that was reaped is never revived.
+    #[instrument(level = "debug", skip(self), fields(queue = %self.inner.name))]
+    pub async fn extend(&self, id: JobId, attempts: u64, lease: Duration) -> Result<u64> {
+        validate_ttl(lease)?;
+        let op = Op::Extend {
+            lease_ms: ms(lease),
+        };
+        let done = self.settle(id, attempts, op).await?;
+        Ok(done.at_ms.unwrap_or_default())
+    }
+
+    /// Moves every active job whose deadline has passed on the store's clock back to pending,
+    /// keeping its attempts, or to the dead set when it has used all its attempts. Returns what
+    /// it moved. Safe to run from many workers at once: each job is moved once.
+    #[instrument(level = "debug", skip(self), fields(queue = %self.inner.name))]
+    pub async fn reap(&self) -> Result<Vec<Reaped>> {
+        let mut all = Vec::new();
+        loop {
+            let batch = store!(self, s => s.reap(REAP_BATCH).await)?;
+            let n = batch.len();
+            all.extend(batch);
+            if n < REAP_BATCH {
+                break;
+            }
+        }
+        if !all.is_empty() {
+            debug!(moved = all.len(), "reaped");
+        }
+        Ok(all)
+    }
+
+    /// How many jobs are pending, active, delayed and dead.
+    pub async fn counts(&self) -> Result<QueueCounts> {
+        store!(self, s => s.counts().await)
+    }
+
+    /// One job's state, attempts, last error and payload; [`Error::UnknownJob`] when it does not
+    /// exist (or was completed longer than [`QueueBuilder::keep_done`] ago).
+    pub async fn job(&self, id: JobId) -> Result<JobInfo> {
+        store!(self, s => s.job(id.0).await)?.ok_or_else(|| Error::UnknownJob {
+            queue: self.inner.name.clone(),
+            id: id.0,
+        })
+    }
+}
+
+/// A job leased to this caller: its payload, its attempt number (the fence) and its deadline.
+///
+/// Dropping a claim does nothing on the store: the job stays active until its deadline, then
+/// the reaper returns it, as if the worker had crashed. Settle it with
+/// [`complete`](Claim::complete), [`retry`](Claim::retry) or [`fail`](Claim::fail).
+#[derive(Debug)]
+pub struct Claim {
+    queue: Queue,
+    id: JobId,
+    attempts: u64,
+    deadline_ms: u64,
+    local_deadline: Instant,
+    payload: Vec<u8>,
+}
+
+impl Claim {
+    /// The job.
+    pub fn id(&self) -> JobId {
+        self.id
+    }
+
+    /// This claim's attempt number: 1 for the first claim of the job, one more for each claim
+    /// after.
+    pub fn attempts(&self) -> u64 {
+        self.attempts
+    }
+
+    /// The attempt number as a [`Fence`], for resources that refuse older writers.
+    pub fn fence(&self) -> Fence {
+        Fence(self.attempts)
+    }
+
+    /// The payload as enqueued.
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+
+    /// Decodes a JSON payload (see [`Queue::enqueue_json`]).
+    #[cfg(feature = "serde")]
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T> {
+        serde_json::from_slice(&self.payload).map_err(|e| Error::Codec(Box::new(e)))
+    }
+
+    /// The lease deadline in milliseconds since the Unix epoch, on the store's clock (the
+    /// server's for Redis), as of the claim or the last [`extend`](Claim::extend).
+    pub fn deadline_ms(&self) -> u64 {
+        self.deadline_ms
+    }
+
+    /// Time left on the lease by this process's clock, counted from before the claim (or the
+    /// last extend) was sent and less a drift allowance, so it never overstates the lease.
+    pub fn remaining(&self) -> Duration {
+        self.local_deadline
+            .saturating_duration_since(Instant::now())
+    }
+
+    /// The queue the job came from.
+    pub fn queue(&self) -> &Queue {
+        &self.queue
+    }
+
+    pub(crate) fn into_parts(self) -> (Queue, JobId, u64, u64, Instant, Vec<u8>) {
+        (
+            self.queue,
+            self.id,
+            self.attempts,
+            self.deadline_ms,
+            self.local_deadline,
+            self.payload,
+        )
+    }
+
+    /// Extends the lease to the store's clock plus `lease` (see [`Queue::extend`]).
+    pub async fn extend(&mut self, lease: Duration) -> Result<()> {
+        let start = Instant::now();
+        self.deadline_ms = self.queue.extend(self.id, self.attempts, lease).await?;
+        self.local_deadline = start + lease - drift(lease);
+        Ok(())
+    }
+
+    /// Completes the job (see [`Queue::complete`]).
+    pub async fn complete(self) -> Result<()> {
+        self.queue.complete(self.id, self.attempts).await
+    }
+
+    /// Gives the job back after `delay` (see [`Queue::retry`]).
+    pub async fn retry(self, delay: Duration) -> Result<JobState> {
+        self.queue.retry(self.id, self.attempts, delay).await
+    }
+
+    /// Gives the job back after `delay`, recording `error` (see [`Queue::retry_because`]).
+    pub async fn retry_because(self, delay: Duration, error: &str) -> Result<JobState> {
+        self.queue
+            .retry_because(self.id, self.attempts, delay, error)
+            .await
+    }
+
+    /// Sends the job to the dead set with `reason` (see [`Queue::fail`]).
+    pub async fn fail(self, reason: &str) -> Result<()> {
+        self.queue.fail(self.id, self.attempts, reason).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_are_clipped_at_char_boundaries() {
+        let long = "é".repeat(MAX_ERROR_LEN);
+        let c = clip(&long);
+        assert!(c.len() <= MAX_ERROR_LEN && c.len() >= MAX_ERROR_LEN - 1);
+        assert_eq!(clip("short"), "short");
+    }
+
+    #[test]
+    fn states_round_trip() {
+        for s in [
+            JobState::Pending,
+            JobState::Delayed,
+            JobState::Active,
+            JobState::Dead,
+            JobState::Done,
+        ] {
+            assert_eq!(JobState::parse(s.as_str()), Some(s));
+        }
+        assert_eq!(JobState::parse("other"), None);
+    }
+}

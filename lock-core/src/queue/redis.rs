@@ -1,0 +1,302 @@
+//! The queue on Redis / Valkey: every step is one script, with deadlines on the server's clock.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use ::redis::{Script, Value};
+
+use super::{ClaimReply, JobId, JobInfo, JobState, Op, QueueCounts, Reaped, Refusal, Settled};
+use crate::backend::{Backend, RedisBackend};
+use crate::error::{Error, Result, classify};
+use crate::types::LockKey;
+use crate::wake::Watch;
+
+macro_rules! queue_script {
+    ($file:literal) => {
+        Script::new(concat!(
+            include_str!("../lua/queue_common.lua"),
+            include_str!(concat!("../lua/", $file))
+        ))
+    };
+}
+
+struct Scripts {
+    enqueue: Script,
+    claim: Script,
+    complete: Script,
+    retry: Script,
+    fail: Script,
+    extend: Script,
+    reap: Script,
+    inspect: Script,
+}
+
+static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    enqueue: queue_script!("queue_enqueue.lua"),
+    claim: queue_script!("queue_claim.lua"),
+    complete: queue_script!("queue_complete.lua"),
+    retry: queue_script!("queue_retry.lua"),
+    fail: queue_script!("queue_fail.lua"),
+    extend: queue_script!("queue_extend.lua"),
+    reap: queue_script!("queue_reap.lua"),
+    inspect: queue_script!("queue_inspect.lua"),
+});
+
+pub(crate) struct RedisQueue {
+    backend: RedisBackend,
+    /// The queue's hash tag, `{prefix:name}`, for error messages.
+    tag: String,
+    keys: [String; 5],
+    job_prefix: String,
+    /// Enqueues, retries and reaps publish here. This is the release channel of the lock of the
+    /// same name (`{prefix:name}:released`), reused so that the backend's one subscription
+    /// connection serves queue waiters too; it shares the queue's hash tag. A lock named like
+    /// the queue would only cause spurious wake-ups in both directions, which both tolerate.
+    wake_key: LockKey,
+}
+
+fn int(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+        _ => None,
+    }
+}
+
+fn uint(v: &Value) -> Option<u64> {
+    int(v).and_then(|i| u64::try_from(i).ok())
+}
+
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+fn bytes(v: &Value) -> Option<Vec<u8>> {
+    match v {
+        Value::BulkString(b) => Some(b.clone()),
+        _ => None,
+    }
+}
+
+fn unexpected(what: &str, reply: &Value) -> Error {
+    Error::Unavailable(::redis::RedisError::from((
+        ::redis::ErrorKind::UnexpectedReturnType,
+        "unexpected queue script reply",
+        format!("{what}: {reply:?}"),
+    )))
+}
+
+/// Splits a reply into its status and the rest, turning the foreign-type status into
+/// [`Error::WrongType`].
+fn status<'a>(what: &str, reply: &'a Value) -> Result<(i64, &'a [Value])> {
+    let Value::Array(items) = reply else {
+        return Err(unexpected(what, reply));
+    };
+    let Some((head, rest)) = items.split_first() else {
+        return Err(unexpected(what, reply));
+    };
+    let code = int(head).ok_or_else(|| unexpected(what, reply))?;
+    if code == -1 {
+        return Err(Error::WrongType {
+            key: rest.first().and_then(text).unwrap_or_default(),
+            found: rest.get(1).and_then(text).unwrap_or_default(),
+        });
+    }
+    Ok((code, rest))
+}
+
+impl RedisQueue {
+    pub(crate) fn new(backend: RedisBackend, prefix: &str, name: &str) -> RedisQueue {
+        let tag = format!("{{{prefix}:{name}}}");
+        RedisQueue {
+            backend,
+            keys: [
+                format!("{tag}:pending"),
+                format!("{tag}:active"),
+                format!("{tag}:delayed"),
+                format!("{tag}:dead"),
+                format!("{tag}:seq"),
+            ],
+            job_prefix: format!("{tag}:job:"),
+            wake_key: LockKey::new(prefix, name),
+            tag,
+        }
+    }
+
+    async fn run(
+        &self,
+        op: &'static str,
+        script: &Script,
+        args: impl FnOnce(&mut ::redis::ScriptInvocation<'_>),
+    ) -> Result<Value> {
+        let mut inv = script.prepare_invoke();
+        for k in &self.keys {
+            inv.key(k);
+        }
+        inv.arg(&self.job_prefix).arg(self.wake_key.channel());
+        args(&mut inv);
+        let mut conn = self.backend.connection();
+        inv.invoke_async(&mut conn)
+            .await
+            .map_err(|e| classify(op, &self.tag, e))
+    }
+
+    pub(crate) async fn enqueue(&self, payloads: &[&[u8]], max: u64) -> Result<Vec<u64>> {
+        let reply = self
+            .run("enqueue", &SCRIPTS.enqueue, |inv| {
+                inv.arg(max);
+                for p in payloads {
+                    inv.arg(*p);
+                }
+            })
+            .await?;
+        let (_, ids) = status("enqueue", &reply)?;
+        let ids: Option<Vec<u64>> = ids.iter().map(uint).collect();
+        match ids {
+            Some(ids) if ids.len() == payloads.len() => Ok(ids),
+            _ => Err(unexpected("enqueue", &reply)),
+        }
+    }
+
+    pub(crate) async fn claim(&self, lease_ms: u64) -> Result<ClaimReply> {
+        let reply = self
+            .run("claim", &SCRIPTS.claim, |inv| {
+                inv.arg(lease_ms);
+            })
+            .await?;
+        match status("claim", &reply)? {
+            (1, [id, attempts, deadline, payload]) => Ok(ClaimReply::Claimed {
+                id: uint(id).ok_or_else(|| unexpected("claim", &reply))?,
+                attempts: uint(attempts).ok_or_else(|| unexpected("claim", &reply))?,
+                deadline_ms: uint(deadline).ok_or_else(|| unexpected("claim", &reply))?,
+                payload: bytes(payload).unwrap_or_default(),
+            }),
+            (0, [next]) => Ok(ClaimReply::Empty {
+                next_due: uint(next).map(Duration::from_millis),
+            }),
+            _ => Err(unexpected("claim", &reply)),
+        }
+    }
+
+    pub(crate) async fn settle(
+        &self,
+        id: u64,
+        attempts: u64,
+        op: &Op<'_>,
+    ) -> Result<std::result::Result<Settled, Refusal>> {
+        let name = op.name();
+        let (script, extra): (&Script, Vec<Vec<u8>>) = match *op {
+            Op::Complete { keep_done_ms } => (
+                &SCRIPTS.complete,
+                vec![keep_done_ms.to_string().into_bytes()],
+            ),
+            Op::Retry { delay_ms, error } => (
+                &SCRIPTS.retry,
+                vec![delay_ms.to_string().into_bytes(), error.as_bytes().to_vec()],
+            ),
+            Op::Fail { reason } => (&SCRIPTS.fail, vec![reason.as_bytes().to_vec()]),
+            Op::Extend { lease_ms } => (&SCRIPTS.extend, vec![lease_ms.to_string().into_bytes()]),
+        };
+        let reply = self
+            .run(name, script, |inv| {
+                inv.arg(id).arg(attempts);
+                for a in &extra {
+                    inv.arg(a.as_slice());
+                }
+            })
+            .await?;
+        let (code, rest) = status(name, &reply)?;
+        match code {
+            1 => {
+                let state = rest
+                    .first()
+                    .and_then(text)
+                    .and_then(|s| JobState::parse(&s))
+                    .ok_or_else(|| unexpected(name, &reply))?;
+                Ok(Ok(Settled {
+                    state,
+                    at_ms: rest.get(1).and_then(uint),
+                }))
+            }
+            -2 => Ok(Err(Refusal::Unknown)),
+            -3 => Ok(Err(Refusal::Stale {
+                current: rest
+                    .first()
+                    .and_then(uint)
+                    .ok_or_else(|| unexpected(name, &reply))?,
+            })),
+            -4 => Ok(Err(Refusal::NotHeld {
+                state: rest.first().and_then(text).unwrap_or_default(),
+            })),
+            _ => Err(unexpected(name, &reply)),
+        }
+    }
+
+    pub(crate) async fn reap(&self, limit: usize) -> Result<Vec<Reaped>> {
+        let reply = self
+            .run("reap", &SCRIPTS.reap, |inv| {
+                inv.arg(limit);
+            })
+            .await?;
+        let (_, rest) = status("reap", &reply)?;
+        rest.chunks(3)
+            .map(|c| match c {
+                [id, att, to] => Some(Reaped {
+                    id: JobId(uint(id)?),
+                    attempts: uint(att)?,
+                    to: JobState::parse(&text(to)?)?,
+                }),
+                _ => None,
+            })
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| unexpected("reap", &reply))
+    }
+
+    pub(crate) async fn counts(&self) -> Result<QueueCounts> {
+        let reply = self
+            .run("counts", &SCRIPTS.inspect, |inv| {
+                inv.arg("");
+            })
+            .await?;
+        match status("counts", &reply)? {
+            (1, [p, a, d, x]) => Ok(QueueCounts {
+                pending: uint(p).unwrap_or_default(),
+                active: uint(a).unwrap_or_default(),
+                delayed: uint(d).unwrap_or_default(),
+                dead: uint(x).unwrap_or_default(),
+            }),
+            _ => Err(unexpected("counts", &reply)),
+        }
+    }
+
+    pub(crate) async fn job(&self, id: u64) -> Result<Option<JobInfo>> {
+        let reply = self
+            .run("job", &SCRIPTS.inspect, |inv| {
+                inv.arg(id);
+            })
+            .await?;
+        match status("job", &reply)? {
+            (-2, _) => Ok(None),
+            (1, [state, att, max, error, payload, at]) => Ok(Some(JobInfo {
+                id: JobId(id),
+                state: text(state)
+                    .and_then(|s| JobState::parse(&s))
+                    .ok_or_else(|| unexpected("job", &reply))?,
+                attempts: uint(att).unwrap_or_default(),
+                max_attempts: uint(max).unwrap_or_default(),
+                error: text(error),
+                payload: bytes(payload),
+                at_ms: uint(at),
+            })),
+            _ => Err(unexpected("job", &reply)),
+        }
+    }
+
+    pub(crate) async fn watch(&self) -> Result<Watch> {
+        self.backend.watch(&self.wake_key).await
+    }
+}

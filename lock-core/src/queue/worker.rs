@@ -1,0 +1,505 @@
+//! Runs handlers over a queue: claims, keeps each lease alive while its handler runs, cancels a
+//! handler whose lease is lost, settles the job, and reaps on a beat.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::{Instant, sleep, sleep_until};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use super::{JobId, JobState, Queue};
+use crate::error::{Error, Result};
+use crate::types::{Fence, drift, validate_ttl};
+
+/// A claimed job as a handler sees it. The worker owns the lease; the handler only does the
+/// work.
+#[derive(Clone, Debug)]
+pub struct Job {
+    id: JobId,
+    attempts: u64,
+    deadline_ms: u64,
+    payload: Vec<u8>,
+}
+
+impl Job {
+    /// The job.
+    pub fn id(&self) -> JobId {
+        self.id
+    }
+
+    /// This run's attempt number (1 on the first run).
+    pub fn attempts(&self) -> u64 {
+        self.attempts
+    }
+
+    /// The attempt number as a [`Fence`]: pass it to resources that refuse older writers.
+    pub fn fence(&self) -> Fence {
+        Fence(self.attempts)
+    }
+
+    /// The payload as enqueued.
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+
+    /// The lease deadline at claim time, in ms since the Unix epoch on the store's clock.
+    pub fn deadline_ms(&self) -> u64 {
+        self.deadline_ms
+    }
+
+    /// Decodes a JSON payload (see [`Queue::enqueue_json`]).
+    #[cfg(feature = "serde")]
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T> {
+        serde_json::from_slice(&self.payload).map_err(|e| Error::Codec(Box::new(e)))
+    }
+}
+
+/// Why a handler did not finish its job: retried with backoff, or failed for good.
+///
+/// Any error converts into a retryable one, so handlers can use `?`:
+///
+/// ```
+/// use lock_core::queue::{Job, JobError};
+/// async fn handle(job: Job) -> Result<(), JobError> {
+///     let text = std::str::from_utf8(job.payload())?; // a retry if this fails
+///     if text.is_empty() {
+///         return Err(JobError::permanent("empty job")); // straight to the dead set
+///     }
+///     Ok(())
+/// }
+/// ```
+#[derive(Debug)]
+pub struct JobError {
+    message: String,
+    permanent: bool,
+}
+
+impl JobError {
+    /// A failure worth another attempt: the job is retried after the worker's backoff, or goes
+    /// to the dead set when it has no attempts left.
+    pub fn retry(message: impl fmt::Display) -> JobError {
+        JobError {
+            message: message.to_string(),
+            permanent: false,
+        }
+    }
+
+    /// A failure no retry will fix: the job goes to the dead set now.
+    pub fn permanent(message: impl fmt::Display) -> JobError {
+        JobError {
+            message: message.to_string(),
+            permanent: true,
+        }
+    }
+
+    /// Whether the job should go straight to the dead set.
+    pub fn is_permanent(&self) -> bool {
+        self.permanent
+    }
+}
+
+impl fmt::Display for JobError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl<E: std::error::Error> From<E> for JobError {
+    fn from(e: E) -> JobError {
+        JobError::retry(e)
+    }
+}
+
+/// What a worker did, as counts (see [`WorkerHandle::report`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkerReport {
+    /// Jobs claimed.
+    pub claimed: u64,
+    /// Jobs completed.
+    pub completed: u64,
+    /// Jobs given back for another attempt (or sent to the dead set by their last retry).
+    pub retried: u64,
+    /// Jobs failed for good by their handler.
+    pub failed: u64,
+    /// Jobs whose lease was lost: the handler was cancelled, or its result was refused as
+    /// stale. The reaper returns them; another worker runs them again.
+    pub lost: u64,
+    /// Handlers still running when the report was taken; after a shutdown, the ones cut off at
+    /// the grace deadline (their jobs are left to the reaper).
+    pub in_flight: u64,
+}
+
+#[derive(Default)]
+struct Stats {
+    claimed: AtomicU64,
+    completed: AtomicU64,
+    retried: AtomicU64,
+    failed: AtomicU64,
+    lost: AtomicU64,
+    in_flight: AtomicU64,
+}
+
+impl Stats {
+    fn report(&self) -> WorkerReport {
+        WorkerReport {
+            claimed: self.claimed.load(Ordering::Relaxed),
+            completed: self.completed.load(Ordering::Relaxed),
+            retried: self.retried.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            lost: self.lost.load(Ordering::Relaxed),
+            in_flight: self.in_flight.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Runs a handler over a [`Queue`] with `concurrency` jobs at a time.
+///
+/// Each job's lease is extended every third of the lease while its handler runs. If an extend
+/// is refused, or the lease's time runs out locally while extends keep failing, the handler is
+/// dropped (cancelled) before another worker can be given the job. `Ok` completes the job; a
+/// [`JobError`] retries it after an exponential backoff (`backoff × 2^(attempts-1)`, capped at
+/// `max_backoff`) or, if permanent, fails it. Every worker also runs [`Queue::reap`] on a beat,
+/// so crashed workers' jobs come back without a separate process.
+///
+/// ```
+/// use lock_core::queue::{Queue, Worker};
+/// use std::time::Duration;
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// let queue = Queue::memory("resize")?;
+/// queue.enqueue(b"cat.png".as_slice()).await?;
+/// let worker = Worker::new(queue.clone())
+///     .concurrency(4)
+///     .lease(Duration::from_secs(10))
+///     .start(|job| async move {
+///         println!("resizing {:?} (attempt {})", job.payload(), job.attempts());
+///         Ok(())
+///     })?;
+/// while queue.counts().await?.pending + queue.counts().await?.active > 0 {
+///     tokio::time::sleep(Duration::from_millis(5)).await;
+/// }
+/// let report = worker.shutdown(Duration::from_secs(5)).await;
+/// assert_eq!(report.completed, 1);
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct Worker {
+    queue: Queue,
+    concurrency: usize,
+    lease: Duration,
+    reap_every: Duration,
+    backoff: Duration,
+    max_backoff: Duration,
+}
+
+impl Worker {
+    /// A worker on `queue` with the defaults: one job at a time, 30 s leases, a reap every
+    /// second, retries after 1 s doubling up to 5 min.
+    pub fn new(queue: Queue) -> Worker {
+        Worker {
+            queue,
+            concurrency: 1,
+            lease: Duration::from_secs(30),
+            reap_every: Duration::from_secs(1),
+            backoff: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(300),
+        }
+    }
+
+    /// How many handlers run at once (at least one).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n.max(1);
+        self
+    }
+
+    /// The lease each claim takes and each extend renews.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How often this worker runs the reaper.
+    pub fn reap_every(mut self, every: Duration) -> Self {
+        self.reap_every = every;
+        self
+    }
+
+    /// The first retry delay and the cap the doubling stops at.
+    pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.backoff = first;
+        self.max_backoff = max;
+        self
+    }
+
+    fn delay_for(&self, attempts: u64) -> Duration {
+        let shift = u32::try_from(attempts.saturating_sub(1))
+            .unwrap_or(u32::MAX)
+            .min(30);
+        self.backoff
+            .saturating_mul(1u32 << shift)
+            .min(self.max_backoff)
+    }
+
+    /// Starts claiming and running jobs on the current runtime. Fails at once with
+    /// [`Error::InvalidTtl`] if the lease is out of range.
+    pub fn start<F, Fut>(self, handler: F) -> Result<WorkerHandle>
+    where
+        F: Fn(Job) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<(), JobError>> + Send + 'static,
+    {
+        validate_ttl(self.lease)?;
+        if self.reap_every.is_zero() {
+            return Err(Error::InvalidTtl {
+                ttl: self.reap_every,
+                reason: "the reap interval must be above zero",
+            });
+        }
+        let stop = CancellationToken::new();
+        let stats = Arc::new(Stats::default());
+        let worker = Arc::new(self);
+        let handler = Arc::new(handler);
+        let task = tokio::spawn(run(worker, handler, stop.clone(), stats.clone()));
+        Ok(WorkerHandle { stop, stats, task })
+    }
+}
+
+/// A running [`Worker`]. Dropping the handle leaves the worker running; call
+/// [`shutdown`](WorkerHandle::shutdown) to stop it gracefully or [`abort`](WorkerHandle::abort)
+/// to stop it at once.
+pub struct WorkerHandle {
+    stop: CancellationToken,
+    stats: Arc<Stats>,
+    task: JoinHandle<()>,
+}
+
+impl WorkerHandle {
+    /// What the worker has done so far.
+    pub fn report(&self) -> WorkerReport {
+        self.stats.report()
+    }
+
+    /// Stops claiming, lets running handlers finish and settle for up to `grace`, then cuts off
+    /// whatever still runs (those jobs stay active until the reaper returns them).
+    pub async fn shutdown(self, grace: Duration) -> WorkerReport {
+        self.stop.cancel();
+        let mut task = self.task;
+        if tokio::time::timeout(grace, &mut task).await.is_err() {
+            warn!("handlers still running at the shutdown deadline; cutting them off");
+            task.abort();
+            let _ = task.await;
+        }
+        self.stats.report()
+    }
+
+    /// Stops everything at once, as a crash would: running handlers are dropped mid-job and
+    /// their jobs stay active until the reaper returns them.
+    pub fn abort(&self) {
+        self.task.abort();
+    }
+}
+
+async fn run<F, Fut>(
+    worker: Arc<Worker>,
+    handler: Arc<F>,
+    stop: CancellationToken,
+    stats: Arc<Stats>,
+) where
+    F: Fn(Job) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = std::result::Result<(), JobError>> + Send + 'static,
+{
+    // Everything lives in this set, so aborting this task drops every handler with it.
+    let mut tasks = JoinSet::new();
+    for slot in 0..worker.concurrency {
+        let span = info_span!("worker_slot", queue = worker.queue.name(), slot);
+        tasks.spawn(
+            slot_loop(worker.clone(), handler.clone(), stop.clone(), stats.clone())
+                .instrument(span),
+        );
+    }
+    let reaper_stop = stop.clone();
+    let reaper = worker.clone();
+    tasks.spawn(async move {
+        loop {
+            tokio::select! {
+                _ = reaper_stop.cancelled() => return,
+                _ = sleep(reaper.reap_every) => {},
+            }
+            match reaper.queue.reap().await {
+                Ok(moved) if !moved.is_empty() => {
+                    info!(
+                        queue = reaper.queue.name(),
+                        moved = moved.len(),
+                        "reaped expired leases"
+                    )
+                }
+                Ok(_) => {}
+                Err(e) => warn!(queue = reaper.queue.name(), error = %e, "reap failed"),
+            }
+        }
+    });
+    while tasks.join_next().await.is_some() {}
+}
+
+async fn slot_loop<F, Fut>(
+    worker: Arc<Worker>,
+    handler: Arc<F>,
+    stop: CancellationToken,
+    stats: Arc<Stats>,
+) where
+    F: Fn(Job) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = std::result::Result<(), JobError>> + Send + 'static,
+{
+    let mut pause = Duration::from_millis(50);
+    while !stop.is_cancelled() {
+        // Wait in bounded rounds so the loop re-checks `stop` even if no wake-up comes.
+        let give_up = Instant::now() + Duration::from_secs(30);
+        match worker
+            .queue
+            .claim_until(worker.lease, give_up, Some(&stop))
+            .await
+        {
+            Ok(Some(claim)) => {
+                pause = Duration::from_millis(50);
+                bump(&stats.claimed);
+                stats.in_flight.fetch_add(1, Ordering::Relaxed);
+                run_job(&worker, &*handler, claim, &stats).await;
+                stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                warn!(error = %e, "claim failed; retrying");
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = sleep(pause) => {},
+                }
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+async fn run_job<F, Fut>(worker: &Worker, handler: &F, claim: super::Claim, stats: &Stats)
+where
+    F: Fn(Job) -> Fut,
+    Fut: Future<Output = std::result::Result<(), JobError>>,
+{
+    let (queue, id, attempts, deadline_ms, local_deadline, payload) = claim.into_parts();
+    let span = info_span!("job", queue = queue.name(), id = id.0, attempts);
+    async {
+        let job = Job {
+            id,
+            attempts,
+            deadline_ms,
+            payload,
+        };
+        let work = handler(job);
+        let outcome = tokio::select! {
+            biased;
+            lost = keep_alive(&queue, id, attempts, worker.lease, local_deadline) => {
+                warn!(reason = %lost, "lease lost; handler cancelled");
+                bump(&stats.lost);
+                return;
+            }
+            out = work => out,
+        };
+        let settled = match &outcome {
+            Ok(()) => with_retries(|| queue.complete(id, attempts))
+                .await
+                .map(|_| {
+                    bump(&stats.completed);
+                }),
+            Err(e) if e.is_permanent() => with_retries(|| queue.fail(id, attempts, &e.message))
+                .await
+                .map(|_| {
+                    bump(&stats.failed);
+                }),
+            Err(e) => {
+                let delay = worker.delay_for(attempts);
+                with_retries(|| queue.retry_because(id, attempts, delay, &e.message))
+                    .await
+                    .map(|to| {
+                        debug!(to = %to, ?delay, error = %e, "retrying");
+                        if to == JobState::Dead {
+                            debug!("out of attempts: dead");
+                        }
+                        bump(&stats.retried);
+                    })
+            }
+        };
+        match settled {
+            Ok(()) => {}
+            Err(e @ (Error::Stale { .. } | Error::LeaseLost { .. })) => {
+                warn!(error = %e, "result refused: the lease was lost before it landed");
+                bump(&stats.lost);
+            }
+            Err(e) => {
+                warn!(error = %e, "could not settle the job; the reaper will return it");
+                bump(&stats.lost);
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Settling is idempotent per attempt (a repeated complete succeeds; a repeated retry or fail
+/// is refused as no longer held, which the caller then reports), so transient failures are
+/// worth a few more tries before the reaper has to step in.
+async fn with_retries<T, Fut>(mut op: impl FnMut() -> Fut) -> Result<T>
+where
+    Fut: Future<Output = Result<T>>,
+{
+    let mut pause = Duration::from_millis(20);
+    for _ in 0..4 {
+        match op().await {
+            Err(e) if e.is_transient() => {
+                debug!(error = %e, "settle failed; trying again");
+                sleep(pause).await;
+                pause *= 2;
+            }
+            other => return other,
+        }
+    }
+    op().await
+}
+
+/// Extends the lease every third of it; returns only when the lease is lost: an extend was
+/// refused, or the local deadline passed while extends kept failing.
+async fn keep_alive(
+    queue: &Queue,
+    id: JobId,
+    attempts: u64,
+    lease: Duration,
+    mut local_deadline: Instant,
+) -> Error {
+    let every = lease / 3;
+    let mut next = Instant::now() + every;
+    loop {
+        sleep_until(next.min(local_deadline)).await;
+        if Instant::now() >= local_deadline {
+            return Error::LeaseLost {
+                key: format!("{}/job:{}", queue.name(), id.0),
+            };
+        }
+        let start = Instant::now();
+        match queue.extend(id, attempts, lease).await {
+            Ok(_) => {
+                local_deadline = start + lease - drift(lease);
+                next = start + every;
+            }
+            Err(e) if e.is_transient() => {
+                debug!(error = %e, "extend failed; trying again before the deadline");
+                next = Instant::now() + (lease / 20).max(Duration::from_millis(5));
+            }
+            Err(e) => return e,
+        }
+    }
+}

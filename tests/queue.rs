@@ -1,0 +1,681 @@
+//! Claim leases: one behaviour suite for the queue on memory, a real `redis-server` and a real
+//! `valkey-server`, then faults only a server can show (foreign key types, a restart with AOF,
+//! a worker process SIGKILLed mid-job, client clocks skewed by minutes).
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use leasehold::Error;
+use leasehold::queue::{
+    JobError, JobId, JobState, MAX_PAYLOAD, Queue, QueueBuilder, Worker, WorkerHandle,
+};
+use support::{Flavor, Server};
+use tokio::time::{Instant, sleep};
+
+/// A store under test. Memory queues are shared by name, as server queues are.
+enum Harness {
+    Memory(Mutex<HashMap<String, Queue>>),
+    Server(Server),
+}
+
+impl Harness {
+    fn memory() -> Harness {
+        Harness::Memory(Mutex::new(HashMap::new()))
+    }
+
+    /// A handle on the queue `b` names: on a server, a new connection each time, as separate
+    /// worker processes would have.
+    async fn open(&self, b: QueueBuilder) -> Queue {
+        match self {
+            Harness::Memory(m) => {
+                let probe = b.clone().memory().expect("memory queue");
+                let mut m = m.lock().expect("harness lock");
+                m.entry(probe.name().to_owned()).or_insert(probe).clone()
+            }
+            Harness::Server(s) => b.redis(&s.url()).await.expect("connect"),
+        }
+    }
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// Polls `cond` until it holds or `limit` passes; the caller asserts on the result.
+async fn eventually<F, Fut>(limit: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let give_up = Instant::now() + limit;
+    loop {
+        if cond().await {
+            return true;
+        }
+        if Instant::now() >= give_up {
+            return false;
+        }
+        sleep(ms(20)).await;
+    }
+}
+
+async fn fifo_claim_complete(h: Harness) {
+    let q = h.open(Queue::builder("fifo")).await;
+    let mut ids = Vec::new();
+    for i in 0..5u8 {
+        ids.push(q.enqueue([b'j', i]).await.expect("enqueue"));
+    }
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids rise: {ids:?}");
+    let c = q.counts().await.expect("counts");
+    assert_eq!((c.pending, c.active, c.delayed, c.dead), (5, 0, 0, 0));
+    for (i, id) in ids.iter().enumerate() {
+        let claim = q.claim(ms(30_000)).await.expect("claim").expect("a job");
+        assert_eq!(claim.id(), *id, "claims come out in enqueue order");
+        assert_eq!(claim.attempts(), 1);
+        assert_eq!(claim.fence().get(), 1);
+        assert_eq!(claim.payload(), &[b'j', i as u8]);
+        assert!(claim.remaining() > ms(25_000), "{:?}", claim.remaining());
+        let info = q.job(*id).await.expect("job");
+        assert_eq!(info.state, JobState::Active);
+        assert_eq!(info.at_ms, Some(claim.deadline_ms()));
+        claim.complete().await.expect("complete");
+    }
+    assert!(q.claim(ms(30_000)).await.expect("claim").is_none());
+    let c = q.counts().await.expect("counts");
+    assert_eq!((c.pending, c.active, c.delayed, c.dead), (0, 0, 0, 0));
+    let done = q.job(ids[0]).await.expect("done marker");
+    assert_eq!(
+        (done.state, done.attempts, done.payload),
+        (JobState::Done, 1, None)
+    );
+    // A complete whose reply was lost can be sent again.
+    q.complete(ids[0], 1).await.expect("repeated complete");
+    // Any other step on a finished attempt is refused.
+    assert!(matches!(
+        q.retry(ids[0], 1, Duration::ZERO).await,
+        Err(Error::LeaseLost { .. })
+    ));
+}
+
+async fn sixteen_workers_two_thousand_jobs(h: Harness) {
+    const JOBS: u64 = 2_000;
+    let producer = h.open(Queue::builder("bulk")).await;
+    let payloads: Vec<Vec<u8>> = (0..JOBS).map(|i| i.to_string().into_bytes()).collect();
+    let ids = producer.enqueue_many(&payloads).await.expect("enqueue");
+    assert_eq!(ids.len() as u64, JOBS);
+    let runs: Arc<Mutex<HashMap<JobId, u64>>> = Arc::default();
+    let mut workers: Vec<WorkerHandle> = Vec::new();
+    for _ in 0..16 {
+        let q = h.open(Queue::builder("bulk")).await;
+        let runs = runs.clone();
+        let w = Worker::new(q)
+            .concurrency(2)
+            .lease(ms(30_000))
+            .start(move |job| {
+                let runs = runs.clone();
+                async move {
+                    *runs.lock().expect("runs").entry(job.id()).or_default() += 1;
+                    tokio::task::yield_now().await;
+                    Ok(())
+                }
+            })
+            .expect("start worker");
+        workers.push(w);
+    }
+    let all_done = eventually(Duration::from_secs(120), || async {
+        workers.iter().map(|w| w.report().completed).sum::<u64>() == JOBS
+    })
+    .await;
+    let mut total = leasehold::queue::WorkerReport::default();
+    for w in workers {
+        let r = w.shutdown(Duration::from_secs(10)).await;
+        total.claimed += r.claimed;
+        total.completed += r.completed;
+        total.lost += r.lost;
+        total.retried += r.retried;
+        total.failed += r.failed;
+    }
+    assert!(all_done, "not every job completed in time: {total:?}");
+    assert_eq!(total.completed, JOBS, "{total:?}");
+    assert_eq!(total.claimed, JOBS, "a job was claimed twice: {total:?}");
+    assert_eq!((total.lost, total.retried, total.failed), (0, 0, 0));
+    {
+        let runs = runs.lock().expect("runs");
+        assert_eq!(runs.len() as u64, JOBS, "some job never ran");
+        for id in &ids {
+            assert_eq!(
+                runs.get(id),
+                Some(&1),
+                "job {id} ran {:?} times",
+                runs.get(id)
+            );
+        }
+    }
+    let c = producer.counts().await.expect("counts");
+    assert_eq!((c.pending, c.active, c.delayed, c.dead), (0, 0, 0, 0));
+}
+
+/// A worker task aborted mid-job: the job is reaped after its lease, completed by another worker
+/// at attempts + 1, and the dead worker's late complete is refused as stale.
+async fn aborted_worker_is_reaped(h: Harness) {
+    let q = h.open(Queue::builder("crash")).await;
+    let id = q.enqueue(b"work").await.expect("enqueue");
+    let started = Arc::new(AtomicBool::new(false));
+    let flag = started.clone();
+    let doomed = Worker::new(h.open(Queue::builder("crash")).await)
+        .lease(ms(1_000))
+        .reap_every(Duration::from_secs(3_600))
+        .start(move |_job| {
+            let flag = flag.clone();
+            async move {
+                flag.store(true, Ordering::SeqCst);
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+        })
+        .expect("start");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            started.load(Ordering::SeqCst)
+        })
+        .await
+    );
+    doomed.abort();
+    let aborted_at = Instant::now();
+    // Past the deadline the first lease still holds until someone reaps; nothing refreshes it.
+    let seen: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let rec = seen.clone();
+    let rescuer = Worker::new(h.open(Queue::builder("crash")).await)
+        .lease(ms(5_000))
+        .reap_every(ms(100))
+        .start(move |job| {
+            let rec = rec.clone();
+            async move {
+                rec.lock().expect("seen").push(job.attempts());
+                Ok(())
+            }
+        })
+        .expect("start");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            rescuer.report().completed == 1
+        })
+        .await,
+        "the job never came back"
+    );
+    let waited = aborted_at.elapsed();
+    // Not before the lease (1 s less the time already spent) ran out, and not long after it.
+    assert!(waited >= ms(500), "reaped too early: {waited:?}");
+    assert!(waited <= ms(1_000 + 2_000), "reaped too late: {waited:?}");
+    assert_eq!(*seen.lock().expect("seen"), vec![2]);
+    match q.complete(id, 1).await {
+        Err(Error::Stale { fence, highest, .. }) => assert_eq!((fence, highest), (1, 2)),
+        other => panic!("late complete was not refused as stale: {other:?}"),
+    }
+    let info = q.job(id).await.expect("job");
+    assert_eq!((info.state, info.attempts), (JobState::Done, 2));
+    rescuer.shutdown(Duration::from_secs(5)).await;
+}
+
+/// Steps after the lease ended: refused, with nothing changed.
+async fn lapsed_lease_is_refused(h: Harness) {
+    let q = h.open(Queue::builder("lapse")).await;
+    let id = q.enqueue(b"x").await.expect("enqueue");
+    let mut first = q.claim(ms(100)).await.expect("claim").expect("job");
+    // Extend moves the deadline: a reap after the first deadline moves nothing.
+    first.extend(ms(5_000)).await.expect("extend");
+    sleep(ms(300)).await;
+    assert!(q.reap().await.expect("reap").is_empty());
+    // Claimed again with a short lease that nobody renews.
+    q.retry(id, 1, Duration::ZERO).await.expect("retry");
+    let second = q.claim(ms(100)).await.expect("claim").expect("job");
+    assert_eq!(second.attempts(), 2);
+    sleep(ms(300)).await;
+    let reaped = q.reap().await.expect("reap");
+    assert_eq!(reaped.len(), 1);
+    assert_eq!(
+        (reaped[0].id, reaped[0].attempts, reaped[0].to),
+        (id, 2, JobState::Pending)
+    );
+    // Reaped but not claimed again: the lease is lost, not stale.
+    assert!(matches!(
+        q.extend(id, 2, ms(5_000)).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    assert!(matches!(
+        q.complete(id, 2).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    assert!(matches!(
+        q.fail(id, 2, "late").await,
+        Err(Error::LeaseLost { .. })
+    ));
+    let info = q.job(id).await.expect("job");
+    assert_eq!((info.state, info.attempts), (JobState::Pending, 2));
+    assert_eq!(info.error.as_deref(), Some("lease expired on attempt 2"));
+    let third = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert_eq!(third.attempts(), 3);
+    for stale in [1, 2] {
+        assert!(matches!(
+            q.complete(id, stale).await,
+            Err(Error::Stale { fence, highest: 3, .. }) if fence == stale
+        ));
+        assert!(matches!(
+            q.extend(id, stale, ms(5_000)).await,
+            Err(Error::Stale { .. })
+        ));
+        assert!(matches!(
+            q.retry(id, stale, Duration::ZERO).await,
+            Err(Error::Stale { .. })
+        ));
+        assert!(matches!(
+            q.fail(id, stale, "no").await,
+            Err(Error::Stale { .. })
+        ));
+    }
+    let info = q.job(id).await.expect("job");
+    assert_eq!((info.state, info.attempts), (JobState::Active, 3));
+    third
+        .complete()
+        .await
+        .expect("the current attempt completes");
+}
+
+async fn retries_delay_and_dead_set(h: Harness) {
+    let q = h.open(Queue::builder("retry").max_attempts(3)).await;
+    let id = q.enqueue(b"flaky").await.expect("enqueue");
+    let c1 = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert_eq!(
+        c1.retry_because(Duration::ZERO, "first failure")
+            .await
+            .expect("retry"),
+        JobState::Pending
+    );
+    let c2 = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert_eq!(c2.attempts(), 2);
+    assert_eq!(c2.retry(ms(400)).await.expect("retry"), JobState::Delayed);
+    assert_eq!(q.counts().await.expect("counts").delayed, 1);
+    let info = q.job(id).await.expect("job");
+    assert_eq!(info.state, JobState::Delayed);
+    assert_eq!(info.error.as_deref(), Some("first failure"));
+    assert!(
+        q.claim(ms(5_000)).await.expect("claim").is_none(),
+        "delay not honoured"
+    );
+    let asked = Instant::now();
+    let c3 = q
+        .claim_wait(ms(5_000), Duration::from_secs(5))
+        .await
+        .expect("claim_wait")
+        .expect("the delayed job became due");
+    let waited = asked.elapsed();
+    assert!(waited >= ms(250) && waited <= ms(2_000), "{waited:?}");
+    assert_eq!(c3.attempts(), 3);
+    // The last attempt's retry sends it to the dead set instead.
+    assert_eq!(
+        c3.retry_because(Duration::ZERO, "third failure")
+            .await
+            .expect("retry"),
+        JobState::Dead
+    );
+    let c = q.counts().await.expect("counts");
+    assert_eq!((c.pending, c.active, c.delayed, c.dead), (0, 0, 0, 1));
+    let info = q.job(id).await.expect("job");
+    assert_eq!(info.state, JobState::Dead);
+    assert_eq!(info.error.as_deref(), Some("third failure"));
+    assert_eq!(info.payload.as_deref(), Some(b"flaky".as_slice()));
+    assert!(info.at_ms.is_some());
+}
+
+async fn reaper_sends_to_dead_after_max_attempts(h: Harness) {
+    let q = h.open(Queue::builder("reapdead").max_attempts(2)).await;
+    let id = q.enqueue(b"hangs").await.expect("enqueue");
+    for attempt in 1..=2u64 {
+        let c = q.claim(ms(50)).await.expect("claim").expect("job");
+        assert_eq!(c.attempts(), attempt);
+        sleep(ms(250)).await;
+        let reaped = q.reap().await.expect("reap");
+        let to = if attempt == 2 {
+            JobState::Dead
+        } else {
+            JobState::Pending
+        };
+        assert_eq!(reaped.len(), 1);
+        assert_eq!(
+            (reaped[0].id, reaped[0].attempts, reaped[0].to),
+            (id, attempt, to)
+        );
+    }
+    assert!(q.claim(ms(50)).await.expect("claim").is_none());
+    let info = q.job(id).await.expect("job");
+    assert_eq!(info.state, JobState::Dead);
+    assert_eq!(info.error.as_deref(), Some("lease expired on attempt 2"));
+    assert_eq!(q.counts().await.expect("counts").dead, 1);
+}
+
+async fn worker_settles_by_outcome(h: Harness) {
+    let q = h.open(Queue::builder("outcomes").max_attempts(5)).await;
+    let flaky = q.enqueue(b"flaky").await.expect("enqueue");
+    let doomed = q.enqueue(b"doomed").await.expect("enqueue");
+    let seen: Arc<Mutex<Vec<(JobId, u64)>>> = Arc::default();
+    let rec = seen.clone();
+    let w = Worker::new(q.clone())
+        .concurrency(2)
+        .lease(ms(5_000))
+        .backoff(ms(50), ms(200))
+        .start(move |job| {
+            let rec = rec.clone();
+            async move {
+                rec.lock().expect("seen").push((job.id(), job.attempts()));
+                match job.payload() {
+                    b"doomed" => Err(JobError::permanent("cannot ever work")),
+                    _ if job.attempts() < 3 => {
+                        let n: Result<u8, _> = "not a number".parse::<u8>();
+                        n?;
+                        Ok(())
+                    }
+                    _ => Ok(()),
+                }
+            }
+        })
+        .expect("start");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            let r = w.report();
+            r.completed == 1 && r.failed == 1
+        })
+        .await,
+        "{:?}",
+        w.report()
+    );
+    let r = w.shutdown(Duration::from_secs(5)).await;
+    assert_eq!((r.completed, r.failed, r.retried, r.lost), (1, 1, 2, 0));
+    let flaky_runs: Vec<u64> = seen
+        .lock()
+        .expect("seen")
+        .iter()
+        .filter(|(i, _)| *i == flaky)
+        .map(|(_, a)| *a)
+        .collect();
+    assert_eq!(flaky_runs, vec![1, 2, 3]);
+    let dead = q.job(doomed).await.expect("job");
+    assert_eq!(dead.state, JobState::Dead);
+    assert_eq!(dead.error.as_deref(), Some("cannot ever work"));
+    assert_eq!(q.job(flaky).await.expect("job").state, JobState::Done);
+}
+
+/// A handler whose lease is taken away is cancelled; its result never lands.
+async fn lost_lease_cancels_handler(h: Harness) {
+    let q = h.open(Queue::builder("cancel")).await;
+    let id = q.enqueue(b"slow").await.expect("enqueue");
+    let running = Arc::new(AtomicU64::new(0));
+    let dropped = Arc::new(AtomicBool::new(false));
+    struct OnDrop(Arc<AtomicBool>);
+    impl Drop for OnDrop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let (r, d) = (running.clone(), dropped.clone());
+    let w = Worker::new(q.clone())
+        .lease(ms(600))
+        .reap_every(Duration::from_secs(3_600))
+        .start(move |job| {
+            let (r, d) = (r.clone(), d.clone());
+            async move {
+                let _guard = OnDrop(d);
+                r.store(job.attempts(), Ordering::SeqCst);
+                sleep(Duration::from_secs(60)).await;
+                Ok(())
+            }
+        })
+        .expect("start");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            running.load(Ordering::SeqCst) == 1
+        })
+        .await
+    );
+    // Renewal holds the lease well past its length.
+    sleep(ms(1_500)).await;
+    assert!(
+        !dropped.load(Ordering::SeqCst),
+        "cancelled while the lease was renewed"
+    );
+    assert_eq!(q.job(id).await.expect("job").state, JobState::Active);
+    // An operator fails the job out from under the worker: the next extend is refused.
+    q.fail(id, 1, "operator").await.expect("fail");
+    assert!(
+        eventually(ms(2_000), || async { dropped.load(Ordering::SeqCst) }).await,
+        "handler kept running without its lease"
+    );
+    let r = w.shutdown(Duration::from_secs(5)).await;
+    assert_eq!((r.lost, r.completed), (1, 0));
+    assert_eq!(q.job(id).await.expect("job").state, JobState::Dead);
+}
+
+async fn claim_wait_wakes_on_enqueue(h: Harness) {
+    let q = h.open(Queue::builder("wake")).await;
+    let started = Instant::now();
+    assert!(
+        q.claim_wait(ms(5_000), ms(300))
+            .await
+            .expect("wait")
+            .is_none()
+    );
+    let waited = started.elapsed();
+    assert!(waited >= ms(300) && waited < ms(1_500), "{waited:?}");
+    let waiter = {
+        let q = q.clone();
+        tokio::spawn(async move {
+            let c = q.claim_wait(ms(5_000), Duration::from_secs(10)).await;
+            (Instant::now(), c)
+        })
+    };
+    // Midway between the 1 s fallback polls, so a wake-up is told apart from a poll.
+    sleep(ms(1_200)).await;
+    let producer = h.open(Queue::builder("wake")).await;
+    let enqueued = Instant::now();
+    let id = producer.enqueue(b"now").await.expect("enqueue");
+    let (woke, claim) = waiter.await.expect("waiter");
+    let claim = claim.expect("claim_wait").expect("a job");
+    assert_eq!(claim.id(), id);
+    let lag = woke - enqueued;
+    assert!(lag < ms(500), "woken only by the fallback poll: {lag:?}");
+}
+
+async fn shutdown_is_graceful(h: Harness) {
+    let q = h.open(Queue::builder("shutdown")).await;
+    let a = q.enqueue(b"a").await.expect("enqueue");
+    let slow = |d: Duration| {
+        move |_job| async move {
+            sleep(d).await;
+            Ok(())
+        }
+    };
+    let w = Worker::new(q.clone()).start(slow(ms(500))).expect("start");
+    assert!(eventually(Duration::from_secs(5), || async { w.report().claimed == 1 }).await);
+    let r = w.shutdown(Duration::from_secs(10)).await;
+    assert_eq!((r.completed, r.in_flight), (1, 0), "{r:?}");
+    assert_eq!(q.job(a).await.expect("job").state, JobState::Done);
+    // A job cut off at the grace deadline stays active, for the reaper.
+    let b = q.enqueue(b"b").await.expect("enqueue");
+    let w = Worker::new(q.clone())
+        .start(slow(Duration::from_secs(30)))
+        .expect("start");
+    assert!(eventually(Duration::from_secs(5), || async { w.report().claimed == 1 }).await);
+    let r = w.shutdown(ms(200)).await;
+    assert_eq!((r.completed, r.in_flight), (0, 1), "{r:?}");
+    assert_eq!(q.job(b).await.expect("job").state, JobState::Active);
+    // Nothing claims after shutdown.
+    let c = q.enqueue(b"c").await.expect("enqueue");
+    sleep(ms(300)).await;
+    assert_eq!(q.job(c).await.expect("job").state, JobState::Pending);
+}
+
+async fn bad_input(h: Harness) {
+    assert!(matches!(Queue::memory(""), Err(Error::InvalidKey { .. })));
+    assert!(matches!(
+        Queue::memory("a{b"),
+        Err(Error::InvalidKey { .. })
+    ));
+    assert!(matches!(
+        Queue::builder("q").prefix("p}x").memory(),
+        Err(Error::InvalidKey { .. })
+    ));
+    let q = h.open(Queue::builder("bad")).await;
+    assert!(matches!(
+        q.claim(Duration::ZERO).await,
+        Err(Error::InvalidTtl { .. })
+    ));
+    assert!(matches!(
+        q.claim_wait(Duration::ZERO, ms(10)).await,
+        Err(Error::InvalidTtl { .. })
+    ));
+    let big = vec![7u8; MAX_PAYLOAD + 1];
+    assert!(matches!(
+        q.enqueue(&big).await,
+        Err(Error::PayloadTooLarge { len, max }) if len == MAX_PAYLOAD + 1 && max == MAX_PAYLOAD
+    ));
+    // One oversize payload in a batch: none of the batch is added.
+    let batch = [vec![1u8; 10], big.clone()];
+    assert!(matches!(
+        q.enqueue_many(&batch).await,
+        Err(Error::PayloadTooLarge { .. })
+    ));
+    assert_eq!(q.counts().await.expect("counts").pending, 0);
+    let id = q
+        .enqueue(vec![9u8; MAX_PAYLOAD])
+        .await
+        .expect("the limit itself is accepted");
+    let c = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert_eq!(c.payload().len(), MAX_PAYLOAD);
+    assert!(matches!(
+        q.extend(id, 1, Duration::ZERO).await,
+        Err(Error::InvalidTtl { .. })
+    ));
+    for missing in [JobId(0), JobId(9_999)] {
+        assert!(
+            matches!(q.complete(missing, 1).await, Err(Error::UnknownJob { id, .. }) if id == missing.0)
+        );
+        assert!(matches!(
+            q.job(missing).await,
+            Err(Error::UnknownJob { .. })
+        ));
+        assert!(matches!(
+            q.retry(missing, 1, Duration::ZERO).await,
+            Err(Error::UnknownJob { .. })
+        ));
+    }
+    assert!(matches!(
+        Worker::new(q.clone())
+            .lease(Duration::ZERO)
+            .start(|_| async { Ok(()) }),
+        Err(Error::InvalidTtl { .. })
+    ));
+    // Nothing above disturbed the job in flight.
+    c.complete().await.expect("complete");
+    // keep_done(0): completed jobs vanish at once, and their late callers get UnknownJob.
+    let q0 = h
+        .open(Queue::builder("nodone").keep_done(Duration::ZERO))
+        .await;
+    let id = q0.enqueue(b"x").await.expect("enqueue");
+    q0.claim(ms(5_000))
+        .await
+        .expect("claim")
+        .expect("job")
+        .complete()
+        .await
+        .expect("complete");
+    assert!(matches!(
+        q0.complete(id, 1).await,
+        Err(Error::UnknownJob { .. })
+    ));
+}
+
+#[cfg(feature = "serde")]
+async fn typed_payloads(h: Harness) {
+    let q = h.open(Queue::builder("typed")).await;
+    q.enqueue_json(&(7u32, "seven")).await.expect("enqueue");
+    q.enqueue(b"not json").await.expect("enqueue");
+    let c = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert_eq!(
+        c.json::<(u32, String)>().expect("decode"),
+        (7, "seven".to_owned())
+    );
+    c.complete().await.expect("complete");
+    let c = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert!(matches!(c.json::<(u32, String)>(), Err(Error::Codec(_))));
+}
+
+#[cfg(not(feature = "serde"))]
+async fn typed_payloads(_h: Harness) {
+    panic!("the suite must be run with --all-features (the `serde` feature)");
+}
+
+macro_rules! suite {
+    ($modname:ident, $make:expr) => {
+        mod $modname {
+            use super::*;
+            fn harness() -> Harness {
+                $make
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fifo_claim_complete() {
+                super::fifo_claim_complete(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sixteen_workers_two_thousand_jobs() {
+                super::sixteen_workers_two_thousand_jobs(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn aborted_worker_is_reaped() {
+                super::aborted_worker_is_reaped(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn lapsed_lease_is_refused() {
+                super::lapsed_lease_is_refused(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn retries_delay_and_dead_set() {
+                super::retries_delay_and_dead_set(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn reaper_sends_to_dead_after_max_attempts() {
+                super::reaper_sends_to_dead_after_max_attempts(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn worker_settles_by_outcome() {
+                super::worker_settles_by_outcome(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn lost_lease_cancels_handler() {
+                super::lost_lease_cancels_handler(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn claim_wait_wakes_on_enqueue() {
+                super::claim_wait_wakes_on_enqueue(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn shutdown_is_graceful() {
+                super::shutdown_is_graceful(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn bad_input() {
+                super::bad_input(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn typed_payloads() {
+                super::typed_payloads(harness()).await
+            }
+        }
+    };
+}
+
+suite!(memory, Harness::memory());
+suite!(redis, Harness::Server(Server::start(Flavor::Redis)));
+suite!(valkey, Harness::Server(Server::start(Flavor::Valkey)));
