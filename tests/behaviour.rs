@@ -344,8 +344,9 @@ async fn nothing_renews_after_release(h: Harness) {
             .try_acquire("race-renew", &opts(30).renew(false))
             .await
             .expect("free right after release");
-        drop(again);
-        sleep(Duration::from_millis(2)).await;
+        // Released in the foreground: a dropped guard's background release could still be in
+        // flight when the next round asks (the drop path has its own test).
+        assert_eq!(again.release().await.expect("release"), Release::Released);
     }
 }
 
@@ -430,6 +431,64 @@ async fn bad_input(h: Harness) {
     ));
 }
 
+/// Waiters of one locker take turns in arrival order, and a task that asks again right after
+/// releasing queues behind them instead of winning the key back.
+async fn waiters_take_turns(h: Harness) {
+    let locker = h.locker().await;
+    let o = opts(5_000).wait(Duration::from_secs(20));
+    let first = locker.acquire("turns", &o).await.expect("first");
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for id in 0..6usize {
+        let (locker, o, order) = (locker.clone(), o.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..2 {
+                let lease = locker.acquire("turns", &o).await.expect("turn");
+                order.lock().expect("order").push(id);
+                // A round trip's worth of work while holding, then straight back into line.
+                sleep(Duration::from_millis(2)).await;
+                lease.release().await.expect("release");
+            }
+        }));
+        // Each task is queued before the next one arrives.
+        sleep(Duration::from_millis(50)).await;
+    }
+    first.release().await.expect("release");
+    for t in tasks {
+        t.await.expect("task");
+    }
+    let order = order.lock().expect("order").clone();
+    assert_eq!(
+        order,
+        vec![0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5],
+        "grants in arrival order, releasers back of the line"
+    );
+}
+
+/// A holder that keeps its guard past the lease does not stall the line: the next waiter gets
+/// the key once the lease is lost, not when the guard is finally dropped.
+async fn stuck_guard_does_not_block_waiters(h: Harness) {
+    let locker = h.locker().await;
+    let stuck = locker
+        .acquire("stuck", &opts(300).renew(false))
+        .await
+        .expect("holder");
+    let started = Instant::now();
+    let next = locker
+        .acquire("stuck", &opts(1_000).wait(Duration::from_secs(5)))
+        .await
+        .expect("the waiter gets the key after the holder's lease ran out");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(next.fence() > stuck.fence());
+    assert!(stuck.is_lost());
+    drop(stuck);
+    next.release().await.expect("release");
+}
+
 macro_rules! suite {
     ($modname:ident, $make:expr) => {
         mod $modname {
@@ -492,6 +551,14 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn many_leases_renew() {
                 super::many_leases_renew(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn waiters_take_turns() {
+                super::waiters_take_turns(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn stuck_guard_does_not_block_waiters() {
+                super::stuck_guard_does_not_block_waiters(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn bad_input() {

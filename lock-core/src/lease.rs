@@ -8,6 +8,7 @@ use crate::backend::{AnyBackend, Backend};
 use crate::error::{Error, Result};
 use crate::locker::Core;
 use crate::renew::{Cmd, LeaseState};
+use crate::turnstile::TurnHandle;
 use crate::types::{Fence, LockKey, Token, drift, validate_ttl};
 
 /// What [`Lease::release`] found on the server.
@@ -46,6 +47,8 @@ pub struct Lease<B: Backend + Clone = AnyBackend> {
     pub(crate) state: Arc<LeaseState>,
     /// Whether the renewal driver tracks this lease; leases without renewal never touch it.
     pub(crate) renewing: bool,
+    /// This key's turn among the locker's waiters, when the lease came from waiting.
+    pub(crate) turn: Option<TurnHandle>,
     pub(crate) done: bool,
 }
 
@@ -160,6 +163,7 @@ impl<B: Backend + Clone> Lease<B> {
             Err(e) => return Err(e),
         };
         self.state.lost.cancel();
+        self.vacate_turn();
         debug!(held, "released");
         Ok(if held {
             Release::Released
@@ -169,8 +173,18 @@ impl<B: Backend + Clone> Lease<B> {
     }
 }
 
+impl<B: Backend + Clone> Lease<B> {
+    fn vacate_turn(&self) {
+        if let Some(turn) = &self.turn {
+            turn.vacate(&self.state);
+        }
+    }
+}
+
 impl<B: Backend + Clone> Drop for Lease<B> {
     fn drop(&mut self) {
+        // Also after a failed release: the next waiter must not wait for the lease's deadline.
+        self.vacate_turn();
         if self.done {
             return;
         }

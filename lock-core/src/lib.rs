@@ -21,6 +21,7 @@ mod lease;
 mod locker;
 pub mod queue;
 mod renew;
+mod turnstile;
 mod types;
 mod wake;
 

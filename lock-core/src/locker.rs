@@ -11,6 +11,7 @@ use crate::backend::{AcquireReply, AnyBackend, Backend, MemoryBackend, RedisBack
 use crate::error::{Error, Result};
 use crate::lease::{Lease, LeaseInfo};
 use crate::renew::{self, Cmd, LeaseState};
+use crate::turnstile::Turnstiles;
 use crate::types::{Fence, LockKey, Token, drift, validate_key, validate_ttl};
 
 /// How one acquisition behaves. The defaults follow the common convention: a 30 s lease renewed
@@ -74,6 +75,7 @@ pub(crate) struct Core<B: Backend + Clone> {
     prefix: String,
     next_id: AtomicU64,
     driver: OnceLock<mpsc::UnboundedSender<Cmd>>,
+    turnstiles: Arc<Turnstiles>,
 }
 
 impl<B: Backend + Clone> Core<B> {
@@ -146,6 +148,7 @@ impl<B: Backend + Clone> Locker<B> {
                 prefix: DEFAULT_PREFIX.to_owned(),
                 next_id: AtomicU64::new(1),
                 driver: OnceLock::new(),
+                turnstiles: Arc::default(),
             }),
         }
     }
@@ -158,6 +161,7 @@ impl<B: Backend + Clone> Locker<B> {
                 prefix: prefix.into(),
                 next_id: AtomicU64::new(1),
                 driver: OnceLock::new(),
+                turnstiles: Arc::default(),
             }),
         }
     }
@@ -175,6 +179,9 @@ impl<B: Backend + Clone> Locker<B> {
 
     /// Takes the lease if it is free, in one round trip; otherwise [`Error::Busy`] with the
     /// holder's remaining TTL.
+    ///
+    /// It never waits, so it never queues: a free key is taken at once, even while tasks of this
+    /// locker wait for it in [`acquire`](Self::acquire).
     #[instrument(level = "debug", skip(self, opts), fields(ttl = ?opts.ttl))]
     pub async fn try_acquire(&self, key: &str, opts: &LockOptions) -> Result<Lease<B>> {
         let key = self.lock_key(key)?;
@@ -194,6 +201,10 @@ impl<B: Backend + Clone> Locker<B> {
     /// Waiters wake when the holder releases (a release publishes on the key's channel, and one
     /// subscription per locker serves every waited key), and otherwise when the holder's TTL runs
     /// out plus a small jitter, which covers holders that crashed without releasing.
+    ///
+    /// Waiters of one locker take turns in arrival order: only the first asks the server, and a
+    /// task that asks again after releasing queues behind them. Waiters in other processes still
+    /// race for the key when it frees.
     #[instrument(level = "debug", skip(self, opts), fields(ttl = ?opts.ttl, wait = ?opts.wait))]
     pub async fn acquire(&self, key: &str, opts: &LockOptions) -> Result<Lease<B>> {
         let key = self.lock_key(key)?;
@@ -201,6 +212,13 @@ impl<B: Backend + Clone> Locker<B> {
         let token = Token::generate();
         let started = Instant::now();
         let give_up = started + opts.wait;
+        let turn = self.core.turnstiles.enter(&key.user);
+        let Some(permit) = turn.wait_turn(give_up).await else {
+            return Err(Error::WaitTimeout {
+                key: key.user,
+                waited: started.elapsed(),
+            });
+        };
         let mut watch = None;
         let mut backoff = Duration::from_millis(5);
         loop {
@@ -208,8 +226,10 @@ impl<B: Backend + Clone> Locker<B> {
                 crate::wake::Watch::mark_seen(w);
             }
             let remaining = match self.attempt(&key, &token, opts).await? {
-                Ok(lease) => {
+                Ok(mut lease) => {
                     debug!(waited = ?started.elapsed(), fence = lease.fence.0, "acquired");
+                    turn.hold(lease.state.clone(), permit);
+                    lease.turn = Some(turn);
                     return Ok(lease);
                 }
                 Err(remaining) => remaining,
@@ -293,6 +313,7 @@ impl<B: Backend + Clone> Locker<B> {
                     fence: Fence(fence),
                     state,
                     renewing: opts.renew,
+                    turn: None,
                     done: false,
                 }))
             }
