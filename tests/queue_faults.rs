@@ -1,0 +1,363 @@
+//! Queue faults only a real server can show: keys of a foreign type, a restart with AOF, a
+//! worker process SIGKILLed mid-job, and worker processes whose clocks are minutes off (run
+//! under libfaketime). Each runs on Redis and on Valkey.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use leasehold::Error;
+use leasehold::queue::{JobId, JobState, Queue, Worker};
+use support::{Flavor, Server, has_binary};
+use tokio::time::{Instant, sleep};
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// The server's clock in ms, from `TIME`.
+fn server_ms(server: &Server) -> u64 {
+    let t: Vec<String> = server.cmd(&["TIME"]);
+    let secs: u64 = t[0].parse().expect("seconds");
+    let micros: u64 = t[1].parse().expect("micros");
+    secs * 1000 + micros / 1000
+}
+
+fn local_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_millis() as u64
+}
+
+/// Keys of a foreign type are reported as `WrongType` and nothing is changed or lost.
+async fn foreign_types(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let q = Queue::redis(&server.url(), "wt").await.expect("connect");
+    // The pending set is a string: every step refuses, the string is untouched.
+    let _: () = server.cmd(&["SET", "{leasehold:wt}:pending", "mine"]);
+    for res in [
+        q.enqueue(b"x").await.map(|_| ()),
+        q.claim(ms(5_000)).await.map(|_| ()),
+        q.counts().await.map(|_| ()),
+        q.reap().await.map(|_| ()),
+    ] {
+        match res {
+            Err(Error::WrongType { key, found }) => {
+                assert_eq!(
+                    (key.as_str(), found.as_str()),
+                    ("{leasehold:wt}:pending", "string")
+                )
+            }
+            other => panic!("expected WrongType, got {other:?}"),
+        }
+    }
+    let kept: String = server.cmd(&["GET", "{leasehold:wt}:pending"]);
+    assert_eq!(kept, "mine");
+    assert_eq!(
+        server.cmd::<i64>(&["EXISTS", "{leasehold:wt}:seq"]),
+        0,
+        "enqueue wrote"
+    );
+    let _: i64 = server.cmd(&["DEL", "{leasehold:wt}:pending"]);
+
+    // A foreign key where the next job would go: enqueue steps over it rather than overwrite.
+    let _: i64 = server.cmd(&["RPUSH", "{leasehold:wt}:job:1", "someone else's list"]);
+    let id = q.enqueue(b"first").await.expect("enqueue");
+    assert_eq!(id, JobId(2));
+    assert_eq!(server.cmd::<i64>(&["LLEN", "{leasehold:wt}:job:1"]), 1);
+
+    // A claimed job's key replaced by a string: complete, job and reap refuse, and the active
+    // set keeps the id.
+    let claim = q.claim(ms(50)).await.expect("claim").expect("job");
+    let _: () = server.cmd(&["SET", "{leasehold:wt}:job:2", "clobbered"]);
+    assert!(matches!(
+        q.complete(claim.id(), 1).await,
+        Err(Error::WrongType { .. })
+    ));
+    assert!(matches!(
+        q.job(claim.id()).await,
+        Err(Error::WrongType { .. })
+    ));
+    sleep(ms(200)).await;
+    assert!(matches!(q.reap().await, Err(Error::WrongType { .. })));
+    assert_eq!(
+        server.cmd::<i64>(&["ZCARD", "{leasehold:wt}:active"]),
+        1,
+        "a failed reap changed the active set"
+    );
+    let kept: String = server.cmd(&["GET", "{leasehold:wt}:job:2"]);
+    assert_eq!(kept, "clobbered");
+}
+
+/// Scenario from the issue: a restart with AOF loses no enqueued job, and leases survive too.
+async fn aof_restart_keeps_jobs(flavor: Flavor) {
+    let mut server = Server::start_with(flavor, true);
+    let q = Queue::redis(&server.url(), "durable")
+        .await
+        .expect("connect");
+    let payloads: Vec<Vec<u8>> = (0..300u32).map(|i| i.to_be_bytes().to_vec()).collect();
+    let ids = q.enqueue_many(&payloads).await.expect("enqueue");
+    let held = q.claim(ms(60_000)).await.expect("claim").expect("job");
+    server.restart();
+    let q = Queue::redis(&server.url(), "durable")
+        .await
+        .expect("reconnect");
+    let c = q.counts().await.expect("counts");
+    assert_eq!((c.pending, c.active), (299, 1), "{c:?}");
+    let info = q.job(held.id()).await.expect("the claimed job");
+    assert_eq!((info.state, info.attempts), (JobState::Active, 1));
+    for (id, payload) in ids.iter().zip(&payloads).skip(1) {
+        let claim = q.claim(ms(5_000)).await.expect("claim").expect("job");
+        assert_eq!((claim.id(), claim.payload()), (*id, payload.as_slice()));
+        claim.complete().await.expect("complete");
+    }
+    // The lease taken before the restart is still the one that can complete the job.
+    q.complete(held.id(), 1)
+        .await
+        .expect("complete across restart");
+    // The id counter survived too: no id is handed out twice.
+    let next = q.enqueue(b"after").await.expect("enqueue");
+    assert!(next > *ids.last().expect("ids"), "{next} reused an id");
+}
+
+/// Re-runs this test binary as a child process running only `test`, with `env` set.
+fn spawn_child(test: &str, env: &[(&str, &str)], faketime: Option<&str>) -> Child {
+    let exe = std::env::current_exe().expect("test binary");
+    let args = [
+        "--exact",
+        test,
+        "--ignored",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ];
+    let mut cmd = match faketime {
+        Some(offset) => {
+            assert!(
+                has_binary("faketime"),
+                "`faketime` is not on PATH: install Debian's `faketime` package (scripts/test.sh does)"
+            );
+            let mut c = Command::new("faketime");
+            c.arg("-f").arg(offset).arg(exe).args(args);
+            // Timers keep the real monotonic clock; only wall-clock readings are skewed.
+            c.env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+            c
+        }
+        None => {
+            let mut c = Command::new(exe);
+            c.args(args);
+            c
+        }
+    };
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn child process")
+}
+
+/// Reads the child's stdout until a line containing `tag`, and returns what follows the tag.
+fn read_tagged(child: &mut Child, tag: &str) -> String {
+    let stdout = child.stdout.as_mut().expect("child stdout");
+    let mut reader = BufReader::new(stdout);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = reader.read_line(&mut line).expect("read child");
+        assert!(n > 0, "the child exited without printing {tag}");
+        // libtest prints the test name on the same line, before the child's own output.
+        if let Some((_, rest)) = line.split_once(tag) {
+            return rest.trim().to_owned();
+        }
+    }
+}
+
+fn fields(text: &str) -> Vec<u64> {
+    text.split_whitespace()
+        .map(|f| f.parse().expect("number"))
+        .collect()
+}
+
+/// The child side of `worker_process_killed`: a worker whose handler never finishes; its lease
+/// is renewed for as long as the process lives.
+#[tokio::test]
+#[ignore = "run as a child process by worker_process_killed"]
+async fn worker_child() {
+    let Ok(url) = std::env::var("LEASEHOLD_QUEUE_URL") else {
+        return;
+    };
+    let q = Queue::redis(&url, "killed").await.expect("child connects");
+    let _worker = Worker::new(q)
+        .lease(ms(1_000))
+        .start(|job| async move {
+            println!("RUNNING {} {}", job.id(), job.attempts());
+            std::future::pending::<()>().await;
+            Ok(())
+        })
+        .expect("child worker");
+    sleep(Duration::from_secs(120)).await;
+}
+
+/// A worker process SIGKILLed mid-job: the job is reaped after its lease, completed by another
+/// worker with attempts + 1, and the dead worker's late complete is refused as stale.
+async fn worker_process_killed(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let q = Queue::redis(&server.url(), "killed")
+        .await
+        .expect("connect");
+    let id = q.enqueue(b"job").await.expect("enqueue");
+    let mut child = spawn_child(
+        "worker_child",
+        &[("LEASEHOLD_QUEUE_URL", &server.url())],
+        None,
+    );
+    let got = fields(&read_tagged(&mut child, "RUNNING "));
+    assert_eq!(got, vec![id.get(), 1]);
+    // Held well past one lease while the child renews it.
+    sleep(ms(2_500)).await;
+    assert!(
+        q.reap().await.expect("reap").is_empty(),
+        "reaped a renewed lease"
+    );
+    assert_eq!(q.job(id).await.expect("job").state, JobState::Active);
+    child.kill().expect("SIGKILL the worker");
+    let _ = child.wait();
+    let killed = Instant::now();
+    let seen: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let rec = seen.clone();
+    let rescuer = Worker::new(q.clone())
+        .lease(ms(5_000))
+        .reap_every(ms(100))
+        .start(move |job| {
+            let rec = rec.clone();
+            async move {
+                rec.lock().expect("seen").push(job.attempts());
+                Ok(())
+            }
+        })
+        .expect("start");
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while rescuer.report().completed == 0 && Instant::now() < give_up {
+        sleep(ms(20)).await;
+    }
+    let waited = killed.elapsed();
+    assert_eq!(rescuer.report().completed, 1, "the job never came back");
+    assert!(waited <= ms(1_000 + 2_000), "reaped too late: {waited:?}");
+    assert_eq!(*seen.lock().expect("seen"), vec![2]);
+    match q.complete(id, 1).await {
+        Err(Error::Stale { fence, highest, .. }) => assert_eq!((fence, highest), (1, 2)),
+        other => panic!("the dead worker's complete was not refused: {other:?}"),
+    }
+    rescuer.shutdown(Duration::from_secs(5)).await;
+}
+
+/// The child side of `skewed_clients`: claims one job and leaves it, claims and completes
+/// another, and reports its own wall clock beside the deadlines it was given.
+#[tokio::test]
+#[ignore = "run as a child process under faketime by skewed_clients"]
+async fn skewed_child() {
+    let Ok(url) = std::env::var("LEASEHOLD_SKEW_URL") else {
+        return;
+    };
+    let q = Queue::redis(&url, "skew").await.expect("child connects");
+    let left = q.claim(ms(2_000)).await.expect("claim").expect("job");
+    let mut done = q.claim(ms(30_000)).await.expect("claim").expect("job");
+    done.extend(ms(30_000)).await.expect("extend");
+    let second_deadline = done.deadline_ms();
+    done.complete().await.expect("complete");
+    println!(
+        "SKEW {} {} {} {}",
+        local_ms(),
+        left.id(),
+        left.deadline_ms(),
+        second_deadline
+    );
+}
+
+/// Workers whose clocks are ten minutes ahead or behind lease on the server's clock: deadlines
+/// are server time + lease, a behind clock does not make a fresh lease reapable, and an ahead
+/// clock does not stretch a lease by ten minutes.
+async fn skewed_clients(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let q = Queue::redis(&server.url(), "skew").await.expect("connect");
+    for offset in ["+10m", "-10m"] {
+        let left = q.enqueue(b"left").await.expect("enqueue");
+        q.enqueue(b"done").await.expect("enqueue");
+        let before = server_ms(&server);
+        let mut child = spawn_child(
+            "skewed_child",
+            &[("LEASEHOLD_SKEW_URL", &server.url())],
+            Some(offset),
+        );
+        let got = fields(&read_tagged(&mut child, "SKEW "));
+        let status = child.wait().expect("child exit");
+        assert!(status.success(), "child under {offset} failed: {status:?}");
+        let after = server_ms(&server);
+        let [child_clock, left_id, deadline, second_deadline] = got[..] else {
+            panic!("child printed {got:?}");
+        };
+        // The child really ran on a skewed clock.
+        let skew = child_clock as i64 - after as i64;
+        assert!(
+            skew.unsigned_abs() > 5 * 60 * 1000,
+            "faketime {offset} did not skew the child: {skew} ms"
+        );
+        assert_eq!(left_id, left.get());
+        // Deadlines are the server's clock plus the lease, whatever the child's clock says.
+        assert!(
+            deadline >= before + 2_000 && deadline <= after + 2_000,
+            "{offset}: deadline {deadline} outside server [{before}, {after}] + 2000"
+        );
+        assert!(
+            second_deadline >= before + 30_000 && second_deadline <= after + 30_000,
+            "{offset}: extended deadline {second_deadline} off the server clock"
+        );
+        // A fresh lease is not reapable yet ...
+        assert!(
+            q.reap().await.expect("reap").iter().all(|r| r.id != left),
+            "{offset}: reaped before its lease ran out"
+        );
+        // ... and it is reapable once its 2 s have passed on the server.
+        while server_ms(&server) <= deadline {
+            sleep(ms(50)).await;
+        }
+        let reaped = q.reap().await.expect("reap");
+        assert_eq!(reaped.len(), 1, "{offset}: {reaped:?}");
+        assert_eq!((reaped[0].id, reaped[0].attempts), (left, 1));
+        // Tidy for the next offset.
+        let again = q.claim(ms(5_000)).await.expect("claim").expect("job");
+        again.complete().await.expect("complete");
+    }
+}
+
+macro_rules! faults {
+    ($modname:ident, $flavor:expr) => {
+        mod $modname {
+            use super::*;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn foreign_types() {
+                super::foreign_types($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn aof_restart_keeps_jobs() {
+                super::aof_restart_keeps_jobs($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn worker_process_killed() {
+                super::worker_process_killed($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn skewed_clients() {
+                super::skewed_clients($flavor).await
+            }
+        }
+    };
+}
+
+faults!(redis, Flavor::Redis);
+faults!(valkey, Flavor::Valkey);
