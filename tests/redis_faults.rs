@@ -110,7 +110,11 @@ async fn wrong_type(flavor: Flavor) {
     match locker.try_acquire("typed", &opts(1_000)).await {
         Err(Error::WrongType { found, key }) => {
             assert_eq!(found, "hash");
-            assert_eq!(key, k.fence_key(), "the error names the key that holds the hash");
+            assert_eq!(
+                key,
+                k.fence_key(),
+                "the error names the key that holds the hash"
+            );
         }
         other => panic!("expected WrongType, got {other:?}"),
     }
@@ -162,6 +166,56 @@ async fn server_goes_away(flavor: Flavor) {
     );
 }
 
+/// Releases missed while the subscription connection was down still wake waiters: after it
+/// reconnects, every waiter retries. The lock is deleted without a publish (as a release during
+/// the gap would go unseen), then the subscription is killed; the waiter must get the key long
+/// before the holder's TTL, which is all its timer would give it.
+async fn waiters_woken_after_resubscribe(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let holder_side = Locker::redis(&server.url()).await.expect("connect");
+    let waiter_side = Locker::redis(&server.url()).await.expect("connect");
+    let held = holder_side
+        .try_acquire("gap", &opts(20_000))
+        .await
+        .expect("holder");
+    let waiter = tokio::spawn(async move {
+        let started = Instant::now();
+        let lease = waiter_side
+            .acquire("gap", &opts(1_000).wait(Duration::from_secs(15)))
+            .await;
+        (lease.map(|l| l.fence()), started.elapsed())
+    });
+    // Wait until the waiter's subscription is in place.
+    let channel = holder_side.lock_key("gap").expect("key").channel();
+    let subscribed = Instant::now();
+    loop {
+        let (_, n): (String, i64) = server.cmd(&["PUBSUB", "NUMSUB", &channel]);
+        if n > 0 {
+            break;
+        }
+        assert!(
+            subscribed.elapsed() < Duration::from_secs(5),
+            "never subscribed"
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+    let lock_key = holder_side.lock_key("gap").expect("key").lock_key();
+    let _: i64 = server.cmd(&["DEL", &lock_key]);
+    let killed: i64 = server.cmd(&["CLIENT", "KILL", "TYPE", "pubsub"]);
+    assert!(
+        killed >= 1,
+        "the waiter's subscription connection was killed"
+    );
+    let (fence, waited) = waiter.await.expect("waiter task");
+    let fence = fence.expect("the waiter got the key");
+    assert!(fence > held.fence());
+    assert!(
+        waited < Duration::from_secs(5),
+        "woken by its timer, not by the reconnect: {waited:?}"
+    );
+    drop(held);
+}
+
 macro_rules! faults {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -185,6 +239,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn holder_process_killed() {
                 super::holder_process_killed($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn waiters_woken_after_resubscribe() {
+                super::waiters_woken_after_resubscribe($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn server_goes_away() {
