@@ -82,6 +82,15 @@ pub enum Error {
     /// A typed payload could not be encoded or decoded.
     #[error("payload codec: {0}")]
     Codec(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// A `#[locked]` function without `locker = ...` was called before
+    /// [`set_default_locker`](crate::set_default_locker) installed a default locker.
+    #[error(
+        "no default locker is installed: call `set_default_locker` at start-up, or give `#[locked]` a `locker = ...`"
+    )]
+    NoDefaultLocker,
+    /// [`set_default_locker`](crate::set_default_locker) was called again; the first locker stays.
+    #[error("a default locker is already installed; it can be set only once")]
+    DefaultLockerAlreadySet,
     /// The server could not be reached or refused the command.
     #[error("backend unavailable: {0}")]
     Unavailable(#[source] redis::RedisError),

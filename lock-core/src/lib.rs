@@ -21,6 +21,7 @@ mod lease;
 mod locker;
 pub mod queue;
 mod renew;
+mod scope;
 mod turnstile;
 mod types;
 mod wake;
@@ -29,5 +30,8 @@ pub use backend::{AcquireReply, AnyBackend, Backend, MemoryBackend, RedisBackend
 pub use error::{Error, Result};
 pub use lease::{Lease, LeaseInfo, Release};
 pub use locker::{DEFAULT_PREFIX, FenceGate, LockOptions, Locker};
+#[doc(hidden)]
+pub use scope::__private;
+pub use scope::{current_fence, current_lease, default_locker, set_default_locker};
 pub use types::{Fence, LockKey, MAX_KEY_LEN, MAX_TTL, MIN_TTL, Token};
 pub use wake::{Wakeups, Watch};

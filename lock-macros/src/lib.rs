@@ -1,4 +1,304 @@
-//! Attribute macros for leasehold.
-//!
-//! This crate is a placeholder: the `#[locked]` attribute is tracked by its own issue and is not
-//! implemented yet, so it exports nothing.
+//! The `#[locked]` attribute of leasehold. Use it through the facade, as
+//! `#[leasehold::locked(...)]`; this crate holds only the macro, and the code it generates calls
+//! the runtime in `leasehold::__private`.
+
+use proc_macro::TokenStream;
+use proc_macro2::{Span, TokenStream as TokenStream2, TokenTree};
+use quote::{ToTokens, format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
+use syn::{Expr, ExprLit, ItemFn, Lit, LitStr, Path, ReturnType, Type};
+
+mod duration;
+
+/// The arguments `#[locked]` accepts, for error messages.
+const ACCEPTED: &str = "key, ttl, wait, renew, locker, crate";
+
+#[doc = include_str!("../locked.md")]
+#[proc_macro_attribute]
+pub fn locked(args: TokenStream, item: TokenStream) -> TokenStream {
+    let item = TokenStream2::from(item);
+    match expand(args.into(), item.clone()) {
+        Ok(out) => out.into(),
+        Err(err) => {
+            // The untouched item goes out beside the error, so the rest of the crate still
+            // type-checks against it and IDEs keep working.
+            let err = err.to_compile_error();
+            quote!(#err #item).into()
+        }
+    }
+}
+
+/// `key = ...`: a format string capturing the parameters, or any expression.
+enum Key {
+    Format(LitStr),
+    Expr(Expr),
+}
+
+/// `ttl = ...` / `wait = ...`: a human duration parsed here, or a `Duration` expression.
+enum Dur {
+    Parsed(std::time::Duration, Span),
+    Expr(Expr),
+}
+
+#[derive(Default)]
+struct Args {
+    key: Option<Key>,
+    ttl: Option<Dur>,
+    wait: Option<Dur>,
+    renew: Option<Expr>,
+    locker: Option<Expr>,
+    krate: Option<Path>,
+}
+
+fn parse_args(args: TokenStream2) -> syn::Result<Args> {
+    let mut out = Args::default();
+    let parser = syn::meta::parser(|meta| {
+        let name = meta
+            .path
+            .get_ident()
+            .map(ToString::to_string)
+            .unwrap_or_else(|| meta.path.to_token_stream().to_string());
+        let duplicate = || meta.error(format_args!("duplicate argument `{name}`"));
+        match name.as_str() {
+            "key" => {
+                if out.key.is_some() {
+                    return Err(duplicate());
+                }
+                out.key = Some(match meta.value()?.parse::<Expr>()? {
+                    Expr::Lit(ExprLit {
+                        lit: Lit::Str(s), ..
+                    }) => Key::Format(s),
+                    e => Key::Expr(e),
+                });
+            }
+            "ttl" | "wait" => {
+                let slot = if name == "ttl" {
+                    &mut out.ttl
+                } else {
+                    &mut out.wait
+                };
+                if slot.is_some() {
+                    return Err(duplicate());
+                }
+                let d = match meta.value()?.parse::<Expr>()? {
+                    Expr::Lit(ExprLit {
+                        lit: Lit::Str(s), ..
+                    }) => {
+                        let d = duration::parse(&s.value())
+                            .map_err(|why| syn::Error::new(s.span(), why))?;
+                        if name == "ttl" && d.is_zero() {
+                            return Err(syn::Error::new(
+                                s.span(),
+                                "`ttl` must be greater than zero: a zero lease expires before it is granted",
+                            ));
+                        }
+                        Dur::Parsed(d, s.span())
+                    }
+                    e => Dur::Expr(e),
+                };
+                *slot = Some(d);
+            }
+            "renew" => {
+                if out.renew.is_some() {
+                    return Err(duplicate());
+                }
+                // A bare `renew` reads as `renew = true`.
+                out.renew = Some(if meta.input.peek(syn::Token![=]) {
+                    meta.value()?.parse()?
+                } else {
+                    syn::parse_quote_spanned!(meta.path.span()=> true)
+                });
+            }
+            "locker" => {
+                if out.locker.is_some() {
+                    return Err(duplicate());
+                }
+                out.locker = Some(meta.value()?.parse()?);
+            }
+            "crate" => {
+                if out.krate.is_some() {
+                    return Err(duplicate());
+                }
+                let value = meta.value()?;
+                out.krate = Some(if value.peek(LitStr) {
+                    value.parse::<LitStr>()?.parse()?
+                } else {
+                    Path::parse_mod_style(value)?
+                });
+            }
+            _ => {
+                return Err(meta.error(format_args!(
+                    "unknown argument `{name}`; `#[locked]` accepts: {ACCEPTED}"
+                )));
+            }
+        }
+        Ok(())
+    });
+    syn::parse::Parser::parse2(parser, args)?;
+    Ok(out)
+}
+
+/// Whether `ty` mentions `impl Trait`, which cannot be named in a `let` or a turbofish.
+fn mentions_impl(ty: &Type) -> bool {
+    fn scan(ts: TokenStream2) -> bool {
+        ts.into_iter().any(|tt| match tt {
+            TokenTree::Ident(i) => i == "impl",
+            TokenTree::Group(g) => scan(g.stream()),
+            _ => false,
+        })
+    }
+    scan(ty.to_token_stream())
+}
+
+/// `tokens` with every span set to `span`, so that errors in them point at the user's code.
+fn respan(tokens: TokenStream2, span: Span) -> TokenStream2 {
+    tokens
+        .into_iter()
+        .map(|mut tt| {
+            if let TokenTree::Group(g) = &tt {
+                let mut group = proc_macro2::Group::new(g.delimiter(), respan(g.stream(), span));
+                group.set_span(span);
+                tt = TokenTree::Group(group);
+            } else {
+                tt.set_span(span);
+            }
+            tt
+        })
+        .collect()
+}
+
+fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
+    let args = parse_args(args)?;
+    let mut func: ItemFn = syn::parse2(item).map_err(|e| {
+        syn::Error::new(
+            e.span(),
+            format_args!("`#[locked]` applies to an `async fn` with a body: {e}"),
+        )
+    })?;
+    let sig = &func.sig;
+    if sig.asyncness.is_none() {
+        return Err(syn::Error::new(
+            sig.fn_token.span,
+            "`#[locked]` needs an `async fn`: the lease is held across the body's `.await`s",
+        ));
+    }
+    let ret_ty = match &sig.output {
+        ReturnType::Type(_, ty) => ty.as_ref().clone(),
+        ReturnType::Default => {
+            return Err(syn::Error::new(
+                sig.ident.span(),
+                "a `#[locked]` function must return `Result<T, E>` with `E: From<leasehold::Error>`: \
+                 busy, wait-timeout and lease-lost are returned as errors, and this one returns `()`",
+            ));
+        }
+    };
+    if let Type::ImplTrait(_) = ret_ty {
+        return Err(syn::Error::new(
+            ret_ty.span(),
+            "a `#[locked]` function must return `Result<T, E>` with `E: From<leasehold::Error>`, not `impl Trait`",
+        ));
+    }
+    let Some(key) = args.key else {
+        return Err(syn::Error::new(
+            Span::call_site(),
+            "`#[locked]` needs `key = ...`: a format string such as `key = \"order:{order_id}\"` or an expression",
+        ));
+    };
+
+    let krate = args.krate.unwrap_or_else(|| syn::parse_quote!(::leasehold));
+    let private = quote!(#krate::__private);
+    let site = Span::mixed_site();
+    let (locker_var, key_var, fake_ret) = (
+        format_ident!("__lh_locker", span = site),
+        format_ident!("__lh_key", span = site),
+        format_ident!("__lh_fake_return", span = site),
+    );
+
+    let locker = match &args.locker {
+        Some(e) => {
+            let to_locker = respan(quote!(#private::LockerSource::to_locker), e.span());
+            quote_spanned! {e.span()=>
+                ::core::result::Result::Ok::<_, #private::Error>(#to_locker(&(#e)))
+            }
+        }
+        None => quote!(#private::default_locker()),
+    };
+    let key = match &key {
+        // The literal keeps the user's span, so `{name}` resolves to the parameters and rustc
+        // reports an unknown name where it is written.
+        Key::Format(lit) => quote_spanned!(lit.span()=> ::std::format!(#lit)),
+        Key::Expr(e) => quote_spanned!(e.span()=> ::std::string::ToString::to_string(&(#e))),
+    };
+    let duration = |d: &Option<Dur>| match d {
+        None => quote!(::core::option::Option::None),
+        Some(Dur::Parsed(d, span)) => {
+            let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+            quote_spanned! {*span=>
+                ::core::option::Option::Some(::core::time::Duration::from_millis(#ms))
+            }
+        }
+        Some(Dur::Expr(e)) => quote_spanned! {e.span()=>
+            ::core::option::Option::Some::<::core::time::Duration>(#e)
+        },
+    };
+    let (ttl, wait) = (duration(&args.ttl), duration(&args.wait));
+    let renew = match &args.renew {
+        Some(e) => quote_spanned!(e.span()=> ::core::option::Option::Some::<bool>(#e)),
+        None => quote!(::core::option::Option::None),
+    };
+    let name = sig.ident.to_string();
+
+    // Names the return type inside the body so that `?` and `return` infer against it before
+    // the body is checked, as tracing's `#[instrument]` does. `impl Trait` cannot be named in a
+    // `let`; such a body infers its type from the function's signature alone.
+    let pin_type = if mentions_impl(&ret_ty) {
+        quote!()
+    } else {
+        quote_spanned! {ret_ty.span()=>
+            #[allow(
+                unknown_lints,
+                unreachable_code,
+                clippy::diverging_sub_expression,
+                clippy::empty_loop,
+                clippy::let_unit_value,
+                clippy::needless_return,
+                clippy::unreachable
+            )]
+            if false {
+                let #fake_ret: #ret_ty = loop {};
+                return #fake_ret;
+            }
+        }
+    };
+    // Spanned at the return type, so a type that cannot carry the lock's errors is reported
+    // where it is written, once.
+    let from_lock_error = respan(
+        quote!(#private::LockedOutput::from_lock_error),
+        ret_ty.span(),
+    );
+    let stmts = &func.block.stmts;
+    let body = quote! {
+        {
+            let #locker_var = #locker;
+            let #key_var: ::std::string::String = #key;
+            #private::locked(
+                #locker_var,
+                #key_var,
+                #private::Settings {
+                    function: #name,
+                    ttl: #ttl,
+                    wait: #wait,
+                    renew: #renew,
+                },
+                #from_lock_error,
+                async move {
+                    #pin_type
+                    #(#stmts)*
+                },
+            )
+            .await
+        }
+    };
+    func.block = Box::new(syn::parse2(body)?);
+    Ok(func.into_token_stream())
+}

@@ -1,0 +1,558 @@
+//! `#[locked]` functions, run on every backend: memory, a real `redis-server` and a real
+//! `valkey-server`. Every function here names its locker with `locker = ...`, because the default
+//! locker is process-wide and these tests run in parallel; the default path has its own test
+//! binary (`tests/locked_default.rs`).
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use leasehold::{
+    AnyBackend, Error, Fence, LockOptions, Locker, MemoryBackend, current_fence, current_lease,
+    locked,
+};
+use support::{Flavor, Server};
+use tokio::sync::{Barrier, Notify};
+use tokio::time::{Instant, sleep, timeout};
+
+enum Harness {
+    Memory(MemoryBackend),
+    Server(Server),
+}
+
+impl Harness {
+    async fn locker(&self) -> Locker {
+        match self {
+            Harness::Memory(m) => Locker::new(AnyBackend::Memory(m.clone())),
+            Harness::Server(s) => Locker::redis(&s.url()).await.expect("connect"),
+        }
+    }
+
+    /// Deletes a lock from outside, as an operator or a failover would.
+    fn delete(&self, locker: &Locker, key: &str) {
+        let k = locker.lock_key(key).expect("key");
+        match self {
+            Harness::Memory(m) => {
+                assert!(m.force_delete(&k), "nothing to delete at {key}");
+            }
+            Harness::Server(s) => {
+                let n: i64 = s.cmd(&["DEL", &k.lock_key()]);
+                assert_eq!(n, 1, "nothing to delete at {key}");
+            }
+        }
+    }
+}
+
+/// An application error, to show that lock failures arrive through `From`.
+#[derive(Debug)]
+enum AppError {
+    Lock(Error),
+    Declined(u64),
+}
+
+impl From<Error> for AppError {
+    fn from(e: Error) -> Self {
+        AppError::Lock(e)
+    }
+}
+
+/// What the bodies record: how many run at once, and the fences in the order they ran.
+#[derive(Default)]
+struct Probe {
+    inside: AtomicUsize,
+    max_inside: AtomicUsize,
+    fences: Mutex<Vec<Fence>>,
+}
+
+#[locked(key = "job:{job}", locker = locker, ttl = "5s", wait = "60s")]
+async fn exclusive_job(
+    locker: Locker,
+    job: &'static str,
+    probe: Arc<Probe>,
+) -> Result<Fence, Error> {
+    let now = probe.inside.fetch_add(1, Ordering::SeqCst) + 1;
+    probe.max_inside.fetch_max(now, Ordering::SeqCst);
+    let fence = current_fence().expect("a fence inside the body");
+    probe.fences.lock().expect("probe").push(fence);
+    // Long enough that overlapping bodies would be seen, short enough for eight in a row.
+    sleep(Duration::from_millis(40)).await;
+    probe.inside.fetch_sub(1, Ordering::SeqCst);
+    Ok(fence)
+}
+
+async fn never_two_at_once(h: Harness) {
+    let locker = h.locker().await;
+    let probe = Arc::new(Probe::default());
+    let tasks: Vec<_> = (0..8)
+        .map(|_| tokio::spawn(exclusive_job(locker.clone(), "one", probe.clone())))
+        .collect();
+    let mut returned = Vec::new();
+    for t in tasks {
+        returned.push(t.await.expect("join").expect("every call gets its turn"));
+    }
+    assert_eq!(
+        probe.max_inside.load(Ordering::SeqCst),
+        1,
+        "two bodies ran at once"
+    );
+    let fences = probe.fences.lock().expect("probe").clone();
+    assert_eq!(fences.len(), 8);
+    assert!(
+        fences.windows(2).all(|w| w[0] < w[1]),
+        "fences in running order must strictly increase: {fences:?}"
+    );
+    returned.sort();
+    assert_eq!(returned, fences, "each call returned its own body's fence");
+    assert_eq!(current_fence(), None, "no fence outside a body");
+}
+
+#[locked(key = "meet:{which}", locker = locker, ttl = "5s")]
+async fn meet(locker: &Locker, which: u32, barrier: Arc<Barrier>) -> Result<bool, Error> {
+    // Both bodies must be inside at the same time for the barrier to open.
+    Ok(timeout(Duration::from_secs(20), barrier.wait())
+        .await
+        .is_ok())
+}
+
+async fn different_keys_run_in_parallel(h: Harness) {
+    let locker = h.locker().await;
+    let barrier = Arc::new(Barrier::new(2));
+    let (a, b) = tokio::join!(
+        meet(&locker, 1, barrier.clone()),
+        meet(&locker, 2, barrier.clone())
+    );
+    assert!(
+        a.expect("key 1") && b.expect("key 2"),
+        "the bodies did not overlap"
+    );
+}
+
+struct Account {
+    locker: Arc<Locker>,
+    id: u64,
+    balance: u64,
+    fences: Vec<Fence>,
+}
+
+impl Account {
+    #[locked(key = "account:{id}", locker = locker, wait = "5s")]
+    async fn open(locker: Arc<Locker>, id: u64, opening: impl Into<u64>) -> Result<Self, Error> {
+        let fence = current_fence().expect("fence");
+        Ok(Account {
+            locker,
+            id,
+            balance: opening.into(),
+            fences: vec![fence],
+        })
+    }
+
+    #[locked(key = format!("account:{}", self.id), locker = self.locker, wait = "5s")]
+    async fn balance(&self) -> Result<u64, Error> {
+        Ok(self.balance)
+    }
+
+    #[locked(key = format!("account:{}", self.id), locker = &self.locker, ttl = "10s", wait = "5s")]
+    pub(crate) async fn deposit(&mut self, amount: u64) -> Result<u64, AppError> {
+        if amount == 0 {
+            return Err(AppError::Declined(self.id));
+        }
+        self.balance += amount;
+        self.fences.push(current_fence().expect("fence"));
+        Ok(self.balance)
+    }
+
+    #[locked(key = format!("account:{}", self.id), locker = self.locker.clone(), wait = "5s")]
+    async fn close(self) -> Result<(u64, Vec<Fence>), Error> {
+        Ok((self.balance, self.fences))
+    }
+}
+
+async fn methods_with_receivers(h: Harness) {
+    let locker = Arc::new(h.locker().await);
+    let mut acct = Account::open(locker.clone(), 9, 10u8).await.expect("open");
+    assert_eq!(acct.balance().await.expect("balance"), 10);
+    assert_eq!(acct.deposit(5).await.expect("deposit"), 15);
+    assert!(matches!(acct.deposit(0).await, Err(AppError::Declined(9))));
+    assert_eq!(acct.deposit(1).await.expect("deposit"), 16);
+    // The key is the account's: someone holding it makes `&self` methods wait, then give up.
+    let held = locker
+        .acquire(
+            "account:9",
+            &LockOptions::new().ttl(Duration::from_secs(30)),
+        )
+        .await
+        .expect("hold");
+    let busy = acct.deposit(1).await;
+    assert!(
+        matches!(busy, Err(AppError::Lock(Error::WaitTimeout { .. }))),
+        "{busy:?}"
+    );
+    held.release().await.expect("release");
+    let (balance, fences) = acct.close().await.expect("close");
+    assert_eq!(balance, 16);
+    assert!(fences.windows(2).all(|w| w[0] < w[1]), "{fences:?}");
+}
+
+#[locked(key = item, locker = locker, wait = "5s")]
+async fn describe<T>(
+    locker: &Locker,
+    item: T,
+    suffix: impl AsRef<str> + Send,
+) -> Result<String, Error>
+where
+    T: std::fmt::Display + Send,
+{
+    let key = current_lease().expect("lease").key().to_owned();
+    Ok(format!("{key}={item}{}", suffix.as_ref()))
+}
+
+#[locked(key = "first-word:{name}", locker = locker)]
+async fn first_word<'a>(locker: &Locker, name: &str, text: &'a str) -> Result<&'a str, Error> {
+    Ok(text.split(' ').next().unwrap_or(text))
+}
+
+async fn generic_functions(h: Harness) {
+    let locker = h.locker().await;
+    assert_eq!(describe(&locker, 42u32, "!").await.expect("u32"), "42=42!");
+    assert_eq!(
+        describe(&locker, String::from("k"), String::from("?"))
+            .await
+            .expect("string"),
+        "k=k?"
+    );
+    let text = String::from("hello lease world");
+    assert_eq!(
+        first_word(&locker, "t", &text).await.expect("word"),
+        "hello"
+    );
+}
+
+/// `?` converts the body's errors through `From`, and an early `return` leaves the body.
+#[locked(key = "settle:{order_id}", locker = locker, wait = "5s")]
+async fn settle(locker: &Locker, order_id: u64, amount: &str) -> Result<u64, AppError> {
+    let amount: u64 = amount.parse().map_err(|_| AppError::Declined(order_id))?;
+    if amount == 0 {
+        return Ok(0);
+    }
+    if amount > 1_000 {
+        Err(Error::InvalidKey {
+            reason: "stands in for any leasehold error the body meets",
+        })?;
+    }
+    Ok(amount * 2)
+}
+
+async fn question_mark_and_return(h: Harness) {
+    let locker = h.locker().await;
+    assert_eq!(settle(&locker, 1, "21").await.expect("ok"), 42);
+    assert_eq!(settle(&locker, 1, "0").await.expect("early return"), 0);
+    assert!(matches!(
+        settle(&locker, 1, "x").await,
+        Err(AppError::Declined(1))
+    ));
+    assert!(matches!(
+        settle(&locker, 1, "5000").await,
+        Err(AppError::Lock(Error::InvalidKey { .. }))
+    ));
+    // Every path above released the lease: a fail-fast taker finds the key free.
+    locker
+        .try_acquire("settle:1", &LockOptions::default())
+        .await
+        .expect("released after every return");
+}
+
+#[locked(key = "busy", locker = locker, wait = "300ms")]
+async fn waits_briefly(locker: &Locker, ran: &AtomicBool) -> Result<(), Error> {
+    ran.store(true, Ordering::SeqCst);
+    Ok(())
+}
+
+#[locked(key = "busy", locker = locker)]
+async fn fails_fast(locker: &Locker, ran: &AtomicBool) -> Result<(), Error> {
+    ran.store(true, Ordering::SeqCst);
+    Ok(())
+}
+
+async fn wait_timeout_and_fail_fast(h: Harness) {
+    let locker = h.locker().await;
+    let ran = AtomicBool::new(false);
+    let holder = locker
+        .acquire("busy", &LockOptions::new().ttl(Duration::from_secs(30)))
+        .await
+        .expect("hold");
+    let started = Instant::now();
+    match waits_briefly(&locker, &ran).await {
+        Err(Error::WaitTimeout { waited, .. }) => {
+            assert!(waited >= Duration::from_millis(300), "{waited:?}")
+        }
+        other => panic!("expected WaitTimeout, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(matches!(
+        fails_fast(&locker, &ran).await,
+        Err(Error::Busy { .. })
+    ));
+    assert!(!ran.load(Ordering::SeqCst), "a body ran without the lease");
+    holder.release().await.expect("release");
+    waits_briefly(&locker, &ran).await.expect("free now");
+    fails_fast(&locker, &ran).await.expect("free now");
+    assert!(ran.load(Ordering::SeqCst));
+}
+
+#[locked(key = key, locker = locker, ttl = ttl, renew = renew)]
+async fn long_job(
+    locker: &Locker,
+    key: &str,
+    ttl: Duration,
+    renew: bool,
+    started: &Notify,
+    finished: &AtomicBool,
+) -> Result<(), Error> {
+    started.notify_one();
+    sleep(Duration::from_secs(15)).await;
+    finished.store(true, Ordering::SeqCst);
+    Ok(())
+}
+
+/// The key is deleted from outside while the body runs: renewal finds it gone, the body is
+/// dropped, and the call returns LeaseLost long before the body would have finished.
+async fn loss_cancels_the_body(h: Harness) {
+    let locker = h.locker().await;
+    let (started, finished) = (Notify::new(), AtomicBool::new(false));
+    let call = long_job(
+        &locker,
+        "lossy",
+        Duration::from_millis(900),
+        true,
+        &started,
+        &finished,
+    );
+    let deleter = async {
+        started.notified().await;
+        h.delete(&locker, "lossy");
+    };
+    let begun = Instant::now();
+    let (result, ()) = tokio::join!(call, deleter);
+    assert!(
+        matches!(result, Err(Error::LeaseLost { ref key }) if key == "lossy"),
+        "{result:?}"
+    );
+    assert!(
+        begun.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        begun.elapsed()
+    );
+    assert!(
+        !finished.load(Ordering::SeqCst),
+        "the body ran on after the loss"
+    );
+    locker
+        .try_acquire("lossy", &LockOptions::default())
+        .await
+        .expect("nothing left held");
+}
+
+/// Without renewal the lease runs out at its TTL, and that too cancels the body.
+async fn expiry_without_renewal_cancels(h: Harness) {
+    let locker = h.locker().await;
+    let (started, finished) = (Notify::new(), AtomicBool::new(false));
+    let begun = Instant::now();
+    let result = long_job(
+        &locker,
+        "unrenewed",
+        Duration::from_millis(500),
+        false,
+        &started,
+        &finished,
+    )
+    .await;
+    assert!(matches!(result, Err(Error::LeaseLost { .. })), "{result:?}");
+    let took = begun.elapsed();
+    assert!(
+        took >= Duration::from_millis(450) && took < Duration::from_secs(10),
+        "{took:?}"
+    );
+    assert!(!finished.load(Ordering::SeqCst));
+}
+
+#[locked(key = "renewed", locker = locker, ttl = "1s")]
+async fn outlives_its_ttl(locker: &Locker) -> Result<bool, Error> {
+    sleep(Duration::from_secs(3)).await;
+    Ok(!current_lease().expect("lease").is_lost())
+}
+
+async fn renewal_keeps_the_body_running(h: Harness) {
+    let locker = h.locker().await;
+    assert!(outlives_its_ttl(&locker).await.expect("renewed throughout"));
+}
+
+#[locked(key = "panicky", locker = locker, ttl = "30s")]
+async fn panics(locker: Locker, really: bool) -> Result<(), Error> {
+    if really {
+        panic!("boom inside the body");
+    }
+    Ok(())
+}
+
+async fn panic_releases_and_propagates(h: Harness) {
+    let locker = h.locker().await;
+    let err = tokio::spawn(panics(locker.clone(), true))
+        .await
+        .expect_err("the panic reaches the caller");
+    let payload = err.into_panic();
+    assert_eq!(
+        payload.downcast_ref::<&str>().copied(),
+        Some("boom inside the body")
+    );
+    // Released in the background well inside the 30 s TTL.
+    let lease = locker
+        .acquire("panicky", &LockOptions::new().wait(Duration::from_secs(10)))
+        .await
+        .expect("released after the panic, not left to expire");
+    lease.release().await.expect("release");
+    panics(locker, false).await.expect("runs normally");
+}
+
+#[locked(key = "inner", locker = locker)]
+async fn inner(locker: Locker) -> Result<String, Error> {
+    Ok(current_lease().expect("inner lease").key().to_owned())
+}
+
+#[locked(key = "outer", locker = locker)]
+async fn outer(locker: Locker) -> Result<(String, String, String), Error> {
+    let key = || current_lease().expect("outer lease").key().to_owned();
+    let before = key();
+    let nested = inner(locker.clone()).await?;
+    Ok((before, nested, key()))
+}
+
+async fn nested_calls_see_their_own_lease(h: Harness) {
+    let locker = h.locker().await;
+    let (before, nested, after) = outer(locker).await.expect("nested");
+    assert_eq!(
+        (before.as_str(), nested.as_str(), after.as_str()),
+        ("outer", "inner", "outer")
+    );
+}
+
+#[locked(key = key, locker = locker, ttl = ttl)]
+async fn checked_at_call(
+    locker: &Locker,
+    key: String,
+    ttl: Duration,
+    ran: &AtomicBool,
+) -> Result<(), Error> {
+    ran.store(true, Ordering::SeqCst);
+    Ok(())
+}
+
+async fn bad_input_is_a_typed_error(h: Harness) {
+    let locker = h.locker().await;
+    let ran = AtomicBool::new(false);
+    let ok_ttl = Duration::from_secs(5);
+    for key in ["", "a{b}", "line\nbreak"] {
+        let r = checked_at_call(&locker, key.to_owned(), ok_ttl, &ran).await;
+        assert!(matches!(r, Err(Error::InvalidKey { .. })), "{key:?}: {r:?}");
+    }
+    for ttl in [
+        Duration::ZERO,
+        Duration::from_millis(1),
+        Duration::from_secs(90_000),
+    ] {
+        let r = checked_at_call(&locker, "k".to_owned(), ttl, &ran).await;
+        assert!(matches!(r, Err(Error::InvalidTtl { .. })), "{ttl:?}: {r:?}");
+    }
+    assert!(!ran.load(Ordering::SeqCst));
+    checked_at_call(&locker, "k".to_owned(), ok_ttl, &ran)
+        .await
+        .expect("valid");
+    assert!(ran.load(Ordering::SeqCst));
+}
+
+/// Code that reaches leasehold under another path names it with `crate = ...`.
+mod renamed {
+    pub use leasehold as lh;
+}
+
+#[locked(key = "renamed", locker = locker, crate = crate::renamed::lh)]
+async fn through_a_path(locker: &Locker) -> Result<Fence, Error> {
+    Ok(current_fence().expect("fence"))
+}
+
+#[locked(key = "renamed", locker = locker, crate = "crate::renamed::lh", renew)]
+async fn through_a_string(locker: &Locker) -> Result<Fence, Error> {
+    Ok(current_fence().expect("fence"))
+}
+
+#[tokio::test]
+async fn crate_override() {
+    let locker = Locker::memory();
+    let a = through_a_path(&locker).await.expect("path");
+    let b = through_a_string(&locker).await.expect("string");
+    assert!(b > a);
+}
+
+macro_rules! suite {
+    ($modname:ident, $make:expr) => {
+        mod $modname {
+            use super::*;
+            fn harness() -> Harness {
+                $make
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn never_two_at_once() {
+                super::never_two_at_once(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn different_keys_run_in_parallel() {
+                super::different_keys_run_in_parallel(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn methods_with_receivers() {
+                super::methods_with_receivers(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn generic_functions() {
+                super::generic_functions(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn question_mark_and_return() {
+                super::question_mark_and_return(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn wait_timeout_and_fail_fast() {
+                super::wait_timeout_and_fail_fast(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn loss_cancels_the_body() {
+                super::loss_cancels_the_body(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn expiry_without_renewal_cancels() {
+                super::expiry_without_renewal_cancels(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn renewal_keeps_the_body_running() {
+                super::renewal_keeps_the_body_running(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn panic_releases_and_propagates() {
+                super::panic_releases_and_propagates(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn nested_calls_see_their_own_lease() {
+                super::nested_calls_see_their_own_lease(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn bad_input_is_a_typed_error() {
+                super::bad_input_is_a_typed_error(harness()).await
+            }
+        }
+    };
+}
+
+suite!(memory, Harness::Memory(MemoryBackend::new()));
+suite!(redis, Harness::Server(Server::start(Flavor::Redis)));
+suite!(valkey, Harness::Server(Server::start(Flavor::Valkey)));

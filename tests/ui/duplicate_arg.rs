@@ -1,0 +1,8 @@
+use leasehold::{Error, locked};
+
+#[locked(key = "job", ttl = "5s", ttl = "10s")]
+async fn run() -> Result<(), Error> {
+    Ok(())
+}
+
+fn main() {}

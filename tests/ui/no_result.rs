@@ -1,0 +1,6 @@
+use leasehold::locked;
+
+#[locked(key = "job")]
+async fn run() {}
+
+fn main() {}

@@ -1,0 +1,6 @@
+use leasehold::locked;
+
+#[locked(key = "job")]
+struct Job;
+
+fn main() {}

@@ -1,0 +1,8 @@
+use leasehold::{Error, locked};
+
+#[locked(key = "job", timeout = "5s")]
+async fn run() -> Result<(), Error> {
+    Ok(())
+}
+
+fn main() {}
