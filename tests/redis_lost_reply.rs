@@ -1,0 +1,228 @@
+//! Scenario 10 with the reply cut off: the server runs the command, the connection dies before
+//! the reply arrives. A small TCP proxy of our own sits between the locker and a real server and
+//! drops chosen replies (closing the connection), so the command has certainly run.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use leasehold::{Error, LockOptions, Locker};
+use support::{Flavor, Server};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::{Instant, sleep};
+
+/// Forwards loopback connections to the server; drops the next `to_drop` server replies that
+/// start with `pattern`, closing that connection instead of delivering them.
+struct Proxy {
+    port: u16,
+    pattern: Arc<std::sync::Mutex<Vec<u8>>>,
+    to_drop: Arc<AtomicUsize>,
+    dropped: Arc<AtomicUsize>,
+}
+
+impl Proxy {
+    async fn start(upstream: u16) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let proxy = Proxy {
+            port,
+            pattern: Arc::default(),
+            to_drop: Arc::default(),
+            dropped: Arc::default(),
+        };
+        let (pattern, to_drop, dropped) = (
+            proxy.pattern.clone(),
+            proxy.to_drop.clone(),
+            proxy.dropped.clone(),
+        );
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
+                    continue;
+                };
+                let (pattern, to_drop, dropped) =
+                    (pattern.clone(), to_drop.clone(), dropped.clone());
+                tokio::spawn(pipe(client, server, pattern, to_drop, dropped));
+            }
+        });
+        proxy
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// Arms the proxy: the next `n` replies starting with `pattern` are lost.
+    fn drop_replies(&self, pattern: &[u8], n: usize) {
+        *self.pattern.lock().expect("pattern") = pattern.to_vec();
+        self.to_drop.store(n, Ordering::SeqCst);
+    }
+}
+
+async fn pipe(
+    client: TcpStream,
+    server: TcpStream,
+    pattern: Arc<std::sync::Mutex<Vec<u8>>>,
+    to_drop: Arc<AtomicUsize>,
+    dropped: Arc<AtomicUsize>,
+) {
+    let (mut cr, mut cw) = client.into_split();
+    let (mut sr, mut sw) = server.into_split();
+    let upstream = tokio::spawn(async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        while let Ok(n) = cr.read(&mut buf).await {
+            if n == 0 || sw.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut buf = vec![0u8; 64 * 1024];
+    while let Ok(n) = sr.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        let chunk = &buf[..n];
+        let matches = {
+            let p = pattern.lock().expect("pattern");
+            !p.is_empty() && chunk.starts_with(&p)
+        };
+        if matches
+            && to_drop
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
+                .is_ok()
+        {
+            dropped.fetch_add(1, Ordering::SeqCst);
+            // Both halves dropped: the client sees its connection die with the reply unsent.
+            break;
+        }
+        if cw.write_all(chunk).await.is_err() {
+            break;
+        }
+    }
+    upstream.abort();
+}
+
+fn opts() -> LockOptions {
+    LockOptions::new().ttl(Duration::from_secs(10)).renew(false)
+}
+
+/// A grant reply: `{1, fence}` as RESP.
+const GRANT: &[u8] = b"*2\r\n:1\r\n";
+
+/// The grant's reply is lost once: the locker asks again with the same token, the script
+/// recognises it, and the caller gets the one grant that happened, with its fence.
+async fn lost_grant_reply_is_resolved(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    // Scripts loaded and connections open before the fault.
+    locker
+        .try_acquire("warm", &opts())
+        .await
+        .expect("warm")
+        .release()
+        .await
+        .expect("release");
+    proxy.drop_replies(GRANT, 1);
+    let lease = locker
+        .try_acquire("lost-reply", &opts())
+        .await
+        .expect("the retry resolves the outcome");
+    assert_eq!(
+        proxy.dropped.load(Ordering::SeqCst),
+        1,
+        "the reply was lost"
+    );
+    let k = locker.lock_key("lost-reply").expect("key");
+    let holder: String = server.cmd(&["GET", &k.lock_key()]);
+    assert_eq!(holder, lease.token().as_str(), "the lock holds our token");
+    let stored: String = server.cmd(&["GET", &k.fence_key()]);
+    assert_eq!(
+        stored.parse::<u64>().expect("fence"),
+        lease.fence().get(),
+        "one grant, one fence: the retry did not advance it again"
+    );
+    lease.release().await.expect("release");
+}
+
+/// Both the grant's reply and the retry's are lost: the caller gets `OutcomeUnknown`, and the
+/// grant that may exist is released in the background, so the key is not left held.
+async fn unresolved_grant_is_released(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    locker
+        .try_acquire("warm", &opts())
+        .await
+        .expect("warm")
+        .release()
+        .await
+        .expect("release");
+    proxy.drop_replies(GRANT, 2);
+    match locker.try_acquire("twice-lost", &opts()).await {
+        Err(Error::OutcomeUnknown { op, .. }) => assert_eq!(op, "acquire"),
+        other => panic!("expected OutcomeUnknown, got {other:?}"),
+    }
+    assert_eq!(proxy.dropped.load(Ordering::SeqCst), 2);
+    let k = locker.lock_key("twice-lost").expect("key");
+    let started = Instant::now();
+    while server.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1 {
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "the granted lock was left held for its whole TTL"
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    // And the key is free for the next caller.
+    locker
+        .try_acquire("twice-lost", &opts())
+        .await
+        .expect("free")
+        .release()
+        .await
+        .expect("release");
+}
+
+/// The release's reply is lost: the repeated release finds the key gone, and since the first
+/// may or may not have been the one that deleted it, the caller is told `OutcomeUnknown`; the
+/// key is not left held either way.
+async fn lost_release_reply(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    let lease = locker.try_acquire("rel", &opts()).await.expect("lease");
+    proxy.drop_replies(b":1\r\n", 1);
+    match lease.release().await {
+        Err(Error::OutcomeUnknown { op, .. }) => assert_eq!(op, "release"),
+        other => panic!("expected OutcomeUnknown, got {other:?}"),
+    }
+    assert_eq!(proxy.dropped.load(Ordering::SeqCst), 1);
+    let k = locker.lock_key("rel").expect("key");
+    assert_eq!(server.cmd::<i64>(&["EXISTS", &k.lock_key()]), 0);
+}
+
+macro_rules! lost_replies {
+    ($modname:ident, $flavor:expr) => {
+        mod $modname {
+            use super::*;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn lost_grant_reply_is_resolved() {
+                super::lost_grant_reply_is_resolved($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn unresolved_grant_is_released() {
+                super::unresolved_grant_is_released($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn lost_release_reply() {
+                super::lost_release_reply($flavor).await
+            }
+        }
+    };
+}
+
+lost_replies!(on_redis, Flavor::Redis);
+lost_replies!(on_valkey, Flavor::Valkey);
