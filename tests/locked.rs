@@ -415,6 +415,54 @@ async fn panic_releases_and_propagates(h: Harness) {
     panics(locker, false).await.expect("runs normally");
 }
 
+/// A caller that gives up (here a timeout around the call) drops the body, and the lease is
+/// released in the background rather than left to its 30 s TTL.
+async fn dropping_the_call_releases(h: Harness) {
+    let locker = h.locker().await;
+    let (started, finished) = (Notify::new(), AtomicBool::new(false));
+    let call = long_job(
+        &locker,
+        "abandoned",
+        Duration::from_secs(30),
+        true,
+        &started,
+        &finished,
+    );
+    assert!(timeout(Duration::from_millis(300), call).await.is_err());
+    let lease = locker
+        .acquire(
+            "abandoned",
+            &LockOptions::new().wait(Duration::from_secs(10)),
+        )
+        .await
+        .expect("released when the call was dropped");
+    lease.release().await.expect("release");
+    assert!(!finished.load(Ordering::SeqCst));
+}
+
+/// `#[locked]` on an `async fn` in a trait impl.
+trait Job {
+    async fn run(&self, input: u64) -> Result<u64, Error>;
+}
+
+struct Doubler {
+    locker: Locker,
+}
+
+impl Job for Doubler {
+    #[locked(key = format!("doubler:{input}"), locker = self.locker, wait = "5s")]
+    async fn run(&self, input: u64) -> Result<u64, Error> {
+        Ok(input * 2)
+    }
+}
+
+async fn trait_impls(h: Harness) {
+    let job = Doubler {
+        locker: h.locker().await,
+    };
+    assert_eq!(job.run(21).await.expect("run"), 42);
+}
+
 #[locked(key = "inner", locker = locker)]
 async fn inner(locker: Locker) -> Result<String, Error> {
     Ok(current_lease().expect("inner lease").key().to_owned())
@@ -540,6 +588,14 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn panic_releases_and_propagates() {
                 super::panic_releases_and_propagates(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn dropping_the_call_releases() {
+                super::dropping_the_call_releases(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn trait_impls() {
+                super::trait_impls(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn nested_calls_see_their_own_lease() {
