@@ -426,7 +426,6 @@ async fn main() -> Result<(), BoxError> {
         hot.push((label, c));
     }
 
-
     // 10,000 leases with renewal on.
     let ttl = Duration::from_secs(3);
     let renewing = LockOptions::new().ttl(ttl);

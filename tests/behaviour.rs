@@ -9,13 +9,14 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use leasehold::{Error, Fence, LockOptions, Locker, MemoryBackend, Release};
-use support::{Flavor, Server};
+use support::{Cluster, Flavor, Server};
 use tokio::time::{Instant, sleep};
 
 /// A backend under test, with the out-of-band operations faults need.
 enum Harness {
     Memory(MemoryBackend),
     Server(Server),
+    Cluster(Cluster),
 }
 
 impl Harness {
@@ -23,6 +24,11 @@ impl Harness {
         match self {
             Harness::Memory(m) => Locker::new(leasehold::AnyBackend::Memory(m.clone())),
             Harness::Server(s) => Locker::redis(&s.url()).await.expect("connect"),
+            Harness::Cluster(c) => {
+                let urls = c.urls();
+                let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+                Locker::redis_cluster(&urls).await.expect("connect")
+            }
         }
     }
 
@@ -36,6 +42,9 @@ impl Harness {
             Harness::Server(s) => {
                 let _: i64 = s.cmd(&["DEL", &k.lock_key()]);
             }
+            Harness::Cluster(c) => {
+                let _: i64 = c.cmd(&["DEL", &k.lock_key()]);
+            }
         }
     }
 
@@ -45,6 +54,7 @@ impl Harness {
             // The memory backend has no stray keys to look at: a free key is one we can take.
             Harness::Memory(_) => false,
             Harness::Server(s) => s.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1,
+            Harness::Cluster(c) => c.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1,
         }
     }
 }
@@ -571,3 +581,11 @@ macro_rules! suite {
 suite!(memory, Harness::Memory(MemoryBackend::new()));
 suite!(redis, Harness::Server(Server::start(Flavor::Redis)));
 suite!(valkey, Harness::Server(Server::start(Flavor::Valkey)));
+suite!(
+    redis_cluster,
+    Harness::Cluster(Cluster::start(Flavor::Redis, 3, 0))
+);
+suite!(
+    valkey_cluster,
+    Harness::Cluster(Cluster::start(Flavor::Valkey, 3, 0))
+);

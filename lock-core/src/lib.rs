@@ -26,7 +26,9 @@ mod turnstile;
 mod types;
 mod wake;
 
-pub use backend::{AcquireReply, AnyBackend, Backend, MemoryBackend, RedisBackend, RedisConfig};
+pub use backend::{
+    AcquireReply, AnyBackend, Backend, ClusterBackend, MemoryBackend, RedisBackend, RedisConfig,
+};
 pub use error::{Error, Result};
 pub use lease::{Lease, LeaseInfo, Release};
 pub use locker::{DEFAULT_PREFIX, FenceGate, LockOptions, Locker};

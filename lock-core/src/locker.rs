@@ -7,7 +7,9 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{Instrument, debug, debug_span, instrument};
 
-use crate::backend::{AcquireReply, AnyBackend, Backend, MemoryBackend, RedisBackend, RedisConfig};
+use crate::backend::{
+    AcquireReply, AnyBackend, Backend, ClusterBackend, MemoryBackend, RedisBackend, RedisConfig,
+};
 use crate::error::{Error, Result};
 use crate::lease::{Lease, LeaseInfo};
 use crate::renew::{self, Cmd, LeaseState};
@@ -128,6 +130,13 @@ impl Locker<AnyBackend> {
     pub async fn redis(url: &str) -> Result<Locker> {
         Ok(Locker::new(AnyBackend::Redis(
             RedisBackend::connect(url).await?,
+        )))
+    }
+
+    /// A locker on a Redis or Valkey Cluster, reached through any of `nodes`.
+    pub async fn redis_cluster(nodes: &[&str]) -> Result<Locker> {
+        Ok(Locker::new(AnyBackend::Cluster(
+            ClusterBackend::connect(nodes).await?,
         )))
     }
 

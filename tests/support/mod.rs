@@ -41,11 +41,29 @@ fn free_port() -> u16 {
         .expect("no free loopback port")
 }
 
+/// A free port whose cluster-bus twin (port + 10000) is free too.
+fn free_cluster_port() -> u16 {
+    for _ in 0..200 {
+        let Ok(l) = TcpListener::bind("127.0.0.1:0") else {
+            continue;
+        };
+        let Ok(port) = l.local_addr().map(|a| a.port()) else {
+            continue;
+        };
+        if port < 55_535 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port pair for a cluster node")
+}
+
 /// One server process owned by a test; killed when dropped.
 pub struct Server {
     pub flavor: Flavor,
     pub port: u16,
     pub persist: bool,
+    /// Extra configuration arguments (cluster mode).
+    extra: Vec<String>,
     dir: tempfile::TempDir,
     child: Option<Child>,
 }
@@ -59,6 +77,10 @@ impl Server {
 
     /// Starts a server, with append-only persistence when `persist`.
     pub fn start_with(flavor: Flavor, persist: bool) -> Server {
+        Server::start_full(flavor, persist, free_port(), Vec::new())
+    }
+
+    fn start_full(flavor: Flavor, persist: bool, port: u16, extra: Vec<String>) -> Server {
         assert!(
             has_binary(flavor.binary()),
             "`{}` is not on PATH: install it (the README's test command provisions it)",
@@ -67,8 +89,9 @@ impl Server {
         let dir = tempfile::tempdir().expect("temp dir");
         let mut s = Server {
             flavor,
-            port: free_port(),
+            port,
             persist,
+            extra,
             dir,
             child: None,
         };
@@ -92,6 +115,7 @@ impl Server {
             .arg("")
             .arg("--appendonly")
             .arg(if self.persist { "yes" } else { "no" })
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         self.child = Some(cmd.spawn().expect("spawn server"));
@@ -156,5 +180,89 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A cluster of real server processes, made with `redis-cli --cluster create`.
+pub struct Cluster {
+    pub nodes: Vec<Server>,
+}
+
+impl Cluster {
+    /// Starts `masters` masters, each with `replicas` replicas, and waits until every node
+    /// reports the cluster healthy with all slots covered.
+    pub fn start(flavor: Flavor, masters: usize, replicas: usize) -> Cluster {
+        assert!(
+            has_binary("redis-cli"),
+            "`redis-cli` is not on PATH: it creates the test cluster (Debian's redis-tools)"
+        );
+        let nodes: Vec<Server> = (0..masters * (1 + replicas))
+            .map(|_| {
+                let extra = [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "1000",
+                ]
+                .map(String::from)
+                .to_vec();
+                Server::start_full(flavor, false, free_cluster_port(), extra)
+            })
+            .collect();
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for n in &nodes {
+            create.arg(format!("127.0.0.1:{}", n.port));
+        }
+        let out = create
+            .arg("--cluster-replicas")
+            .arg(replicas.to_string())
+            .arg("--cluster-yes")
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = Cluster { nodes };
+        let start = Instant::now();
+        while !cluster.healthy() {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "the cluster did not become healthy"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        cluster
+    }
+
+    fn healthy(&self) -> bool {
+        self.nodes.iter().all(|n| {
+            let Ok(info) = redis::cmd("CLUSTER")
+                .arg("INFO")
+                .query::<String>(&mut n.conn())
+            else {
+                return false;
+            };
+            info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384")
+        })
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(Server::url).collect()
+    }
+
+    /// A command on whichever node owns its key.
+    pub fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        let client = redis::cluster::ClusterClient::new(self.urls()).expect("cluster client");
+        let mut conn = client.get_connection().expect("cluster connection");
+        let mut c = redis::cmd(args[0]);
+        for a in &args[1..] {
+            c.arg(*a);
+        }
+        c.query(&mut conn).expect("cluster test command")
     }
 }

@@ -8,9 +8,11 @@ use crate::error::Result;
 use crate::types::{LockKey, Token};
 use crate::wake::{Wakeups, Watch};
 
+pub mod cluster;
 pub mod memory;
 pub mod redis;
 
+pub use self::cluster::ClusterBackend;
 pub use self::memory::MemoryBackend;
 pub use self::redis::{RedisBackend, RedisConfig};
 
@@ -72,6 +74,8 @@ pub enum AnyBackend {
     Memory(MemoryBackend),
     /// A Redis or Valkey server.
     Redis(RedisBackend),
+    /// A Redis or Valkey Cluster.
+    Cluster(ClusterBackend),
 }
 
 macro_rules! dispatch {
@@ -79,6 +83,7 @@ macro_rules! dispatch {
         match $self {
             AnyBackend::Memory($b) => $e,
             AnyBackend::Redis($b) => $e,
+            AnyBackend::Cluster($b) => $e,
         }
     };
 }

@@ -15,7 +15,8 @@ use crate::error::{Error, Result, classify};
 use crate::types::{LockKey, Token};
 use crate::wake::{Registered, Wakeups, Watch};
 
-const EXTEND_CHUNK: usize = 256;
+/// Leases per extend script call: large enough to batch, small enough not to stall the server.
+pub(super) const EXTEND_CHUNK: usize = 256;
 
 /// Connection settings for [`RedisBackend`]. The defaults suit a server on the same network.
 #[derive(Clone, Debug)]
@@ -36,11 +37,24 @@ impl Default for RedisConfig {
     }
 }
 
-struct Scripts {
+/// The Lua scripts every server-backed backend runs, loaded on first use (`EVALSHA`, then
+/// `SCRIPT LOAD` on `NOSCRIPT`).
+pub(super) struct Scripts {
     acquire: Script,
     release: Script,
     extend: Script,
     admit: Script,
+}
+
+impl Scripts {
+    pub(super) fn new() -> Scripts {
+        Scripts {
+            acquire: Script::new(include_str!("../lua/acquire.lua")),
+            release: Script::new(include_str!("../lua/release.lua")),
+            extend: Script::new(include_str!("../lua/extend.lua")),
+            admit: Script::new(include_str!("../lua/fence_gate.lua")),
+        }
+    }
 }
 
 enum SubCmd {
@@ -82,12 +96,7 @@ impl RedisBackend {
         tokio::spawn(subscriber(client, config, wakeups.clone(), sub_rx));
         Ok(RedisBackend {
             conn,
-            scripts: Arc::new(Scripts {
-                acquire: Script::new(include_str!("../lua/acquire.lua")),
-                release: Script::new(include_str!("../lua/release.lua")),
-                extend: Script::new(include_str!("../lua/extend.lua")),
-                admit: Script::new(include_str!("../lua/fence_gate.lua")),
-            }),
+            scripts: Arc::new(Scripts::new()),
             wakeups,
             sub_tx,
         })
@@ -129,17 +138,25 @@ fn unexpected(what: &str, reply: &Value) -> Error {
     )))
 }
 
-impl Backend for RedisBackend {
-    async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
-        let mut conn = self.conn.clone();
-        let reply: Value = self
-            .scripts
+/// The script calls, on any connection: a standalone server's or a cluster's.
+pub(super) mod ops {
+    use super::*;
+    use redis::aio::ConnectionLike;
+
+    pub(crate) async fn acquire<C: ConnectionLike>(
+        conn: &mut C,
+        scripts: &Scripts,
+        key: &LockKey,
+        token: &Token,
+        ttl: Duration,
+    ) -> Result<AcquireReply> {
+        let reply: Value = scripts
             .acquire
             .key(key.lock_key())
             .key(key.fence_key())
             .arg(token.as_str())
             .arg(ttl.as_millis() as u64)
-            .invoke_async(&mut conn)
+            .invoke_async(conn)
             .await
             .map_err(|e| classify("acquire", key.user(), e))?;
         match pair(&reply) {
@@ -169,49 +186,56 @@ impl Backend for RedisBackend {
         }
     }
 
-    async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
-        let mut conn = self.conn.clone();
-        let n: i64 = self
-            .scripts
+    /// `publish` is the command that wakes waiters: `PUBLISH`, or `SPUBLISH` on a cluster.
+    pub(crate) async fn release<C: ConnectionLike>(
+        conn: &mut C,
+        scripts: &Scripts,
+        key: &LockKey,
+        token: &Token,
+        publish: &str,
+    ) -> Result<bool> {
+        let n: i64 = scripts
             .release
             .key(key.lock_key())
             .arg(token.as_str())
             .arg(key.channel())
-            .invoke_async(&mut conn)
+            .arg(publish)
+            .invoke_async(conn)
             .await
             .map_err(|e| classify("release", key.user(), e))?;
         Ok(n == 1)
     }
 
-    async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
-        let ttl_ms = ttl.as_millis() as u64;
-        // Chunks go out together on the multiplexed connection: one pipelined burst, no
-        // per-lease round trip, and no single script long enough to stall the server.
-        let calls = items.chunks(EXTEND_CHUNK).map(|chunk| {
-            let mut inv = self.scripts.extend.prepare_invoke();
-            inv.arg(ttl_ms);
-            for (key, token) in chunk {
-                inv.key(key.lock_key()).arg(token.as_str());
-            }
-            let mut conn = self.conn.clone();
-            async move {
-                inv.invoke_async::<Vec<i64>>(&mut conn)
-                    .await
-                    .map_err(|e| classify("extend", "(batch)", e))
-            }
-        });
-        let answers = futures_util::future::try_join_all(calls).await?;
-        Ok(answers.into_iter().flatten().map(|n| n == 1).collect())
+    /// One script call for `items`, which must all sit in one slot on a cluster.
+    pub(crate) async fn extend<C: ConnectionLike>(
+        mut conn: C,
+        scripts: &Scripts,
+        items: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> Result<Vec<bool>> {
+        let mut inv = scripts.extend.prepare_invoke();
+        inv.arg(ttl.as_millis() as u64);
+        for (key, token) in items {
+            inv.key(key.lock_key()).arg(token.as_str());
+        }
+        let answers = inv
+            .invoke_async::<Vec<i64>>(&mut conn)
+            .await
+            .map_err(|e| classify("extend", "(batch)", e))?;
+        Ok(answers.into_iter().map(|n| n == 1).collect())
     }
 
-    async fn admit(&self, gate_key: &str, fence: u64) -> Result<Option<u64>> {
-        let mut conn = self.conn.clone();
-        let reply: Value = self
-            .scripts
+    pub(crate) async fn admit<C: ConnectionLike>(
+        conn: &mut C,
+        scripts: &Scripts,
+        gate_key: &str,
+        fence: u64,
+    ) -> Result<Option<u64>> {
+        let reply: Value = scripts
             .admit
             .key(gate_key)
             .arg(fence)
-            .invoke_async(&mut conn)
+            .invoke_async(conn)
             .await
             .map_err(|e| classify("admit", gate_key, e))?;
         match pair(&reply) {
@@ -225,6 +249,30 @@ impl Backend for RedisBackend {
             }),
             _ => Err(unexpected("admit", &reply)),
         }
+    }
+}
+
+impl Backend for RedisBackend {
+    async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
+        ops::acquire(&mut self.conn.clone(), &self.scripts, key, token, ttl).await
+    }
+
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
+        ops::release(&mut self.conn.clone(), &self.scripts, key, token, "PUBLISH").await
+    }
+
+    async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
+        // Chunks go out together on the multiplexed connection: one pipelined burst, no
+        // per-lease round trip, and no single script long enough to stall the server.
+        let calls = items
+            .chunks(EXTEND_CHUNK)
+            .map(|chunk| ops::extend(self.conn.clone(), &self.scripts, chunk, ttl));
+        let answers = futures_util::future::try_join_all(calls).await?;
+        Ok(answers.into_iter().flatten().collect())
+    }
+
+    async fn admit(&self, gate_key: &str, fence: u64) -> Result<Option<u64>> {
+        ops::admit(&mut self.conn.clone(), &self.scripts, gate_key, fence).await
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Watch> {

@@ -1,0 +1,431 @@
+//! The Redis / Valkey Cluster backend: one cluster connection (one multiplexed connection per
+//! node, following the slot map) for commands and sharded pub/sub alike.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::{ProtocolVersion, PushInfo, PushKind, Script, Value};
+use tokio::sync::{mpsc, oneshot};
+use tracing::debug;
+
+use super::Backend;
+use super::redis::{EXTEND_CHUNK, RedisConfig, Scripts, ops};
+use crate::backend::AcquireReply;
+use crate::error::{Error, Result};
+use crate::types::{LockKey, Token};
+use crate::wake::{Registered, Wakeups, Watch};
+
+/// The renewal script for many slots of one node (see the script for why keys are arguments).
+const EXTEND_NODE: &str = include_str!("../lua/extend_node.lua");
+
+/// Number of hash slots in a Redis / Valkey cluster.
+const SLOTS: u16 = 16384;
+
+/// A Redis or Valkey Cluster. Clones share the connection.
+///
+/// Every server key of one lock (`{prefix:key}:lock`, `:fence`, and the wake-up channel) shares
+/// one hash tag, so each script runs in one slot. Releases wake waiters with sharded pub/sub
+/// (`SPUBLISH` / `SSUBSCRIBE`, Redis 7 and Valkey), over RESP3 on the same connection; the client
+/// resubscribes after a reconnect or a slot move, and every waiter of a resubscribed channel
+/// retries, since a release in the gap was not seen. Renewal batches are grouped by slot, so on a
+/// cluster they cost one script call per slot rather than one per 256 leases.
+///
+/// ```no_run
+/// use lock_core::{Locker, LockOptions};
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// let locker = Locker::redis_cluster(&["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"]).await?;
+/// let lease = locker.acquire("orders:42", &LockOptions::default()).await?;
+/// lease.release().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct ClusterBackend {
+    conn: ClusterConnection,
+    scripts: Arc<Scripts>,
+    /// Renewal across the slots of one node (`allow-cross-slot-keys`), sent per node.
+    extend_cross: Arc<Script>,
+    /// Which node serves each slot, for grouping renewals by node; refreshed after a miss.
+    slots: Arc<Mutex<Option<Arc<SlotMap>>>>,
+    wakeups: Arc<Wakeups>,
+    sub_tx: mpsc::UnboundedSender<SubCmd>,
+}
+
+/// The masters and the slot ranges they serve, from `CLUSTER SLOTS`.
+struct SlotMap {
+    /// For each slot, an index into `nodes`.
+    owner: Vec<usize>,
+    nodes: Vec<(String, u16)>,
+}
+
+impl SlotMap {
+    fn parse(reply: &Value) -> Option<SlotMap> {
+        let mut map = SlotMap {
+            owner: vec![usize::MAX; usize::from(SLOTS)],
+            nodes: Vec::new(),
+        };
+        let Value::Array(ranges) = reply else {
+            return None;
+        };
+        for range in ranges {
+            let Value::Array(r) = range else { return None };
+            let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(master))) =
+                (r.first(), r.get(1), r.get(2))
+            else {
+                return None;
+            };
+            let host = match master.first()? {
+                Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                Value::SimpleString(s) => s.clone(),
+                _ => return None,
+            };
+            let Value::Int(port) = master.get(1)? else {
+                return None;
+            };
+            let node = (host, u16::try_from(*port).ok()?);
+            let idx = match map.nodes.iter().position(|n| *n == node) {
+                Some(i) => i,
+                None => {
+                    map.nodes.push(node);
+                    map.nodes.len() - 1
+                }
+            };
+            let (start, end) = (usize::try_from(*start).ok()?, usize::try_from(*end).ok()?);
+            for slot in map.owner.get_mut(start..=end)? {
+                *slot = idx;
+            }
+        }
+        Some(map)
+    }
+}
+
+enum SubCmd {
+    Subscribe(String, oneshot::Sender<()>),
+    Unsubscribe(String),
+}
+
+impl ClusterBackend {
+    /// Connects to a cluster through any of its nodes (`redis://host:port/`), with default
+    /// settings.
+    pub async fn connect(nodes: &[&str]) -> Result<ClusterBackend> {
+        ClusterBackend::connect_with(nodes, RedisConfig::default()).await
+    }
+
+    /// Connects to a cluster with explicit settings.
+    pub async fn connect_with(nodes: &[&str], config: RedisConfig) -> Result<ClusterBackend> {
+        let (push_tx, push_rx) = mpsc::unbounded_channel::<PushInfo>();
+        let client = ClusterClientBuilder::new(nodes.to_vec())
+            .use_protocol(ProtocolVersion::RESP3)
+            .push_sender(push_tx)
+            .response_timeout(config.response_timeout)
+            .connection_timeout(config.connection_timeout)
+            .build()
+            .map_err(Error::Unavailable)?;
+        let conn = client
+            .get_async_connection()
+            .await
+            .map_err(Error::Unavailable)?;
+        let wakeups = Arc::new(Wakeups::default());
+        tokio::spawn(pushes(push_rx, wakeups.clone()));
+        let (sub_tx, sub_rx) = mpsc::unbounded_channel();
+        tokio::spawn(subscriptions(conn.clone(), sub_rx));
+        Ok(ClusterBackend {
+            conn,
+            scripts: Arc::new(Scripts::new()),
+            extend_cross: Arc::new(Script::new(EXTEND_NODE)),
+            slots: Arc::default(),
+            wakeups,
+            sub_tx,
+        })
+    }
+
+    /// The shared cluster connection, for callers that want to run their own commands.
+    pub fn connection(&self) -> ClusterConnection {
+        self.conn.clone()
+    }
+
+    /// The cached slot map, fetched with `CLUSTER SLOTS` when there is none.
+    async fn slot_map(&self) -> Option<Arc<SlotMap>> {
+        if let Some(map) = self
+            .slots
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+        {
+            return Some(map);
+        }
+        let reply = self
+            .conn
+            .clone()
+            .route_command(
+                redis::cmd("CLUSTER").arg("SLOTS").clone(),
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+            )
+            .await
+            .ok()?;
+        let map = Arc::new(SlotMap::parse(&reply)?);
+        *self.slots.lock().unwrap_or_else(PoisonError::into_inner) = Some(map.clone());
+        Some(map)
+    }
+
+    async fn extend_placed(
+        &self,
+        node: Option<(String, u16)>,
+        places: &[usize],
+        chunk: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> Result<Vec<(usize, bool)>> {
+        let answers = self.extend_chunk(node, chunk, ttl).await?;
+        Ok(places.iter().copied().zip(answers).collect())
+    }
+
+    /// Renews `chunk` on `node` in one call, or slot by slot when there is no node or the node
+    /// refused (then the slot map is dropped, to be fetched again).
+    async fn extend_chunk(
+        &self,
+        node: Option<(String, u16)>,
+        chunk: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> Result<Vec<bool>> {
+        if let Some((host, port)) = node {
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg(self.extend_cross.get_hash())
+                .arg(0)
+                .arg(ttl.as_millis() as u64);
+            for (key, token) in chunk {
+                cmd.arg(key.lock_key()).arg(token.as_str());
+            }
+            let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
+            let mut conn = self.conn.clone();
+            // A routed command reports server errors inside the value; lift them out.
+            let mut reply = conn
+                .route_command(cmd.clone(), route.clone())
+                .await
+                .and_then(Value::extract_error);
+            if matches!(&reply, Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript))
+            {
+                let mut load = redis::cmd("SCRIPT");
+                load.arg("LOAD").arg(EXTEND_NODE);
+                let loaded = conn
+                    .route_command(load, route.clone())
+                    .await
+                    .and_then(Value::extract_error);
+                if loaded.is_ok() {
+                    reply = conn
+                        .route_command(cmd, route)
+                        .await
+                        .and_then(Value::extract_error);
+                }
+            }
+            match reply.and_then(|v| Ok(redis::from_redis_value::<Vec<i64>>(v)?)) {
+                Ok(answers) if answers.len() == chunk.len() => {
+                    return Ok(answers.into_iter().map(|n| n == 1).collect());
+                }
+                other => {
+                    debug!(?other, "batched renewal refused; renewing slot by slot");
+                    *self.slots.lock().unwrap_or_else(PoisonError::into_inner) = None;
+                }
+            }
+        }
+        let groups = group_by(chunk, |item| slot(&item.0.lock_key()));
+        let calls = groups.values().map(|g| async move {
+            let answers = ops::extend(self.conn.clone(), &self.scripts, &g.items, ttl).await?;
+            Ok::<_, Error>(g.places.iter().copied().zip(answers).collect())
+        });
+        scatter(chunk.len(), calls).await
+    }
+}
+
+/// Renewal items, with their places in the caller's list, grouped by where they run.
+#[derive(Default)]
+struct Group {
+    places: Vec<usize>,
+    items: Vec<(LockKey, Token)>,
+}
+
+fn group_by<K: Ord>(
+    items: &[(LockKey, Token)],
+    key: impl Fn(&(LockKey, Token)) -> K,
+) -> BTreeMap<K, Group> {
+    let mut groups: BTreeMap<K, Group> = BTreeMap::new();
+    for (i, item) in items.iter().enumerate() {
+        let g = groups.entry(key(item)).or_default();
+        g.places.push(i);
+        g.items.push(item.clone());
+    }
+    groups
+}
+
+/// Runs the calls together and puts each answer back at its item's place.
+async fn scatter<F>(len: usize, calls: impl IntoIterator<Item = F>) -> Result<Vec<bool>>
+where
+    F: std::future::Future<Output = Result<Vec<(usize, bool)>>>,
+{
+    let mut out = vec![false; len];
+    for answers in futures_util::future::try_join_all(calls).await? {
+        for (i, held) in answers {
+            out[i] = held;
+        }
+    }
+    Ok(out)
+}
+
+/// The slot of a server key: CRC16 (XMODEM) of its hash tag, modulo the slot count.
+fn slot(server_key: &str) -> u16 {
+    let bytes = server_key.as_bytes();
+    let tagged = server_key
+        .find('{')
+        .and_then(|open| {
+            let rest = &bytes[open + 1..];
+            let close = rest.iter().position(|&b| b == b'}')?;
+            (close > 0).then(|| &rest[..close])
+        })
+        .unwrap_or(bytes);
+    crc16::State::<crc16::XMODEM>::calculate(tagged) % SLOTS
+}
+
+impl Backend for ClusterBackend {
+    async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
+        ops::acquire(&mut self.conn.clone(), &self.scripts, key, token, ttl).await
+    }
+
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
+        ops::release(
+            &mut self.conn.clone(),
+            &self.scripts,
+            key,
+            token,
+            "SPUBLISH",
+        )
+        .await
+    }
+
+    async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
+        // One script call per node and 256 leases: a script may touch several slots of the node
+        // it runs on (`allow-cross-slot-keys`), so renewal batches as on a single server. Where
+        // the slot map is stale (failover, resharding) the node refuses the batch and its leases
+        // are renewed slot by slot instead, routed by the client.
+        let map = self.slot_map().await;
+        // Without a map every slot is its own group; slots sort after any node index.
+        let groups = group_by(items, |item| {
+            let s = slot(&item.0.lock_key());
+            match map.as_ref().map(|m| m.owner[usize::from(s)]) {
+                Some(node) if node != usize::MAX => (0, node),
+                _ => (1, usize::from(s)),
+            }
+        });
+        let mut jobs = Vec::new();
+        for (&(kind, at), g) in &groups {
+            let node = map
+                .as_ref()
+                .filter(|_| kind == 0)
+                .and_then(|m| m.nodes.get(at).cloned());
+            for (places, chunk) in g.places.chunks(EXTEND_CHUNK).zip(g.items.chunks(EXTEND_CHUNK)) {
+                jobs.push((node.clone(), places, chunk));
+            }
+        }
+        let calls = jobs
+            .into_iter()
+            .map(|(node, places, chunk)| self.extend_placed(node, places, chunk, ttl));
+        scatter(items.len(), calls).await
+    }
+
+    async fn admit(&self, gate_key: &str, fence: u64) -> Result<Option<u64>> {
+        ops::admit(&mut self.conn.clone(), &self.scripts, gate_key, fence).await
+    }
+
+    async fn watch(&self, key: &LockKey) -> Result<Watch> {
+        let channel = key.channel();
+        let (rx, reg) = self.wakeups.register(&channel);
+        let tx = self.sub_tx.clone();
+        let watch = Watch {
+            rx,
+            channel: channel.clone(),
+            wakeups: self.wakeups.clone(),
+            on_last: Some(Box::new(move |ch| {
+                let _ = tx.send(SubCmd::Unsubscribe(ch));
+            })),
+        };
+        if let Registered::First = reg {
+            let (ack_tx, ack_rx) = oneshot::channel();
+            if self.sub_tx.send(SubCmd::Subscribe(channel, ack_tx)).is_ok() {
+                // Without the ack a release could slip in unseen; if subscribing fails the
+                // waiter still has its timer.
+                let _ = tokio::time::timeout(Duration::from_secs(1), ack_rx).await;
+            }
+        }
+        Ok(watch)
+    }
+
+    fn wakeups(&self) -> &Arc<Wakeups> {
+        &self.wakeups
+    }
+}
+
+/// Subscribes and unsubscribes in order, so that a late unsubscribe of a key's last waiter can
+/// never undo the subscribe of its next first waiter.
+async fn subscriptions(mut conn: ClusterConnection, mut rx: mpsc::UnboundedReceiver<SubCmd>) {
+    while let Some(cmd) = rx.recv().await {
+        match cmd {
+            SubCmd::Subscribe(channel, ack) => {
+                if let Err(e) = conn.ssubscribe(&channel).await {
+                    debug!(error = %e, channel, "sharded subscribe failed; the waiter keeps its timer");
+                }
+                let _ = ack.send(());
+            }
+            SubCmd::Unsubscribe(channel) => {
+                let _ = conn.sunsubscribe(&channel).await;
+            }
+        }
+    }
+}
+
+/// Turns the connection's pushes into wake-ups.
+async fn pushes(mut rx: mpsc::UnboundedReceiver<PushInfo>, wakeups: Arc<Wakeups>) {
+    while let Some(push) = rx.recv().await {
+        let channel = || match push.data.first() {
+            Some(Value::BulkString(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+            _ => None,
+        };
+        match push.kind {
+            PushKind::SMessage => {
+                if let Some(ch) = channel() {
+                    wakeups.wake(&ch);
+                }
+            }
+            // A (re)subscription confirmed: after a reconnect or a slot move the client
+            // resubscribes, and releases in the gap went unseen, so that channel's waiters retry.
+            PushKind::SSubscribe => {
+                if let Some(ch) = channel() {
+                    wakeups.wake(&ch);
+                }
+            }
+            PushKind::Disconnection => wakeups.wake_all(),
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_follow_the_hash_tag() {
+        // The examples of the CLUSTER KEYSLOT documentation.
+        assert_eq!(slot("somekey"), 11058);
+        assert_eq!(slot("foo{hash_tag}"), 2515);
+        assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
+        // An empty tag does not count: the whole key is hashed.
+        assert_eq!(
+            slot("{}foo"),
+            crc16::State::<crc16::XMODEM>::calculate(b"{}foo") % SLOTS
+        );
+        let k = LockKey::new("leasehold", "orders:1");
+        assert_eq!(slot(&k.lock_key()), slot(&k.fence_key()));
+        assert_eq!(slot(&k.lock_key()), slot(&k.channel()));
+    }
+}
