@@ -26,6 +26,24 @@
 //! Durability is the server's: with append-only persistence a restart loses no enqueued job;
 //! without it a restart loses the queue.
 //!
+//! # Limits
+//!
+//! - At least once, not exactly once (see above). A job runs again whenever its lease is lost.
+//! - Expired leases come back only when something calls [`Queue::reap`]; every [`Worker`] does
+//!   on a beat, so a queue with no running worker returns nothing until one starts.
+//! - A lease that passed its deadline but was not reaped yet still holds: the worker may extend
+//!   or complete it, since nobody else can have the job.
+//! - After a job completes, a marker stays for [`QueueBuilder::keep_done`]; a late caller of an
+//!   old attempt gets [`Error::Stale`] while it stays, [`Error::UnknownJob`] after.
+//! - Payloads are at most [`MAX_PAYLOAD`] bytes; errors are stored cut to [`MAX_ERROR_LEN`].
+//! - `max_attempts` is stored with each job at enqueue; changing the builder later does not
+//!   change jobs already queued.
+//! - The queue connects through [`RedisBackend`] (one server). Its keys are ready for a
+//!   cluster (one hash tag, so one slot and one shard's throughput per queue), but no cluster
+//!   connection is wired to it yet.
+//! - On a single Redis primary with asynchronous replicas, a failover can lose the latest
+//!   claims and completions, as it can any write: a job may then run again.
+//!
 //! ```
 //! use lock_core::queue::Queue;
 //! use std::time::Duration;
@@ -233,7 +251,8 @@ impl QueueBuilder {
         validate_key(&self.prefix)
     }
 
-    /// A queue held in this process. Clones of the returned queue share it.
+    /// A queue held in this process. Clones of the returned queue share it; another call
+    /// makes another, separate queue, even under the same name.
     pub fn memory(self) -> Result<Queue> {
         self.check()?;
         let store = Store::Memory(memory::MemoryQueue::new(&self.prefix, &self.name));
@@ -382,7 +401,7 @@ impl Queue {
         }
     }
 
-    /// A queue in this process with the defaults.
+    /// A queue in this process with the defaults (see [`QueueBuilder::memory`]).
     pub fn memory(name: &str) -> Result<Queue> {
         Queue::builder(name).memory()
     }
@@ -407,13 +426,12 @@ impl Queue {
     #[instrument(level = "debug", skip_all, fields(queue = %self.inner.name))]
     pub async fn enqueue(&self, payload: impl AsRef<[u8]>) -> Result<JobId> {
         let ids = self.enqueue_many([payload]).await?;
-        ids.into_iter().next().ok_or_else(|| Error::OutcomeUnknown {
-            op: "enqueue",
-            key: self.inner.name.clone(),
-            source: ::redis::RedisError::from((
+        // Both stores answer one id per payload; this only guards against a broken reply.
+        ids.into_iter().next().ok_or_else(|| {
+            Error::Unavailable(::redis::RedisError::from((
                 ::redis::ErrorKind::UnexpectedReturnType,
                 "enqueue returned no id",
-            )),
+            )))
         })
     }
 
