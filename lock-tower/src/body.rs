@@ -122,7 +122,6 @@ impl<B> LockBody<B> {
     }
 
     /// `prefix` first, then the rest of the inner body (for a body partly read by the layer).
-    #[allow(dead_code)]
     pub(crate) fn prefixed(prefix: Bytes, body: B) -> Self {
         LockBody {
             kind: Kind::Inner { body },

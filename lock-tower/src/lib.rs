@@ -1,7 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 mod body;
-// pub mod dedupe;
+pub mod dedupe;
 mod extract;
 mod future;
 mod key;
@@ -10,7 +10,7 @@ mod reject;
 mod util;
 
 pub use body::{BoxError, LeaseLostWhileStreaming, LockBody};
-// pub use dedupe::DedupeLayer;
+pub use dedupe::DedupeLayer;
 pub use extract::{Fence, HeldLease, MissingLease};
 pub use future::ResponseFuture;
 pub use key::{KeyExtractor, MAX_IDEMPOTENCY_KEY_LEN};

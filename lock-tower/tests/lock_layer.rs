@@ -17,7 +17,7 @@ use http::{Method, Response, StatusCode};
 use lock_tower::{Fence, HeldLease, KeyExtractor, LockLayer, Reason};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Semaphore, mpsc};
 
 on_every_backend!(
     held_key_gets_409_with_retry_after,
@@ -32,7 +32,7 @@ on_every_backend!(
 );
 
 /// A route whose handler reports it entered and then waits for `go`.
-fn gated(layer: LockLayer, entered: mpsc::UnboundedSender<u64>, go: Arc<Notify>) -> Router {
+fn gated(layer: LockLayer, entered: mpsc::UnboundedSender<u64>, go: Arc<Semaphore>) -> Router {
     Router::new()
         .route(
             "/accounts/{id}/withdraw",
@@ -41,7 +41,7 @@ fn gated(layer: LockLayer, entered: mpsc::UnboundedSender<u64>, go: Arc<Notify>)
                 let go = go.clone();
                 async move {
                     let _ = entered.send(f.0);
-                    go.notified().await;
+                    go.acquire().await.expect("gate").forget();
                     format!("fence {}", f.0)
                 }
             }),
@@ -52,7 +52,7 @@ fn gated(layer: LockLayer, entered: mpsc::UnboundedSender<u64>, go: Arc<Notify>)
 async fn held_key_gets_409_with_retry_after(h: Harness) {
     let locker = h.locker().await;
     let (tx, mut entered) = mpsc::unbounded_channel();
-    let go = Arc::new(Notify::new());
+    let go = Arc::new(Semaphore::new(0));
     let layer =
         LockLayer::new(locker, KeyExtractor::route_param("id")).ttl(Duration::from_secs(20));
     let addr = serve(gated(layer, tx, go.clone())).await;
@@ -76,7 +76,7 @@ async fn held_key_gets_409_with_retry_after(h: Harness) {
     // Another key is not affected.
     let other = tokio::spawn(async move { post_to(addr, "/accounts/8/withdraw").await });
     entered.recv().await.expect("other key entered");
-    go.notify_waiters();
+    go.add_permits(2);
     let first = first.await.expect("join");
     assert_eq!(first.status, StatusCode::OK, "{}", first.text());
     let other = other.await.expect("join");
@@ -293,7 +293,7 @@ async fn raw_post(addr: std::net::SocketAddr, path: &str) -> TcpStream {
 async fn client_disconnect_during_handler_releases(h: Harness) {
     let locker = h.locker().await;
     let (tx, mut entered) = mpsc::unbounded_channel();
-    let go = Arc::new(Notify::new());
+    let go = Arc::new(Semaphore::new(0));
     // A long TTL: only the release on disconnect can free the key in time.
     let layer =
         LockLayer::new(locker, KeyExtractor::route_param("id")).ttl(Duration::from_secs(60));
@@ -309,7 +309,7 @@ async fn client_disconnect_during_handler_releases(h: Harness) {
         let call = tokio::spawn(async move { post_to(addr, "/accounts/5/withdraw").await });
         // A request that got in waits in the gate; let it through.
         tokio::time::sleep(Duration::from_millis(50)).await;
-        go.notify_waiters();
+        go.add_permits(1);
         call.await.expect("join").status == StatusCode::OK
     })
     .await;
@@ -350,7 +350,7 @@ async fn client_disconnect_during_body_releases(h: Harness) {
 async fn waiting_gets_the_key_after_the_holder(h: Harness) {
     let locker = h.locker().await;
     let (tx, mut entered) = mpsc::unbounded_channel();
-    let go = Arc::new(Notify::new());
+    let go = Arc::new(Semaphore::new(0));
     let waiting = LockLayer::new(locker.clone(), KeyExtractor::route_param("id"))
         .wait(Duration::from_secs(20));
     let addr = serve(gated(waiting, tx, go.clone())).await;
@@ -362,19 +362,19 @@ async fn waiting_gets_the_key_after_the_holder(h: Harness) {
         entered.try_recv().is_err(),
         "second ran while the first held the key"
     );
-    go.notify_waiters();
+    go.add_permits(1);
     let f2 = entered
         .recv()
         .await
         .expect("second entered after the first");
     assert!(f2 > f1);
-    go.notify_waiters();
+    go.add_permits(1);
     assert_eq!(first.await.expect("join").status, StatusCode::OK);
     assert_eq!(second.await.expect("join").status, StatusCode::OK);
 
     // A short deadline, answered with the configured status.
     let (tx, mut entered) = mpsc::unbounded_channel();
-    let go = Arc::new(Notify::new());
+    let go = Arc::new(Semaphore::new(0));
     let short = LockLayer::new(locker, KeyExtractor::route_param("id"))
         .wait(Duration::from_millis(300))
         .reject_status(Reason::WaitTimeout, StatusCode::SERVICE_UNAVAILABLE);
@@ -384,7 +384,7 @@ async fn waiting_gets_the_key_after_the_holder(h: Harness) {
     let r = post_to(addr, "/accounts/2/withdraw").await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
     assert!(r.header("retry-after").is_some());
-    go.notify_waiters();
+    go.add_permits(1);
     assert_eq!(first.await.expect("join").status, StatusCode::OK);
 }
 

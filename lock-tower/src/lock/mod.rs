@@ -4,7 +4,7 @@
 //! response future (where the acquire happens).
 
 mod layer;
-mod service;
+pub(crate) mod service;
 
 pub use self::layer::{DEFAULT_KEY_BODY_LIMIT, LockLayer};
 pub use self::service::Lock;

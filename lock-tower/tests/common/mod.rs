@@ -64,17 +64,24 @@ macro_rules! on_every_backend {
     ($($name:ident),* $(,)?) => {
         mod memory {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { super::$name($crate::common::Harness::memory()).await })*
+            async fn $name() { $crate::common::bounded(super::$name($crate::common::Harness::memory())).await })*
         }
         mod redis {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { super::$name($crate::common::Harness::redis()).await })*
+            async fn $name() { $crate::common::bounded(super::$name($crate::common::Harness::redis())).await })*
         }
         mod valkey {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { super::$name($crate::common::Harness::valkey()).await })*
+            async fn $name() { $crate::common::bounded(super::$name($crate::common::Harness::valkey())).await })*
         }
     };
+}
+
+/// Runs a scenario with a generous bound, so a hang fails loudly instead of stalling the suite.
+pub async fn bounded(f: impl Future<Output = ()>) {
+    tokio::time::timeout(Duration::from_secs(120), f)
+        .await
+        .expect("scenario did not finish within 120 s");
 }
 
 /// Serves `app` on a free loopback port until the test ends.

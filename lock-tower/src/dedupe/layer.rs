@@ -1,0 +1,235 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, Method, Response, StatusCode, header};
+use http_body_util::Full;
+use lock_core::{LockOptions, Locker};
+use tower_layer::Layer;
+
+use super::Dedupe;
+use super::store::Store;
+use crate::key::KeyExtractor;
+use crate::reject::{Reason, Rejection, Rejections};
+
+/// How long a completed result is replayed, unless configured otherwise: 24 hours.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+/// The largest response body stored for replay, unless configured otherwise: 256 KiB.
+pub const DEFAULT_STORED_BODY_LIMIT: usize = 256 * 1024;
+/// The largest request body read (for the fingerprint and JSON keys): 1 MiB.
+pub const DEFAULT_REQUEST_BODY_LIMIT: usize = 1024 * 1024;
+
+#[derive(Clone)]
+pub(crate) struct DedupeConfig {
+    pub(crate) locker: Locker,
+    pub(crate) store: Store,
+    pub(crate) key: KeyExtractor,
+    pub(crate) scope: String,
+    pub(crate) claim: LockOptions,
+    pub(crate) wait: bool,
+    pub(crate) methods: Option<Vec<Method>>,
+    pub(crate) pass_unkeyed: bool,
+    pub(crate) request_limit: usize,
+    pub(crate) stored_limit: usize,
+    pub(crate) retention: Duration,
+    pub(crate) replay_headers: Vec<HeaderName>,
+    pub(crate) rejections: Rejections,
+}
+
+impl std::fmt::Debug for DedupeConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DedupeConfig")
+            .field("key", &self.key)
+            .field("scope", &self.scope)
+            .field("claim", &self.claim)
+            .field("wait", &self.wait)
+            .field("methods", &self.methods)
+            .field("retention", &self.retention)
+            .field("stored_limit", &self.stored_limit)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DedupeConfig {
+    pub(crate) fn applies_to(&self, method: &Method) -> bool {
+        self.methods.as_ref().is_none_or(|m| m.contains(method))
+    }
+}
+
+/// Handles each delivery once: the first request with a key runs the handler, duplicates get
+/// its stored result.
+///
+/// The first request claims the key atomically (a lease with a fence, renewed while the handler
+/// runs). When the handler finishes, its status, allow-listed headers and body are stored, but
+/// only if the claim still holds (a token check in the same atomic step as the write), and the
+/// claim is released.
+///
+/// | situation | answer |
+/// |---|---|
+/// | no key | 400 (or pass through: [`pass_through_without_key`](Self::pass_through_without_key)) |
+/// | duplicate while the first still runs | 409 with `Retry-After` (or wait: [`wait`](Self::wait)) |
+/// | duplicate after the first completed | the stored status, headers and body, with `Idempotent-Replayed: true` |
+/// | same key, different method, path or body | 422 ([`Reason::KeyReused`], configurable, e.g. 409) |
+/// | first attempt answered 5xx or 429 | not stored; the claim is released, so a retry runs the handler again |
+/// | claim lost while the handler ran | handler cancelled, 503, nothing stored |
+/// | request body above the cap (1 MiB) | 413 |
+/// | response body above the stored cap (256 KiB) | the first caller gets the full body; the stored result keeps status and headers only, and replays carry an empty body with `Idempotent-Body-Omitted: true` |
+///
+/// Keys are scoped by [`scope`](Self::scope) and hashed (SHA-256) before they become storage
+/// keys, so a hostile key can neither collide with nor reach another namespace. Results are
+/// kept for 24 h by default. On Redis they live beside the claim (same hash tag) and survive a
+/// restart of the service; on the memory backend they live in this layer (clones share them).
+///
+/// ```
+/// use axum::{Router, routing::post};
+/// use lock_tower::{DedupeLayer, KeyExtractor};
+/// use std::time::Duration;
+///
+/// async fn on_event(body: bytes::Bytes) -> &'static str {
+///     // ... apply the event once ...
+///     "processed"
+/// }
+///
+/// let locker = lock_core::Locker::memory();
+/// let app: Router = Router::new()
+///     .route("/hooks/stripe", post(on_event))
+///     .layer(
+///         DedupeLayer::new(locker)
+///             .key(KeyExtractor::json_field("/id"))
+///             .scope("stripe")
+///             .retention(Duration::from_secs(3 * 24 * 60 * 60)),
+///     );
+/// ```
+#[derive(Clone, Debug)]
+pub struct DedupeLayer {
+    cfg: Arc<DedupeConfig>,
+}
+
+impl DedupeLayer {
+    /// A layer on `locker`'s backend. Defaults: key from the `Idempotency-Key` header, methods
+    /// POST, PUT, PATCH and DELETE, claim TTL 30 s (renewed), no waiting, retention 24 h,
+    /// stored bodies up to 256 KiB, request bodies up to 1 MiB, replayed headers
+    /// `content-type`, `content-language`, `content-location`, `location`, `etag`,
+    /// `last-modified` and `cache-control`.
+    pub fn new(locker: Locker) -> DedupeLayer {
+        DedupeLayer {
+            cfg: Arc::new(DedupeConfig {
+                store: Store::for_locker(&locker),
+                locker,
+                key: KeyExtractor::idempotency_key(),
+                scope: String::new(),
+                claim: LockOptions::new(),
+                wait: false,
+                methods: Some(vec![
+                    Method::POST,
+                    Method::PUT,
+                    Method::PATCH,
+                    Method::DELETE,
+                ]),
+                pass_unkeyed: false,
+                request_limit: DEFAULT_REQUEST_BODY_LIMIT,
+                stored_limit: DEFAULT_STORED_BODY_LIMIT,
+                retention: DEFAULT_RETENTION,
+                replay_headers: vec![
+                    header::CONTENT_TYPE,
+                    header::CONTENT_LANGUAGE,
+                    header::CONTENT_LOCATION,
+                    header::LOCATION,
+                    header::ETAG,
+                    header::LAST_MODIFIED,
+                    header::CACHE_CONTROL,
+                ],
+                rejections: Rejections::default(),
+            }),
+        }
+    }
+
+    fn with(mut self, f: impl FnOnce(&mut DedupeConfig)) -> Self {
+        f(Arc::make_mut(&mut self.cfg));
+        self
+    }
+
+    /// Where the delivery id comes from (default [`KeyExtractor::idempotency_key`]).
+    pub fn key(self, key: KeyExtractor) -> Self {
+        self.with(|c| c.key = key)
+    }
+
+    /// A namespace for this layer's keys (for example the sender's name), so two endpoints
+    /// with the same ids do not dedupe each other.
+    pub fn scope(self, scope: impl Into<String>) -> Self {
+        let scope = scope.into();
+        self.with(|c| c.scope = scope)
+    }
+
+    /// How long a completed result is replayed (default 24 h). Standard Webhooks suggests at
+    /// least 5 minutes.
+    pub fn retention(self, retention: Duration) -> Self {
+        self.with(|c| c.retention = retention)
+    }
+
+    /// The claim's lease TTL (default 30 s, renewed while the handler runs).
+    pub fn claim_ttl(self, ttl: Duration) -> Self {
+        self.with(|c| c.claim = c.claim.clone().ttl(ttl))
+    }
+
+    /// Let a duplicate that arrives while the first still runs wait up to `deadline` for the
+    /// first to finish (then get its result) instead of an immediate 409.
+    pub fn wait(self, deadline: Duration) -> Self {
+        self.with(|c| {
+            c.wait = true;
+            c.claim = c.claim.clone().wait(deadline);
+        })
+    }
+
+    /// Dedupe only these methods (default POST, PUT, PATCH, DELETE); others pass through.
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods = methods.into_iter().collect();
+        self.with(|c| c.methods = Some(methods))
+    }
+
+    /// Let requests without a key through, without dedupe, instead of answering 400.
+    pub fn pass_through_without_key(self) -> Self {
+        self.with(|c| c.pass_unkeyed = true)
+    }
+
+    /// The largest request body read for the fingerprint (default 1 MiB); above it, 413.
+    pub fn request_body_limit(self, bytes: usize) -> Self {
+        self.with(|c| c.request_limit = bytes)
+    }
+
+    /// The largest response body stored for replay (default 256 KiB); see the table above for
+    /// what happens beyond it.
+    pub fn stored_body_limit(self, bytes: usize) -> Self {
+        self.with(|c| c.stored_limit = bytes)
+    }
+
+    /// Replay this response header too (beside the defaults).
+    pub fn replay_header(self, name: HeaderName) -> Self {
+        self.with(|c| c.replay_headers.push(name))
+    }
+
+    /// The status to answer with for `reason` (for example 409 instead of 422 for
+    /// [`Reason::KeyReused`]).
+    pub fn reject_status(self, reason: Reason, status: StatusCode) -> Self {
+        self.with(|c| c.rejections.set_status(reason, status))
+    }
+
+    /// Build rejection responses with `f` instead of the default problem+json body.
+    pub fn rejection_response(
+        self,
+        f: impl Fn(&Rejection) -> Response<Full<Bytes>> + Send + Sync + 'static,
+    ) -> Self {
+        self.with(|c| c.rejections.set_responder(f))
+    }
+}
+
+impl<S> Layer<S> for DedupeLayer {
+    type Service = Dedupe<S>;
+
+    fn layer(&self, inner: S) -> Dedupe<S> {
+        Dedupe {
+            inner,
+            cfg: self.cfg.clone(),
+        }
+    }
+}

@@ -1,0 +1,14 @@
+//! [`DedupeLayer`]: each webhook delivery (or idempotent request) handled once.
+//!
+//! Module layout as in tower-http: the layer (configuration and builder), the service, the
+//! response future (shared with [`lock`](crate::lock)), and the result store.
+
+mod layer;
+mod service;
+mod store;
+
+pub use self::layer::{
+    DEFAULT_REQUEST_BODY_LIMIT, DEFAULT_RETENTION, DEFAULT_STORED_BODY_LIMIT, DedupeLayer,
+};
+pub use self::service::Dedupe;
+pub use crate::future::ResponseFuture;

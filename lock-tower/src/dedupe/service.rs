@@ -1,0 +1,299 @@
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, Either, Full};
+use sha2::{Digest, Sha256};
+use tower_service::Service;
+use tracing::Instrument;
+
+use super::layer::DedupeConfig;
+use super::store::Record;
+use crate::body::{BoxError, LockBody};
+use crate::extract::Held;
+use crate::future::ResponseFuture;
+use crate::lock::service::refuse;
+use crate::reject::Reason;
+use crate::util::{RequestBody, read_capped, reject};
+
+/// Marks a response that is a replay of a stored result.
+pub(crate) const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+/// Marks a replay whose body was above the stored-body cap and was not kept.
+pub(crate) const BODY_OMITTED: HeaderName = HeaderName::from_static("idempotent-body-omitted");
+
+/// The service [`DedupeLayer`](super::DedupeLayer) wraps around an inner service.
+#[derive(Clone, Debug)]
+pub struct Dedupe<S> {
+    pub(crate) inner: S,
+    pub(crate) cfg: Arc<DedupeConfig>,
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Dedupe<S>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + Unpin + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<LockBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<ResBody, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let cfg = self.cfg.clone();
+        let span = tracing::debug_span!(
+            "dedupe_layer",
+            id = tracing::field::Empty,
+            fence = tracing::field::Empty
+        );
+        ResponseFuture::new(run(cfg, inner, req).instrument(span))
+    }
+}
+
+fn hex(digest: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(digest.len() * 2);
+    for b in digest {
+        s.push(HEX[usize::from(b >> 4)] as char);
+        s.push(HEX[usize::from(b & 0xf)] as char);
+    }
+    s
+}
+
+/// SHA-256 of length-prefixed parts, so no two different part lists hash alike.
+fn digest(parts: &[&[u8]]) -> String {
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update((p.len() as u64).to_be_bytes());
+        h.update(p);
+    }
+    hex(&h.finalize())
+}
+
+async fn run<S, ReqBody, ResBody>(
+    cfg: Arc<DedupeConfig>,
+    mut inner: S,
+    req: Request<ReqBody>,
+) -> Result<Response<LockBody<ResBody>>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ReqBody: Body<Data = Bytes>,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Unpin,
+    ResBody::Error: Into<BoxError>,
+{
+    if !cfg.applies_to(req.method()) {
+        let res = inner.call(req.map(Either::Left)).await?;
+        return Ok(res.map(LockBody::pass));
+    }
+    let rejections = &cfg.rejections;
+    let (mut parts, body) = req.into_parts();
+    let bytes = match read_capped(body, cfg.request_limit).await {
+        Ok(b) => b,
+        Err((reason, detail)) => return Ok(reject(rejections, reason, None, detail)),
+    };
+    let key = match cfg.key.extract(&mut parts, Some(&bytes)).await {
+        Ok(k) => k,
+        Err(p) if p.reason == crate::reject::Reason::MissingKey && cfg.pass_unkeyed => {
+            tracing::debug!(why = %p.detail, "no key; passing through without dedupe");
+            let req = Request::from_parts(parts, Either::Right(Full::new(bytes)));
+            return Ok(inner.call(req).await?.map(LockBody::pass));
+        }
+        Err(p) => return Ok(reject(rejections, p.reason, None, p.detail)),
+    };
+    // Hashed, so a hostile key can neither collide with nor escape into another namespace.
+    let id = digest(&[cfg.scope.as_bytes(), key.as_bytes()]);
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    let fingerprint = digest(&[parts.method.as_str().as_bytes(), path.as_bytes(), &bytes]);
+    tracing::Span::current().record("id", &id[..16]);
+
+    let unavailable = |detail: String| {
+        tracing::warn!(%detail, "dedupe store failed");
+        reject(
+            rejections,
+            Reason::Unavailable,
+            Some(Duration::from_secs(1)),
+            "the dedupe store is unavailable",
+        )
+    };
+    let claim_name = format!("dedupe:{id}");
+    let lock_key = match cfg.locker.lock_key(&claim_name) {
+        Ok(k) => k.lock_key(),
+        Err(e) => return Ok(refuse(rejections, &e)),
+    };
+    // `{prefix:dedupe:<id>}:lock` → `{prefix:dedupe:<id>}:result`: one hash tag, one slot.
+    let result_key = format!(
+        "{}:result",
+        lock_key.strip_suffix(":lock").unwrap_or(&lock_key)
+    );
+
+    match cfg.store.get(&result_key).await {
+        Ok(Some(rec)) => return Ok(replay(&cfg, &rec, &fingerprint)),
+        Ok(None) => {}
+        Err(e) => return Ok(unavailable(e.to_string())),
+    }
+    let taken = if cfg.wait {
+        cfg.locker.acquire(&claim_name, &cfg.claim).await
+    } else {
+        cfg.locker.try_acquire(&claim_name, &cfg.claim).await
+    };
+    let claim = match taken {
+        Ok(l) => l,
+        Err(e) => return Ok(refuse(rejections, &e)),
+    };
+    // A first run may have stored its result and released between our look-up and our claim;
+    // the claim orders us after it, so looking again now cannot miss it.
+    match cfg.store.get(&result_key).await {
+        Ok(Some(rec)) => {
+            let _ = claim.release().await;
+            return Ok(replay(&cfg, &rec, &fingerprint));
+        }
+        Ok(None) => {}
+        Err(e) => return Ok(unavailable(e.to_string())),
+    }
+    tracing::Span::current().record("fence", claim.fence().0);
+    let info = claim.info();
+    parts.extensions.insert(Held {
+        fence: claim.fence(),
+        info: info.clone(),
+    });
+    let handler = inner.call(Request::from_parts(parts, Either::Right(Full::new(bytes))));
+    let res = tokio::select! {
+        biased;
+        _ = info.lost() => {
+            tracing::warn!("claim lost while the handler ran; handler cancelled, nothing stored");
+            return Ok(reject(rejections, Reason::LeaseLost, None, "the claim on this delivery was lost before the handler finished; the handler was cancelled and nothing was stored"));
+        }
+        res = handler => res?,
+    };
+    let status = res.status();
+    if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS {
+        // Not an answer to keep: free the claim so the sender's retry runs the handler again.
+        let _ = claim.release().await;
+        return Ok(res.map(LockBody::pass));
+    }
+
+    let (head, mut body) = res.into_parts();
+    let mut buf = BytesMut::new();
+    let mut overflow = false;
+    loop {
+        let frame = body
+            .frame()
+            .await
+            .map(|r| r.map_err(Into::<BoxError>::into));
+        match frame {
+            None => break,
+            Some(Ok(frame)) => {
+                // Trailers are not stored or replayed; data frames are.
+                if let Ok(data) = frame.into_data() {
+                    buf.extend_from_slice(&data);
+                    if buf.len() > cfg.stored_limit {
+                        overflow = true;
+                        break;
+                    }
+                }
+            }
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "response body failed; nothing stored");
+                let _ = claim.release().await;
+                let mut res = Response::new(LockBody::local(Full::new(Bytes::new())));
+                *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+                return Ok(res);
+            }
+        }
+    }
+    let buf = buf.freeze();
+    let rec = Record {
+        fingerprint,
+        status: head.status.as_u16(),
+        headers: cfg
+            .replay_headers
+            .iter()
+            .flat_map(|n| {
+                head.headers
+                    .get_all(n)
+                    .iter()
+                    .map(|v| (n.clone(), v.clone()))
+            })
+            .collect(),
+        body: if overflow { Bytes::new() } else { buf.clone() },
+        body_omitted: overflow,
+    };
+    match cfg
+        .store
+        .put(
+            &claim,
+            cfg.claim.ttl_value(),
+            &lock_key,
+            &result_key,
+            &rec,
+            cfg.retention,
+        )
+        .await
+    {
+        Ok(true) => {}
+        Ok(false) => tracing::warn!("claim lapsed before the result was stored; not stored"),
+        Err(e) => tracing::warn!(error = %e, "result not stored"),
+    }
+    let _ = claim.release().await;
+    let body = if overflow {
+        LockBody::prefixed(buf, body)
+    } else {
+        LockBody::local(Full::new(buf))
+    };
+    Ok(Response::from_parts(head, body))
+}
+
+/// The stored answer for a duplicate, or the mismatch rejection.
+fn replay<B>(cfg: &DedupeConfig, rec: &Record, fingerprint: &str) -> Response<LockBody<B>> {
+    if rec.fingerprint != fingerprint {
+        return reject(
+            &cfg.rejections,
+            Reason::KeyReused,
+            None,
+            "this key was used before with a different request (method, path or body)",
+        );
+    }
+    let mut res = Response::new(LockBody::local(Full::new(rec.body.clone())));
+    *res.status_mut() = StatusCode::from_u16(rec.status).unwrap_or(StatusCode::OK);
+    for (name, value) in &rec.headers {
+        res.headers_mut().append(name.clone(), value.clone());
+    }
+    res.headers_mut()
+        .insert(REPLAYED, HeaderValue::from_static("true"));
+    if rec.body_omitted {
+        res.headers_mut()
+            .insert(BODY_OMITTED, HeaderValue::from_static("true"));
+    }
+    res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digests_are_length_prefixed() {
+        assert_ne!(digest(&[b"ab", b"c"]), digest(&[b"a", b"bc"]));
+        assert_eq!(digest(&[b"x"]).len(), 64);
+    }
+}

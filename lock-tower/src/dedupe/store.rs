@@ -1,0 +1,232 @@
+//! Where completed results live: in process for the memory backend, in Redis beside the claim.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue};
+use lock_core::{AnyBackend, Lease, Locker};
+use redis::Script;
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::cluster_async::ClusterConnection;
+use tokio::time::Instant;
+
+/// A completed response, as stored.
+#[derive(Clone, Debug)]
+pub(crate) struct Record {
+    pub(crate) fingerprint: String,
+    pub(crate) status: u16,
+    pub(crate) headers: Vec<(HeaderName, HeaderValue)>,
+    pub(crate) body: Bytes,
+    /// The body was above the stored-body cap and was not kept.
+    pub(crate) body_omitted: bool,
+}
+
+/// Why a store operation failed.
+#[derive(Debug)]
+pub(crate) enum StoreError {
+    Backend(String),
+}
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreError::Backend(e) => write!(f, "result store failed: {e}"),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub(crate) enum Store {
+    Memory(Arc<MemStore>),
+    Redis {
+        conn: ConnectionManager,
+        script: Arc<Script>,
+    },
+    Cluster {
+        conn: ClusterConnection,
+        script: Arc<Script>,
+    },
+}
+
+#[derive(Default)]
+pub(crate) struct MemStore {
+    map: Mutex<HashMap<String, (Record, Instant)>>,
+    puts: AtomicU64,
+}
+
+impl Store {
+    pub(crate) fn for_locker(locker: &Locker) -> Store {
+        match locker.backend() {
+            AnyBackend::Memory(_) => Store::Memory(Arc::default()),
+            AnyBackend::Redis(r) => Store::Redis {
+                conn: r.connection(),
+                script: store_script(),
+            },
+            AnyBackend::Cluster(c) => Store::Cluster {
+                conn: c.connection(),
+                script: store_script(),
+            },
+        }
+    }
+
+    pub(crate) async fn get(&self, result_key: &str) -> Result<Option<Record>, StoreError> {
+        match self {
+            Store::Memory(m) => {
+                let mut map = m.map.lock().unwrap_or_else(PoisonError::into_inner);
+                match map.get(result_key) {
+                    Some((rec, until)) if *until > Instant::now() => Ok(Some(rec.clone())),
+                    Some(_) => {
+                        map.remove(result_key);
+                        Ok(None)
+                    }
+                    None => Ok(None),
+                }
+            }
+            Store::Redis { conn, .. } => redis_get(&mut conn.clone(), result_key).await,
+            Store::Cluster { conn, .. } => redis_get(&mut conn.clone(), result_key).await,
+        }
+    }
+
+    /// Stores `rec` for `retention` if `claim` still holds its key (`lock_key` on the server);
+    /// returns whether it did.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn put(
+        &self,
+        claim: &Lease,
+        claim_ttl: Duration,
+        lock_key: &str,
+        result_key: &str,
+        rec: &Record,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        match self {
+            Store::Memory(m) => {
+                // An extend succeeds only while this token holds the claim, and it pushes the
+                // claim's expiry a full TTL out, so nobody else can take it before the insert
+                // below (both happen in this process, microseconds apart).
+                if claim.extend(claim_ttl).await.is_err() {
+                    return Ok(false);
+                }
+                let now = Instant::now();
+                let mut map = m.map.lock().unwrap_or_else(PoisonError::into_inner);
+                if m.puts.fetch_add(1, Ordering::Relaxed) % 1024 == 1023 {
+                    map.retain(|_, (_, until)| *until > now);
+                }
+                map.insert(result_key.to_owned(), (rec.clone(), now + retention));
+                Ok(true)
+            }
+            Store::Redis { conn, script } => {
+                redis_put(
+                    &mut conn.clone(),
+                    script,
+                    claim,
+                    lock_key,
+                    result_key,
+                    rec,
+                    retention,
+                )
+                .await
+            }
+            Store::Cluster { conn, script } => {
+                redis_put(
+                    &mut conn.clone(),
+                    script,
+                    claim,
+                    lock_key,
+                    result_key,
+                    rec,
+                    retention,
+                )
+                .await
+            }
+        }
+    }
+}
+
+fn store_script() -> Arc<Script> {
+    Arc::new(Script::new(include_str!("../lua/store_result.lua")))
+}
+
+async fn redis_get<C: ConnectionLike + Send>(
+    conn: &mut C,
+    result_key: &str,
+) -> Result<Option<Record>, StoreError> {
+    let fields: Vec<Option<Vec<u8>>> = redis::cmd("HMGET")
+        .arg(result_key)
+        .arg(&["fp", "status", "headers", "body", "omitted"])
+        .query_async(conn)
+        .await
+        .map_err(|e| StoreError::Backend(e.to_string()))?;
+    decode(fields)
+}
+
+async fn redis_put<C: ConnectionLike + Send>(
+    conn: &mut C,
+    script: &Script,
+    claim: &Lease,
+    lock_key: &str,
+    result_key: &str,
+    rec: &Record,
+    retention: Duration,
+) -> Result<bool, StoreError> {
+    let mut headers = Vec::new();
+    for (name, value) in &rec.headers {
+        headers.extend_from_slice(name.as_str().as_bytes());
+        headers.push(b':');
+        headers.extend_from_slice(value.as_bytes());
+        headers.push(b'\n');
+    }
+    let stored: i64 = script
+        .key(lock_key)
+        .key(result_key)
+        .arg(claim.token().as_str())
+        .arg(retention.as_millis() as u64)
+        .arg(&rec.fingerprint)
+        .arg(rec.status)
+        .arg(headers)
+        .arg(rec.body.as_ref())
+        .arg(u8::from(rec.body_omitted))
+        .invoke_async(conn)
+        .await
+        .map_err(|e| StoreError::Backend(e.to_string()))?;
+    Ok(stored == 1)
+}
+
+fn decode(fields: Vec<Option<Vec<u8>>>) -> Result<Option<Record>, StoreError> {
+    let bad = |what: &str| StoreError::Backend(format!("stored result has a bad {what}"));
+    let mut it = fields.into_iter();
+    let (Some(fp), Some(status), Some(headers), Some(body), Some(omitted)) =
+        (it.next(), it.next(), it.next(), it.next(), it.next())
+    else {
+        return Err(bad("shape"));
+    };
+    let Some(fp) = fp else {
+        return Ok(None);
+    };
+    let status = status
+        .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok())
+        .ok_or_else(|| bad("status"))?;
+    let mut parsed = Vec::new();
+    for line in headers.unwrap_or_default().split(|b| *b == b'\n') {
+        if line.is_empty() {
+            continue;
+        }
+        let colon = line
+            .iter()
+            .position(|b| *b == b':')
+            .ok_or_else(|| bad("header"))?;
+        let name = HeaderName::from_bytes(&line[..colon]).map_err(|_| bad("header name"))?;
+        let value = HeaderValue::from_bytes(&line[colon + 1..]).map_err(|_| bad("header value"))?;
+        parsed.push((name, value));
+    }
+    Ok(Some(Record {
+        fingerprint: String::from_utf8(fp).map_err(|_| bad("fingerprint"))?,
+        status,
+        headers: parsed,
+        body: Bytes::from(body.unwrap_or_default()),
+        body_omitted: omitted.as_deref() == Some(b"1"),
+    }))
+}
