@@ -414,6 +414,34 @@ async fn worker_settles_by_outcome(h: Harness) {
     assert_eq!(q.job(flaky).await.expect("job").state, JobState::Done);
 }
 
+/// A panicking handler is a failed attempt: the job is retried with the panic as its error, and
+/// the worker keeps going.
+async fn handler_panic_is_retried(h: Harness) {
+    let q = h.open(Queue::builder("panics")).await;
+    let id = q.enqueue(b"boom").await.expect("enqueue");
+    let w = Worker::new(q.clone())
+        .backoff(ms(20), ms(20))
+        .start(|job| async move {
+            if job.attempts() == 1 {
+                panic!("first attempt explodes");
+            }
+            Ok(())
+        })
+        .expect("start");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            w.report().completed == 1
+        })
+        .await,
+        "{:?}",
+        w.report()
+    );
+    let r = w.shutdown(Duration::from_secs(5)).await;
+    assert_eq!((r.retried, r.completed, r.lost), (1, 1, 0));
+    let info = q.job(id).await.expect("job");
+    assert_eq!((info.state, info.attempts), (JobState::Done, 2));
+}
+
 /// A handler whose lease is taken away is cancelled; its result never lands.
 async fn lost_lease_cancels_handler(h: Harness) {
     let q = h.open(Queue::builder("cancel")).await;
@@ -657,6 +685,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn worker_settles_by_outcome() {
                 super::worker_settles_by_outcome(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn handler_panic_is_retried() {
+                super::handler_panic_is_retried(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_lease_cancels_handler() {

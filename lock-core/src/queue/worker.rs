@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, sleep, sleep_until};
 use tokio_util::sync::CancellationToken;
@@ -400,7 +401,9 @@ where
             deadline_ms,
             payload,
         };
-        let work = handler(job);
+        // A panicking handler counts as a failed attempt, not a dead slot: the job is retried
+        // and this slot goes on claiming.
+        let work = std::panic::AssertUnwindSafe(handler(job)).catch_unwind();
         let outcome = tokio::select! {
             biased;
             lost = keep_alive(&queue, id, attempts, worker.lease, local_deadline) => {
@@ -408,7 +411,14 @@ where
                 bump(&stats.lost);
                 return;
             }
-            out = work => out,
+            out = work => out.unwrap_or_else(|panic| {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a non-text payload".to_owned());
+                Err(JobError::retry(format!("handler panicked: {what}")))
+            }),
         };
         let settled = match &outcome {
             Ok(()) => with_retries(|| queue.complete(id, attempts))
