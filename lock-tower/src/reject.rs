@@ -48,8 +48,8 @@ impl Reason {
 
     fn title(self) -> &'static str {
         match self {
-            Reason::MissingKey => "Missing lock key",
-            Reason::InvalidKey => "Invalid lock key",
+            Reason::MissingKey => "Missing key",
+            Reason::InvalidKey => "Invalid key",
             Reason::BodyTooLarge => "Request body too large",
             Reason::Busy => "Resource is locked",
             Reason::WaitTimeout => "Timed out waiting for the lock",

@@ -27,6 +27,7 @@ on_every_backend!(
     webhook_ids_and_github_scoping,
     json_id_key_and_body_handed_on,
     claim_loss_cancels_and_stores_nothing,
+    result_is_not_stored_when_the_claim_changed_hands,
 );
 
 /// A webhook endpoint that counts its runs and answers something unique per run.
@@ -505,4 +506,60 @@ async fn survives_a_service_restart_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn survives_a_service_restart_on_valkey() {
     survives_a_service_restart(Harness::valkey()).await
+}
+
+/// The handler finishes after its claim was deleted and taken by another holder (before renewal
+/// noticed): the token check in the store refuses the write, so no duplicate is ever answered
+/// from a result produced without a valid claim.
+async fn result_is_not_stored_when_the_claim_changed_hands(h: Harness) {
+    let locker = h.locker().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (h2, l2, r2) = (Arc::new(h), locker.clone(), runs.clone());
+    let h3 = h2.clone();
+    let intruder: Arc<tokio::sync::Mutex<Option<lock_core::Lease>>> = Arc::default();
+    let i2 = intruder.clone();
+    let app = Router::new()
+        .route(
+            "/hooks/stolen",
+            post(move || {
+                let (h, l, runs, intruder) = (h3.clone(), l2.clone(), r2.clone(), i2.clone());
+                async move {
+                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                        let name = claim_name("", "stolen");
+                        h.delete(&l, &name);
+                        let opts = lock_core::LockOptions::new().ttl(Duration::from_secs(30));
+                        let lease = l.try_acquire(&name, &opts).await.expect("intruder");
+                        *intruder.lock().await = Some(lease);
+                    }
+                    "done"
+                }
+            }),
+        )
+        .layer(DedupeLayer::new(locker));
+    let addr = serve(app).await;
+    let hit = || {
+        send(
+            addr,
+            Method::POST,
+            "/hooks/stolen",
+            &[("idempotency-key", r#""stolen""#)],
+            "{}",
+        )
+    };
+    // The first caller still gets the handler's answer...
+    let first = hit().await;
+    assert_eq!(first.status, StatusCode::OK);
+    // ...but it was not stored: while the intruder holds the claim a duplicate gets 409, not a
+    // replay, and once it is released the retry runs the handler again.
+    let dup = hit().await;
+    assert_eq!(dup.status, StatusCode::CONFLICT, "{}", dup.text());
+    let lease = intruder.lock().await.take().expect("intruder lease");
+    lease.release().await.expect("release");
+    let retry = hit().await;
+    assert_eq!(
+        (retry.status, retry.header("idempotent-replayed")),
+        (StatusCode::OK, None)
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    drop(h2);
 }

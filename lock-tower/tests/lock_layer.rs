@@ -29,6 +29,7 @@ on_every_backend!(
     client_disconnect_during_body_releases,
     waiting_gets_the_key_after_the_holder,
     json_body_key_is_handed_on_untouched,
+    lease_loss_while_streaming_cuts_the_body,
 );
 
 /// A route whose handler reports it entered and then waits for `go`.
@@ -418,4 +419,87 @@ async fn bare_route_works() {
     let addr = serve(Router::new().route("/", get(|| async { "hi" }))).await;
     let r = send(addr, Method::GET, "/", &[], Bytes::new()).await;
     assert_eq!(r.text(), "hi");
+}
+
+async fn lease_loss_while_streaming_cuts_the_body(h: Harness) {
+    let locker = h.locker().await;
+    let app = Router::new()
+        .route(
+            "/feeds/{id}",
+            post(|| async {
+                Response::new(Body::new(Drip::new(Duration::from_millis(50), 10_000)))
+            }),
+        )
+        .route_layer(
+            LockLayer::new(locker.clone(), KeyExtractor::route_param("id"))
+                .ttl(Duration::from_secs(1)),
+        );
+    let addr = serve(app).await;
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let (mut tx, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("handshake");
+    tokio::spawn(conn);
+    let req = http::Request::post("/feeds/4")
+        .header("host", "x")
+        .body(http_body_util::Full::new(Bytes::new()))
+        .expect("request");
+    let res = tx.send_request(req).await.expect("response");
+    assert_eq!(res.status(), StatusCode::OK);
+    let mut body = res.into_body();
+    use http_body_util::BodyExt;
+    let first = body.frame().await.expect("a frame").expect("no error yet");
+    assert!(first.is_data());
+    h.delete(&locker, "4");
+    let started = tokio::time::Instant::now();
+    let outcome = loop {
+        match body.frame().await {
+            Some(Ok(_)) => {
+                assert!(
+                    started.elapsed() < Duration::from_secs(10),
+                    "body kept streaming"
+                );
+            }
+            Some(Err(e)) => break Ok(e),
+            None => break Err("the body ended cleanly"),
+        }
+    };
+    // The client sees a broken body (hyper reports the cut-off message), never a clean end.
+    let err = outcome.expect("the body must end with an error once the lease is lost");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "cut only after {:?}: {err}",
+        started.elapsed()
+    );
+}
+
+async fn unreachable_backend_is_503(mut h: Harness) {
+    let Harness::Server(s) = &mut h else {
+        unreachable!("only for servers")
+    };
+    let locker = Harness::locker_for(s).await;
+    let app = Router::new()
+        .route("/accounts/{id}/withdraw", post(|| async { "ok" }))
+        .route_layer(LockLayer::new(locker, KeyExtractor::route_param("id")));
+    let addr = serve(app).await;
+    assert_eq!(
+        post_to(addr, "/accounts/1/withdraw").await.status,
+        StatusCode::OK
+    );
+    s.kill();
+    let r = post_to(addr, "/accounts/1/withdraw").await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert!(r.text().contains("unavailable"), "{}", r.text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_redis_is_503() {
+    common::bounded(unreachable_backend_is_503(Harness::redis())).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_valkey_is_503() {
+    common::bounded(unreachable_backend_is_503(Harness::valkey())).await
 }

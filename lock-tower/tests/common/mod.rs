@@ -36,6 +36,10 @@ impl Harness {
         Harness::Server(Server::start(Flavor::Valkey))
     }
 
+    pub async fn locker_for(s: &Server) -> Locker {
+        Locker::redis(&s.url()).await.expect("connect")
+    }
+
     pub async fn locker(&self) -> Locker {
         match self {
             Harness::Memory(m) => Locker::new(AnyBackend::Memory(m.clone())),
