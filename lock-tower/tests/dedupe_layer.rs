@@ -563,3 +563,30 @@ async fn result_is_not_stored_when_the_claim_changed_hands(h: Harness) {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     drop(h2);
 }
+
+/// The result store's other transport: a 3-master Redis Cluster (claim and result share one
+/// hash tag, so the store script runs on the node that owns the claim).
+mod redis_cluster {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_duplicates_run_the_handler_once() {
+        common::bounded(super::concurrent_duplicates_run_the_handler_once(
+            Harness::redis_cluster(),
+        ))
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn result_is_not_stored_when_the_claim_changed_hands() {
+        common::bounded(super::result_is_not_stored_when_the_claim_changed_hands(
+            Harness::redis_cluster(),
+        ))
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn survives_a_service_restart() {
+        common::bounded(super::survives_a_service_restart(Harness::redis_cluster())).await
+    }
+}

@@ -17,12 +17,13 @@ use hyper_util::rt::TokioIo;
 use lock_core::{AnyBackend, Locker, MemoryBackend};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::support::{Flavor, Server};
+use crate::support::{Cluster, Flavor, Server};
 
 /// A backend under test, with the out-of-band delete that lease-loss tests need.
 pub enum Harness {
     Memory(MemoryBackend),
     Server(Server),
+    Cluster(Cluster),
 }
 
 impl Harness {
@@ -36,6 +37,11 @@ impl Harness {
         Harness::Server(Server::start(Flavor::Valkey))
     }
 
+    /// A 3-master Redis Cluster.
+    pub fn redis_cluster() -> Harness {
+        Harness::Cluster(Cluster::start(Flavor::Redis, 3, 0))
+    }
+
     pub async fn locker_for(s: &Server) -> Locker {
         Locker::redis(&s.url()).await.expect("connect")
     }
@@ -44,6 +50,11 @@ impl Harness {
         match self {
             Harness::Memory(m) => Locker::new(AnyBackend::Memory(m.clone())),
             Harness::Server(s) => Locker::redis(&s.url()).await.expect("connect"),
+            Harness::Cluster(c) => {
+                let urls = c.urls();
+                let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+                Locker::redis_cluster(&urls).await.expect("connect cluster")
+            }
         }
     }
 
@@ -56,6 +67,10 @@ impl Harness {
             }
             Harness::Server(s) => {
                 let n: i64 = s.cmd(&["DEL", &k.lock_key()]);
+                assert_eq!(n, 1, "no lease on {key} to delete");
+            }
+            Harness::Cluster(c) => {
+                let n: i64 = c.cmd(&["DEL", &k.lock_key()]);
                 assert_eq!(n, 1, "no lease on {key} to delete");
             }
         }
