@@ -229,7 +229,9 @@ impl Cluster {
         );
         let cluster = Cluster { nodes };
         let start = Instant::now();
-        while !cluster.healthy() {
+        // Healthy, and every replica attached and in sync: a replica still syncing cannot be
+        // promoted, so a failover test would wait forever.
+        while !cluster.healthy() || !cluster.replicas_synced(masters * replicas) {
             assert!(
                 start.elapsed() < Duration::from_secs(30),
                 "the cluster did not become healthy"
@@ -249,6 +251,22 @@ impl Cluster {
             };
             info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384")
         })
+    }
+
+    fn replicas_synced(&self, expected: usize) -> bool {
+        let synced = self
+            .nodes
+            .iter()
+            .filter(|n| {
+                redis::cmd("INFO")
+                    .arg("replication")
+                    .query::<String>(&mut n.conn())
+                    .is_ok_and(|info| {
+                        info.contains("role:slave") && info.contains("master_link_status:up")
+                    })
+            })
+            .count();
+        synced == expected
     }
 
     pub fn urls(&self) -> Vec<String> {
