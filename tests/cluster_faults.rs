@@ -85,7 +85,7 @@ async fn master_killed_under_load(flavor: Flavor) {
     println!("grants per second (kill at 2): {per_second:?}, errors {errors}");
 
     // Every key kept being granted after the failover, the killed master's slots included.
-    let mut recovered = vec![false; KEYS];
+    let mut recovered = [false; KEYS];
     for g in &grants {
         if g.from > killed_at + Duration::from_secs(5) {
             recovered[g.key] = true;
