@@ -4,106 +4,13 @@
 
 mod support;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use leasehold::{Error, LockOptions, Locker};
+use support::proxy::Proxy;
 use support::{Flavor, Server};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{Instant, sleep};
-
-/// Forwards loopback connections to the server; drops the next `to_drop` server replies that
-/// start with `pattern`, closing that connection instead of delivering them.
-struct Proxy {
-    port: u16,
-    pattern: Arc<std::sync::Mutex<Vec<u8>>>,
-    to_drop: Arc<AtomicUsize>,
-    dropped: Arc<AtomicUsize>,
-}
-
-impl Proxy {
-    async fn start(upstream: u16) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let port = listener.local_addr().expect("addr").port();
-        let proxy = Proxy {
-            port,
-            pattern: Arc::default(),
-            to_drop: Arc::default(),
-            dropped: Arc::default(),
-        };
-        let (pattern, to_drop, dropped) = (
-            proxy.pattern.clone(),
-            proxy.to_drop.clone(),
-            proxy.dropped.clone(),
-        );
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
-                    continue;
-                };
-                let (pattern, to_drop, dropped) =
-                    (pattern.clone(), to_drop.clone(), dropped.clone());
-                tokio::spawn(pipe(client, server, pattern, to_drop, dropped));
-            }
-        });
-        proxy
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.port)
-    }
-
-    /// Arms the proxy: the next `n` replies starting with `pattern` are lost.
-    fn drop_replies(&self, pattern: &[u8], n: usize) {
-        *self.pattern.lock().expect("pattern") = pattern.to_vec();
-        self.to_drop.store(n, Ordering::SeqCst);
-    }
-}
-
-async fn pipe(
-    client: TcpStream,
-    server: TcpStream,
-    pattern: Arc<std::sync::Mutex<Vec<u8>>>,
-    to_drop: Arc<AtomicUsize>,
-    dropped: Arc<AtomicUsize>,
-) {
-    let (mut cr, mut cw) = client.into_split();
-    let (mut sr, mut sw) = server.into_split();
-    let upstream = tokio::spawn(async move {
-        let mut buf = vec![0u8; 64 * 1024];
-        while let Ok(n) = cr.read(&mut buf).await {
-            if n == 0 || sw.write_all(&buf[..n]).await.is_err() {
-                break;
-            }
-        }
-    });
-    let mut buf = vec![0u8; 64 * 1024];
-    while let Ok(n) = sr.read(&mut buf).await {
-        if n == 0 {
-            break;
-        }
-        let chunk = &buf[..n];
-        let matches = {
-            let p = pattern.lock().expect("pattern");
-            !p.is_empty() && chunk.starts_with(&p)
-        };
-        if matches
-            && to_drop
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
-                .is_ok()
-        {
-            dropped.fetch_add(1, Ordering::SeqCst);
-            // Both halves dropped: the client sees its connection die with the reply unsent.
-            break;
-        }
-        if cw.write_all(chunk).await.is_err() {
-            break;
-        }
-    }
-    upstream.abort();
-}
 
 fn opts() -> LockOptions {
     LockOptions::new().ttl(Duration::from_secs(10)).renew(false)

@@ -2,6 +2,8 @@
 //! temporary directories, that tests can kill, restart and flush.
 #![allow(dead_code)]
 
+pub mod proxy;
+
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
