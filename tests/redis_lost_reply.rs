@@ -1,5 +1,5 @@
 //! Scenario 10 with the reply cut off: the server runs the command, the connection dies before
-//! the reply arrives. A small TCP proxy of our own sits between the locker and a real server and
+//! the reply arrives; and scenario 4, replies slowed to most of the TTL. A small TCP proxy of our own sits between the locker and a real server and
 //! drops chosen replies (closing the connection), so the command has certainly run.
 
 mod support;
@@ -111,6 +111,74 @@ async fn lost_release_reply(flavor: Flavor) {
     assert_eq!(server.cmd::<i64>(&["EXISTS", &k.lock_key()]), 0);
 }
 
+/// Scenario 4: replies slowed to a large part of the TTL. A lease handed out still has validity
+/// left, never more than the server's own TTL; a grant whose reply came after its validity is
+/// refused and released.
+async fn slow_replies_never_give_expired_leases(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    let ttl = Duration::from_millis(400);
+    let o = LockOptions::new().ttl(ttl).renew(false);
+    locker
+        .try_acquire("warm", &o)
+        .await
+        .expect("warm")
+        .release()
+        .await
+        .expect("release");
+    let (mut handed_out, mut refused) = (0, 0);
+    for (i, factor) in [0.5, 0.9, 1.05, 1.3].into_iter().enumerate() {
+        proxy.delay_replies(ttl.mul_f64(factor));
+        let key = format!("slow:{i}");
+        let k = locker.lock_key(&key).expect("key");
+        let asked = Instant::now();
+        let result = locker.try_acquire(&key, &o).await;
+        let took = asked.elapsed();
+        match result {
+            Ok(lease) => {
+                // Read the server's TTL first: our estimate, taken after, must not exceed it.
+                let pttl: i64 = server.cmd(&["PTTL", &k.lock_key()]);
+                let remaining = lease.remaining();
+                assert!(
+                    remaining > Duration::ZERO,
+                    "delay {factor}: handed out expired"
+                );
+                assert!(
+                    remaining <= Duration::from_millis(pttl.max(0) as u64 + 1),
+                    "delay {factor}: validity {remaining:?} overstates the server's {pttl} ms"
+                );
+                handed_out += 1;
+                drop(lease);
+            }
+            Err(Error::LeaseLost { .. }) => {
+                // Refused only when the reply really came after the validity (ttl less the
+                // 1% + 2 ms drift allowance).
+                assert!(
+                    took >= ttl - ttl / 100 - Duration::from_millis(2),
+                    "delay {factor}: a grant that arrived in {took:?} was refused"
+                );
+                refused += 1;
+                // The refused grant does not linger: released (or, at worst, expired) at once.
+                let started = Instant::now();
+                while server.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1 {
+                    assert!(
+                        started.elapsed() < ttl,
+                        "delay {factor}: the refused grant was left held"
+                    );
+                    sleep(Duration::from_millis(10)).await;
+                }
+            }
+            Err(e) => panic!("delay {factor}: unexpected {e}"),
+        }
+    }
+    proxy.delay_replies(Duration::ZERO);
+    assert!(
+        handed_out >= 1 && refused >= 1,
+        "both paths ran: {handed_out} {refused}"
+    );
+}
+
 macro_rules! lost_replies {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -122,6 +190,10 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn unresolved_grant_is_released() {
                 super::unresolved_grant_is_released($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn slow_replies_never_give_expired_leases() {
+                super::slow_replies_never_give_expired_leases($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_release_reply() {

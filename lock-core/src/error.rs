@@ -24,7 +24,8 @@ pub enum Error {
         /// How long the caller waited.
         waited: Duration,
     },
-    /// The lease ran out or was taken away while it was supposed to be held.
+    /// The lease ran out or was taken away while it was supposed to be held, or its grant
+    /// arrived after its validity had already run out.
     #[error("lease on `{key}` was lost")]
     LeaseLost {
         /// The key whose lease was lost.

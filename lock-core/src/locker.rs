@@ -191,6 +191,10 @@ impl<B: Backend + Clone> Locker<B> {
     ///
     /// It never waits, so it never queues: a free key is taken at once, even while tasks of this
     /// locker wait for it in [`acquire`](Self::acquire).
+    ///
+    /// A grant whose reply arrives after its validity (ttl less drift, counted from before the
+    /// request) is released and reported as [`Error::LeaseLost`]: a lease is never handed out
+    /// already expired.
     #[instrument(level = "debug", skip(self, opts), fields(ttl = ?opts.ttl))]
     pub async fn try_acquire(&self, key: &str, opts: &LockOptions) -> Result<Lease<B>> {
         let key = self.lock_key(key)?;
@@ -303,6 +307,20 @@ impl<B: Backend + Clone> Locker<B> {
             AcquireReply::Held { remaining } => Ok(Err(remaining)),
             AcquireReply::Granted { fence } => {
                 let deadline = start + opts.ttl - drift(opts.ttl);
+                if deadline <= Instant::now() {
+                    // The reply took the whole validity: the grant may already have expired
+                    // on the server and be held by another, so it is no lease at all. Free it
+                    // in case it has not expired yet.
+                    debug!(fence, "grant arrived after its validity; releasing it");
+                    let backend = self.core.backend.clone();
+                    let (lock, token) = (key.clone(), token.clone());
+                    tokio::spawn(async move {
+                        let _ = backend.release(&lock, &token).await;
+                    });
+                    return Err(Error::LeaseLost {
+                        key: key.user.clone(),
+                    });
+                }
                 let state = LeaseState::new(deadline);
                 let id = self.core.next_id.fetch_add(1, Ordering::Relaxed);
                 if opts.renew {
