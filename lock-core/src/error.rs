@@ -92,6 +92,26 @@ pub enum Error {
     /// [`set_default_locker`](crate::set_default_locker) was called again; the first locker stays.
     #[error("a default locker is already installed; it can be set only once")]
     DefaultLockerAlreadySet,
+    /// Fewer replicas than asked for acknowledged the grant within the replica timeout
+    /// ([`LockOptions::replicas`](crate::LockOptions::replicas)); the grant was released.
+    #[error("lock `{key}`: {acked} of {wanted} replicas acknowledged the grant in time")]
+    NotReplicated {
+        /// The key that was asked for.
+        key: String,
+        /// Replicas that acknowledged.
+        acked: u32,
+        /// Replicas asked for.
+        wanted: u32,
+    },
+    /// The backend cannot do what the options ask (for example waiting for replicas on the
+    /// in-memory backend).
+    #[error("{what} is not supported by the {backend} backend")]
+    Unsupported {
+        /// What was asked for.
+        what: &'static str,
+        /// The backend that cannot do it.
+        backend: &'static str,
+    },
     /// The server could not be reached or refused the command.
     #[error("backend unavailable: {0}")]
     Unavailable(#[source] redis::RedisError),

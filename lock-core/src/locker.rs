@@ -30,6 +30,8 @@ pub struct LockOptions {
     ttl: Duration,
     wait: Duration,
     renew: bool,
+    replicas: u32,
+    replica_timeout: Duration,
 }
 
 impl Default for LockOptions {
@@ -38,6 +40,8 @@ impl Default for LockOptions {
             ttl: Duration::from_secs(30),
             wait: Duration::from_secs(10),
             renew: true,
+            replicas: 0,
+            replica_timeout: Duration::from_millis(100),
         }
     }
 }
@@ -60,6 +64,24 @@ impl LockOptions {
     /// Whether the locker renews the lease automatically while the guard lives.
     pub fn renew(mut self, renew: bool) -> Self {
         self.renew = renew;
+        self
+    }
+    /// Hands a lease out only once `replicas` replicas of the server acknowledge the grant
+    /// (`WAIT`, on a connection of its own so the shared one never stalls), so that a failover
+    /// to one of them keeps it. Fewer acknowledgements within
+    /// [`replica_timeout`](Self::replica_timeout) release the grant and return
+    /// [`Error::NotReplicated`]. Zero (the default) does not wait. Redis/Valkey standalone only.
+    ///
+    /// This narrows, but does not close, the failover window: replication stays asynchronous
+    /// for writes after the grant, and a replica that acknowledged can still lose a later
+    /// renewal. The fence remains what protects the data.
+    pub fn replicas(mut self, replicas: u32) -> Self {
+        self.replicas = replicas;
+        self
+    }
+    /// How long an acquire waits for the replicas' acknowledgement (default 100 ms).
+    pub fn replica_timeout(mut self, timeout: Duration) -> Self {
+        self.replica_timeout = timeout;
         self
     }
     /// The configured TTL.
@@ -285,23 +307,24 @@ impl<B: Backend + Clone> Locker<B> {
     ) -> Result<std::result::Result<Lease<B>, Option<Duration>>> {
         // Validity counts from before the request leaves, so a slow reply can only shorten it.
         let start = Instant::now();
-        let reply = match self.core.backend.acquire(key, token, opts.ttl).await {
-            Err(Error::OutcomeUnknown { .. }) => {
-                // The script is idempotent per token: asking again tells us whether the first
-                // one landed. If even that fails, free whatever we may have been granted.
-                match self.core.backend.acquire(key, token, opts.ttl).await {
-                    Ok(r) => r,
-                    Err(e) => {
-                        let backend = self.core.backend.clone();
-                        let (key, token) = (key.clone(), token.clone());
-                        tokio::spawn(async move {
-                            let _ = backend.release(&key, &token).await;
-                        });
-                        return Err(e);
+        let reply = if opts.replicas > 0 {
+            self.attempt_replicated(key, token, opts).await?
+        } else {
+            match self.core.backend.acquire(key, token, opts.ttl).await {
+                Err(Error::OutcomeUnknown { .. }) => {
+                    // The script is idempotent per token: asking again tells us whether the
+                    // first one landed. If even that fails, free whatever we may have been
+                    // granted.
+                    match self.core.backend.acquire(key, token, opts.ttl).await {
+                        Ok(r) => r,
+                        Err(e) => {
+                            self.release_in_background(key, token);
+                            return Err(e);
+                        }
                     }
                 }
+                other => other?,
             }
-            other => other?,
         };
         match reply {
             AcquireReply::Held { remaining } => Ok(Err(remaining)),
@@ -312,11 +335,7 @@ impl<B: Backend + Clone> Locker<B> {
                     // on the server and be held by another, so it is no lease at all. Free it
                     // in case it has not expired yet.
                     debug!(fence, "grant arrived after its validity; releasing it");
-                    let backend = self.core.backend.clone();
-                    let (lock, token) = (key.clone(), token.clone());
-                    tokio::spawn(async move {
-                        let _ = backend.release(&lock, &token).await;
-                    });
+                    self.release_in_background(key, token);
                     return Err(Error::LeaseLost {
                         key: key.user.clone(),
                     });
@@ -345,6 +364,47 @@ impl<B: Backend + Clone> Locker<B> {
                 }))
             }
         }
+    }
+
+    /// One acquire that is handed out only once `opts.replicas` replicas have the grant.
+    async fn attempt_replicated(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        opts: &LockOptions,
+    ) -> Result<AcquireReply> {
+        let answer = self
+            .core
+            .backend
+            .acquire_replicated(key, token, opts.ttl, opts.replicas, opts.replica_timeout)
+            .await;
+        match answer {
+            Ok((AcquireReply::Granted { .. }, acked)) if acked < opts.replicas => {
+                // A grant the replicas lack could vanish in a failover: not a lease.
+                let _ = self.core.backend.release(key, token).await;
+                Err(Error::NotReplicated {
+                    key: key.user.clone(),
+                    acked,
+                    wanted: opts.replicas,
+                })
+            }
+            Ok((reply, _)) => Ok(reply),
+            Err(e) => {
+                if matches!(e, Error::OutcomeUnknown { .. }) {
+                    self.release_in_background(key, token);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Frees a grant that may exist but will not be handed out, without waiting.
+    fn release_in_background(&self, key: &LockKey, token: &Token) {
+        let backend = self.core.backend.clone();
+        let (key, token) = (key.clone(), token.clone());
+        tokio::spawn(async move {
+            let _ = backend.release(&key, &token).await;
+        });
     }
 
     /// Runs `body` while holding the lease on `key`, renewing it meanwhile, then releases it.

@@ -82,6 +82,30 @@ impl Server {
         Server::start_full(flavor, persist, free_port(), Vec::new())
     }
 
+    /// Starts a replica of `master` and waits until its replication link is up.
+    pub fn start_replica_of(master: &Server) -> Server {
+        // The default waits 5 s for more replicas before a diskless full sync.
+        let _: () = master.cmd(&["CONFIG", "SET", "repl-diskless-sync-delay", "0"]);
+        let extra = vec![
+            "--replicaof".to_owned(),
+            "127.0.0.1".to_owned(),
+            master.port.to_string(),
+        ];
+        let replica = Server::start_full(master.flavor, false, free_port(), extra);
+        let start = Instant::now();
+        loop {
+            let info: String = replica.cmd(&["INFO", "replication"]);
+            if info.contains("master_link_status:up") {
+                return replica;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "the replica never synced"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn start_full(flavor: Flavor, persist: bool, port: u16, extra: Vec<String>) -> Server {
         assert!(
             has_binary(flavor.binary()),
@@ -207,6 +231,8 @@ impl Cluster {
                     "nodes.conf",
                     "--cluster-node-timeout",
                     "1000",
+                    "--repl-diskless-sync-delay",
+                    "0",
                 ]
                 .map(String::from)
                 .to_vec();

@@ -292,6 +292,20 @@ impl Backend for ClusterBackend {
         ops::acquire(&mut self.conn.clone(), &self.scripts, key, token, ttl).await
     }
 
+    async fn acquire_replicated(
+        &self,
+        _key: &LockKey,
+        _token: &Token,
+        _ttl: Duration,
+        _replicas: u32,
+        _timeout: Duration,
+    ) -> Result<(AcquireReply, u32)> {
+        Err(crate::Error::Unsupported {
+            what: "waiting for replicas",
+            backend: "cluster",
+        })
+    }
+
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
         ops::release(
             &mut self.conn.clone(),

@@ -92,6 +92,20 @@ impl Backend for MemoryBackend {
         Ok(AcquireReply::Granted { fence })
     }
 
+    async fn acquire_replicated(
+        &self,
+        _key: &LockKey,
+        _token: &Token,
+        _ttl: Duration,
+        _replicas: u32,
+        _timeout: Duration,
+    ) -> Result<(AcquireReply, u32)> {
+        Err(crate::Error::Unsupported {
+            what: "waiting for replicas",
+            backend: "in-memory",
+        })
+    }
+
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
         let released = {
             let mut st = self.state();

@@ -44,6 +44,26 @@ pub trait Backend: Send + Sync + 'static {
         ttl: Duration,
     ) -> impl Future<Output = Result<AcquireReply>> + Send;
 
+    /// As [`acquire`](Backend::acquire), then waits up to `timeout` for `replicas` replicas to
+    /// acknowledge the writes (`WAIT`); returns the reply and how many acknowledged. Backends
+    /// without replicas answer [`Error::Unsupported`](crate::Error::Unsupported).
+    fn acquire_replicated(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Duration,
+        replicas: u32,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<(AcquireReply, u32)>> + Send {
+        let _ = (key, token, ttl, replicas, timeout);
+        async {
+            Err(crate::Error::Unsupported {
+                what: "waiting for replicas",
+                backend: "chosen",
+            })
+        }
+    }
+
     /// Deletes the lease if `token` still holds it and wakes waiters. Returns whether it did.
     fn release(&self, key: &LockKey, token: &Token) -> impl Future<Output = Result<bool>> + Send;
 
@@ -91,6 +111,16 @@ macro_rules! dispatch {
 impl Backend for AnyBackend {
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
         dispatch!(self, b => b.acquire(key, token, ttl).await)
+    }
+    async fn acquire_replicated(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Duration,
+        replicas: u32,
+        timeout: Duration,
+    ) -> Result<(AcquireReply, u32)> {
+        dispatch!(self, b => b.acquire_replicated(key, token, ttl, replicas, timeout).await)
     }
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
         dispatch!(self, b => b.release(key, token).await)

@@ -1,11 +1,11 @@
 //! The Redis / Valkey backend: one multiplexed, auto-reconnecting connection per backend and one
 //! subscription connection for every waited key.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::{Script, Value};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
@@ -69,6 +69,9 @@ enum SubCmd {
 #[derive(Clone)]
 pub struct RedisBackend {
     conn: ConnectionManager,
+    /// Connections kept aside for acquires that wait for replicas: `WAIT` blocks the
+    /// connection it runs on, and must run on the connection that wrote.
+    dedicated: Arc<Dedicated>,
     scripts: Arc<Scripts>,
     wakeups: Arc<Wakeups>,
     sub_tx: mpsc::UnboundedSender<SubCmd>,
@@ -91,11 +94,17 @@ impl RedisBackend {
         let conn = ConnectionManager::new_with_config(client.clone(), cm_config)
             .await
             .map_err(Error::Unavailable)?;
+        let dedicated = Arc::new(Dedicated {
+            client: client.clone(),
+            config: config.clone(),
+            idle: Mutex::new(Vec::new()),
+        });
         let wakeups = Arc::new(Wakeups::default());
         let (sub_tx, sub_rx) = mpsc::unbounded_channel();
         tokio::spawn(subscriber(client, config, wakeups.clone(), sub_rx));
         Ok(RedisBackend {
             conn,
+            dedicated,
             scripts: Arc::new(Scripts::new()),
             wakeups,
             sub_tx,
@@ -252,9 +261,88 @@ pub(super) mod ops {
     }
 }
 
+/// A few plain connections used one caller at a time, for commands that block their connection.
+struct Dedicated {
+    client: redis::Client,
+    config: RedisConfig,
+    idle: Mutex<Vec<MultiplexedConnection>>,
+}
+
+/// Idle dedicated connections kept for reuse; more are opened while all are busy.
+const MAX_IDLE_DEDICATED: usize = 8;
+
+impl Dedicated {
+    async fn take(&self) -> Result<MultiplexedConnection> {
+        let idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner).pop();
+        match idle {
+            Some(conn) => Ok(conn),
+            None => {
+                // No response timeout here: the caller bounds each use, WAIT included.
+                let cfg = redis::AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(self.config.connection_timeout))
+                    .set_response_timeout(None);
+                self.client
+                    .get_multiplexed_async_connection_with_config(&cfg)
+                    .await
+                    .map_err(Error::Unavailable)
+            }
+        }
+    }
+
+    fn give_back(&self, conn: MultiplexedConnection) {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        if idle.len() < MAX_IDLE_DEDICATED {
+            idle.push(conn);
+        }
+    }
+}
+
 impl Backend for RedisBackend {
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
         ops::acquire(&mut self.conn.clone(), &self.scripts, key, token, ttl).await
+    }
+
+    async fn acquire_replicated(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Duration,
+        replicas: u32,
+        timeout: Duration,
+    ) -> Result<(AcquireReply, u32)> {
+        let mut conn = self.dedicated.take().await?;
+        let bound = self.dedicated.config.response_timeout;
+        let timed_out = |op| {
+            classify(
+                op,
+                key.user(),
+                redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut)),
+            )
+        };
+        let reply = tokio::time::timeout(
+            bound,
+            ops::acquire(&mut conn, &self.scripts, key, token, ttl),
+        )
+        .await
+        .map_err(|_| timed_out("acquire"))??;
+        if !matches!(reply, AcquireReply::Granted { .. }) {
+            self.dedicated.give_back(conn);
+            return Ok((reply, 0));
+        }
+        // WAIT counts the replicas that have every write this connection made, the grant's
+        // lock and fence among them; it blocks only this connection.
+        let acked: i64 = tokio::time::timeout(
+            bound + timeout,
+            redis::cmd("WAIT")
+                .arg(replicas)
+                .arg(timeout.as_millis() as u64)
+                .query_async(&mut conn),
+        )
+        .await
+        .map_err(|_| timed_out("wait"))?
+        .map_err(|e| classify("wait", key.user(), e))?;
+        self.dedicated.give_back(conn);
+        Ok((reply, u32::try_from(acked.max(0)).unwrap_or(u32::MAX)))
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {

@@ -1,0 +1,107 @@
+//! Acquires that wait for replicas (`LockOptions::replicas`), on a real master and replica.
+
+mod support;
+
+use std::time::Duration;
+
+use leasehold::{Error, LockOptions, Locker};
+use support::{Flavor, Server};
+use tokio::time::Instant;
+
+fn replicated(timeout_ms: u64) -> LockOptions {
+    LockOptions::new()
+        .ttl(Duration::from_secs(10))
+        .replicas(1)
+        .replica_timeout(Duration::from_millis(timeout_ms))
+}
+
+/// A replicated grant is on the replica by the time it is handed out.
+async fn grant_reaches_the_replica(flavor: Flavor) {
+    let master = Server::start(flavor);
+    let replica = Server::start_replica_of(&master);
+    let locker = Locker::redis(&master.url()).await.expect("connect");
+    let lease = locker
+        .try_acquire("repl", &replicated(2_000))
+        .await
+        .expect("replicated grant");
+    let k = locker.lock_key("repl").expect("key");
+    let on_replica: String = replica.cmd(&["GET", &k.lock_key()]);
+    assert_eq!(on_replica, lease.token().as_str());
+    let fence: String = replica.cmd(&["GET", &k.fence_key()]);
+    assert_eq!(fence.parse::<u64>().expect("fence"), lease.fence().get());
+    lease.release().await.expect("release");
+}
+
+/// Without the replica, the grant is refused and released, and the shared connection is not
+/// stalled by the blocked `WAIT`.
+async fn missing_replica_refuses_without_stalling(flavor: Flavor) {
+    let master = Server::start(flavor);
+    let mut replica = Server::start_replica_of(&master);
+    let locker = Locker::redis(&master.url()).await.expect("connect");
+    replica.kill();
+    let waiting = {
+        let locker = locker.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let r = locker.try_acquire("repl", &replicated(1_500)).await;
+            (r.map(|l| l.fence()), started.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let t = Instant::now();
+    let other = locker
+        .try_acquire("other", &LockOptions::new())
+        .await
+        .expect("plain acquire while WAIT blocks");
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "the shared connection stalled for {:?}",
+        t.elapsed()
+    );
+    other.release().await.expect("release");
+    let (result, took) = waiting.await.expect("task");
+    match result {
+        Err(Error::NotReplicated { acked, wanted, .. }) => {
+            assert_eq!((acked, wanted), (0, 1));
+        }
+        other => panic!("expected NotReplicated, got {other:?}"),
+    }
+    assert!(
+        took >= Duration::from_millis(1_400),
+        "WAIT returned after {took:?}"
+    );
+    let k = locker.lock_key("repl").expect("key");
+    assert_eq!(
+        master.cmd::<i64>(&["EXISTS", &k.lock_key()]),
+        0,
+        "the refused grant was released"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_refuses_replicas() {
+    let locker = Locker::memory();
+    match locker.try_acquire("k", &replicated(100)).await {
+        Err(Error::Unsupported { backend, .. }) => assert_eq!(backend, "in-memory"),
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
+}
+
+macro_rules! replicated_suite {
+    ($modname:ident, $flavor:expr) => {
+        mod $modname {
+            use super::*;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn grant_reaches_the_replica() {
+                super::grant_reaches_the_replica($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn missing_replica_refuses_without_stalling() {
+                super::missing_replica_refuses_without_stalling($flavor).await
+            }
+        }
+    };
+}
+
+replicated_suite!(on_redis, Flavor::Redis);
+replicated_suite!(on_valkey, Flavor::Valkey);
