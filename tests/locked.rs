@@ -2,6 +2,7 @@
 //! `valkey-server`. Every function here names its locker with `locker = ...`, because the default
 //! locker is process-wide and these tests run in parallel; the default path has its own test
 //! binary (`tests/locked_default.rs`).
+#![cfg(feature = "macros")]
 
 mod support;
 

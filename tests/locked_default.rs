@@ -1,5 +1,6 @@
 //! The process-wide default locker, in a test binary of its own: the default is set once per
 //! process, so the "none installed" and "installed" halves must run in order, in one test.
+#![cfg(feature = "macros")]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
