@@ -71,7 +71,8 @@ pin_project! {
     pub struct LockBody<B> {
         #[pin]
         kind: Kind<B>,
-        prefix: Option<Bytes>,
+        // A frame the layer already took from the inner body, handed on first.
+        prefix: Option<Result<Frame<Bytes>, BoxError>>,
         hold: Hold,
     }
 }
@@ -125,9 +126,15 @@ impl<B> LockBody<B> {
     pub(crate) fn prefixed(prefix: Bytes, body: B) -> Self {
         LockBody {
             kind: Kind::Inner { body },
-            prefix: Some(prefix),
+            prefix: Some(Ok(Frame::data(prefix))),
             hold: Hold::None,
         }
+    }
+
+    /// This body, with a frame already taken from the inner body handed on first.
+    pub(crate) fn after(mut self, first: Result<Frame<Bytes>, BoxError>) -> Self {
+        self.prefix = Some(first);
+        self
     }
 }
 
@@ -164,7 +171,10 @@ where
                 Hold::None => {}
             }
             if let Some(prefix) = this.prefix.take() {
-                return Poll::Ready(Some(Ok(Frame::data(prefix))));
+                if prefix.is_err() {
+                    *this.hold = Hold::None;
+                }
+                return Poll::Ready(Some(prefix));
             }
             let (frame, at_end) = match this.kind.as_mut().project() {
                 KindProj::Inner { mut body } => {
@@ -224,8 +234,8 @@ where
             Kind::Inner { body } => body.size_hint(),
             Kind::Local { body } => body.size_hint(),
         };
-        if let Some(p) = &self.prefix {
-            let n = p.len() as u64;
+        if let Some(Ok(p)) = &self.prefix {
+            let n = p.data_ref().map_or(0, |d| d.len() as u64);
             let mut shifted = SizeHint::new();
             // Upper first: `set_lower` refuses a lower bound above the current upper one.
             if let Some(u) = hint.upper() {

@@ -28,12 +28,16 @@ pub(crate) struct Record {
 #[derive(Debug)]
 pub(crate) enum StoreError {
     Backend(String),
+    Unsupported,
 }
 
 impl std::fmt::Display for StoreError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             StoreError::Backend(e) => write!(f, "result store failed: {e}"),
+            StoreError::Unsupported => f.write_str(
+                "DedupeLayer has no result store on this backend; use memory, Redis or Redis Cluster",
+            ),
         }
     }
 }
@@ -49,6 +53,9 @@ pub(crate) enum Store {
         conn: ClusterConnection,
         script: Arc<Script>,
     },
+    /// A backend with no shared place for results (for example a quorum of independent
+    /// servers): every request is refused rather than deduplicated per process by surprise.
+    Unsupported,
 }
 
 #[derive(Default)]
@@ -69,6 +76,9 @@ impl Store {
                 conn: c.connection(),
                 script: store_script(),
             },
+            // Backends added to lock-core after this layer have no result store yet.
+            #[allow(unreachable_patterns)]
+            _ => Store::Unsupported,
         }
     }
 
@@ -87,6 +97,7 @@ impl Store {
             }
             Store::Redis { conn, .. } => redis_get(&mut conn.clone(), result_key).await,
             Store::Cluster { conn, .. } => redis_get(&mut conn.clone(), result_key).await,
+            Store::Unsupported => Err(StoreError::Unsupported),
         }
     }
 
@@ -130,6 +141,7 @@ impl Store {
                 )
                 .await
             }
+            Store::Unsupported => Err(StoreError::Unsupported),
             Store::Cluster { conn, script } => {
                 redis_put(
                     &mut conn.clone(),
