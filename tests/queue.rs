@@ -414,6 +414,29 @@ async fn worker_settles_by_outcome(h: Harness) {
     assert_eq!(q.job(flaky).await.expect("job").state, JobState::Done);
 }
 
+/// A batch larger than one round trip (by count and by bytes) lands whole and in order.
+async fn enqueue_many_in_order(h: Harness) {
+    let q = h.open(Queue::builder("batch")).await;
+    let mut payloads: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; MAX_PAYLOAD]).collect();
+    payloads.extend((0..600u32).map(|i| i.to_be_bytes().to_vec()));
+    let ids = q.enqueue_many(&payloads).await.expect("enqueue");
+    assert_eq!(ids.len(), payloads.len());
+    assert!(
+        ids.windows(2).all(|w| w[1].get() == w[0].get() + 1),
+        "ids not consecutive"
+    );
+    for (id, payload) in ids.iter().zip(&payloads) {
+        let c = q.claim(ms(5_000)).await.expect("claim").expect("job");
+        assert_eq!(c.id(), *id);
+        assert!(
+            c.payload() == payload.as_slice(),
+            "payload of job {id} differs"
+        );
+        c.complete().await.expect("complete");
+    }
+    assert!(q.claim(ms(5_000)).await.expect("claim").is_none());
+}
+
 /// A panicking handler is a failed attempt: the job is retried with the panic as its error, and
 /// the worker keeps going.
 async fn handler_panic_is_retried(h: Harness) {
@@ -685,6 +708,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn worker_settles_by_outcome() {
                 super::worker_settles_by_outcome(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn enqueue_many_in_order() {
+                super::enqueue_many_in_order(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn handler_panic_is_retried() {

@@ -96,6 +96,9 @@ pub const CLAIM_POLL_FALLBACK: Duration = Duration::from_secs(1);
 const REAP_BATCH: usize = 500;
 /// Most payloads one enqueue script carries.
 const ENQUEUE_BATCH: usize = 256;
+/// Most payload bytes one enqueue script carries (a single larger payload goes alone), so one
+/// call stays well inside the connection's response timeout.
+const ENQUEUE_BATCH_BYTES: usize = 4 << 20;
 
 /// A job's number within its queue: assigned at enqueue, increasing in enqueue order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -435,8 +438,9 @@ impl Queue {
         })
     }
 
-    /// Adds several jobs in order, a few hundred per round trip. Every payload is checked
-    /// before any is sent, so an oversize one means none were added.
+    /// Adds several jobs in order, up to 256 (and 4 MiB) per round trip. Every payload is
+    /// checked before any is sent, so an oversize one means none were added; a server failure
+    /// midway leaves the round trips that succeeded enqueued.
     #[instrument(level = "debug", skip_all, fields(queue = %self.inner.name))]
     pub async fn enqueue_many<I, P>(&self, payloads: I) -> Result<Vec<JobId>>
     where
@@ -453,10 +457,24 @@ impl Queue {
                 });
             }
         }
+        let max = u64::from(self.inner.max_attempts);
         let mut ids = Vec::with_capacity(payloads.len());
-        for chunk in payloads.chunks(ENQUEUE_BATCH) {
+        let mut rest: &[P] = &payloads;
+        while !rest.is_empty() {
+            let mut take = 0;
+            let mut bytes = 0;
+            for p in rest.iter().take(ENQUEUE_BATCH) {
+                let len = p.as_ref().len();
+                if take > 0 && bytes + len > ENQUEUE_BATCH_BYTES {
+                    break;
+                }
+                take += 1;
+                bytes += len;
+            }
+            let (chunk, tail) = rest.split_at(take);
+            rest = tail;
             let chunk: Vec<&[u8]> = chunk.iter().map(AsRef::as_ref).collect();
-            let max = u64::from(self.inner.max_attempts);
+            // Chunks land one by one: if a later one fails, the earlier ones stay enqueued.
             let got = store!(self, s => s.enqueue(&chunk, max).await)?;
             ids.extend(got.into_iter().map(JobId));
         }
