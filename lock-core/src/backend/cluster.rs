@@ -337,7 +337,11 @@ impl Backend for ClusterBackend {
                 .as_ref()
                 .filter(|_| kind == 0)
                 .and_then(|m| m.nodes.get(at).cloned());
-            for (places, chunk) in g.places.chunks(EXTEND_CHUNK).zip(g.items.chunks(EXTEND_CHUNK)) {
+            for (places, chunk) in g
+                .places
+                .chunks(EXTEND_CHUNK)
+                .zip(g.items.chunks(EXTEND_CHUNK))
+            {
                 jobs.push((node.clone(), places, chunk));
             }
         }

@@ -273,7 +273,11 @@ const MAX_IDLE_DEDICATED: usize = 8;
 
 impl Dedicated {
     async fn take(&self) -> Result<MultiplexedConnection> {
-        let idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner).pop();
+        let idle = self
+            .idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
         match idle {
             Some(conn) => Ok(conn),
             None => {
