@@ -503,3 +503,43 @@ async fn unreachable_redis_is_503() {
 async fn unreachable_valkey_is_503() {
     common::bounded(unreachable_backend_is_503(Harness::valkey())).await
 }
+
+/// Statuses and bodies of rejections are the user's to choose.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejections_can_be_customised() {
+    let locker = lock_core::Locker::memory();
+    let layer = LockLayer::new(locker, KeyExtractor::route_param("id"))
+        .reject_status(Reason::MissingKey, StatusCode::UNPROCESSABLE_ENTITY)
+        .reject_status(Reason::Busy, StatusCode::TOO_MANY_REQUESTS)
+        .rejection_response(|r| {
+            let mut res = http::Response::new(http_body_util::Full::new(Bytes::from(format!(
+                "{:?} {}",
+                r.reason(),
+                r.retry_after().is_some()
+            ))));
+            *res.status_mut() = r.status();
+            res
+        });
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let go = Arc::new(Semaphore::new(0));
+    let app = gated(layer.clone(), tx, go.clone()).merge(
+        Router::new()
+            .route("/nokey", post(|| async { "unreachable" }))
+            .route_layer(layer),
+    );
+    let addr = serve(app).await;
+    let r = post_to(addr, "/nokey").await;
+    assert_eq!(
+        (r.status, r.text().as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, "MissingKey false")
+    );
+    let first = tokio::spawn(async move { post_to(addr, "/accounts/1/withdraw").await });
+    entered.recv().await.expect("entered");
+    let r = post_to(addr, "/accounts/1/withdraw").await;
+    assert_eq!(
+        (r.status, r.text().as_str()),
+        (StatusCode::TOO_MANY_REQUESTS, "Busy true")
+    );
+    go.add_permits(1);
+    assert_eq!(first.await.expect("join").status, StatusCode::OK);
+}
