@@ -203,9 +203,11 @@ where
                     match std::mem::replace(this.hold, Hold::None) {
                         Hold::Holding { lease, .. } => {
                             *this.hold = Hold::Releasing {
+                                // A task, so a client hanging up during the release
+                                // (dropping this body) cannot cut it short.
                                 release: Box::pin(async move {
-                                    if let Err(e) = lease.release().await {
-                                        tracing::warn!(error = %e, "releasing after the response failed; the lease expires with its TTL");
+                                    if let Ok(outcome) = tokio::spawn(lease.release()).await {
+                                        crate::lock::service::log_release(outcome);
                                     }
                                 }),
                                 pending,

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
 use http_body_util::{Either, Full};
-use lock_core::{Error, Lease};
+use lock_core::{AnyBackend, Error, Lease};
 use tower_service::Service;
 use tracing::Instrument;
 
@@ -110,6 +110,7 @@ where
         fence: lease.fence(),
         info: info.clone(),
     });
+    let in_process = matches!(cfg.locker.backend(), AnyBackend::Memory(_));
     let handler = inner.call(Request::from_parts(parts, body));
     tokio::select! {
         biased;
@@ -117,7 +118,7 @@ where
             tracing::warn!("lease lost while the handler ran; handler cancelled");
             Ok(reject(rejections, Reason::LeaseLost, None, format!("the lease on `{key}` was lost before the handler finished; the handler was cancelled")))
         }
-        res = handler => Ok(finish(res?, lease).await),
+        res = handler => Ok(finish(res?, lease, in_process).await),
     }
 }
 
@@ -128,7 +129,7 @@ where
 /// before the head goes out, so head and body leave in one write. Held back behind a release
 /// round trip, the body would go out as a second small segment, and Nagle's algorithm meeting
 /// the client's delayed ACK would add about 40 ms to every response.
-async fn finish<B>(res: Response<B>, lease: Lease) -> Response<LockBody<B>>
+async fn finish<B>(res: Response<B>, lease: Lease, in_process: bool) -> Response<LockBody<B>>
 where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
@@ -145,11 +146,11 @@ where
     let body = match first {
         Poll::Pending => LockBody::holding(body, lease),
         Poll::Ready(None) => {
-            release(lease).await;
+            release(lease, in_process).await;
             LockBody::pass(body)
         }
         Poll::Ready(Some(Ok(frame))) if body.is_end_stream() => {
-            release(lease).await;
+            release(lease, in_process).await;
             LockBody::pass(body).after(Ok(frame))
         }
         Poll::Ready(Some(frame)) => LockBody::holding(body, lease).after(frame),
@@ -157,8 +158,23 @@ where
     Response::from_parts(head, body)
 }
 
-async fn release(lease: Lease) {
-    if let Err(e) = lease.release().await {
+/// Releases `lease`, surviving the caller being dropped mid-way.
+async fn release(lease: Lease, in_process: bool) {
+    if in_process {
+        // In process the release completes on its first poll; nothing can cut it short.
+        log_release(lease.release().await);
+        return;
+    }
+    // A server round trip: if the client hangs up meanwhile, the response future is dropped,
+    // and a release dropped in flight would leave the key held until its TTL ran out. A task
+    // carries on regardless of who awaits it.
+    if let Ok(outcome) = tokio::spawn(lease.release()).await {
+        log_release(outcome);
+    }
+}
+
+pub(crate) fn log_release(outcome: lock_core::Result<lock_core::Release>) {
+    if let Err(e) = outcome {
         tracing::warn!(error = %e, "release after the response failed; the lease expires with its TTL");
     }
 }
