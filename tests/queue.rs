@@ -13,13 +13,14 @@ use leasehold::Error;
 use leasehold::queue::{
     JobError, JobId, JobState, MAX_PAYLOAD, Queue, QueueBuilder, Worker, WorkerHandle,
 };
-use support::{Flavor, Server};
+use support::{Cluster, Flavor, Server};
 use tokio::time::{Instant, sleep};
 
 /// A store under test. Memory queues are shared by name, as server queues are.
 enum Harness {
     Memory(Mutex<HashMap<String, Queue>>),
     Server(Server),
+    Cluster(Cluster),
 }
 
 impl Harness {
@@ -37,6 +38,11 @@ impl Harness {
                 m.entry(probe.name().to_owned()).or_insert(probe).clone()
             }
             Harness::Server(s) => b.redis(&s.url()).await.expect("connect"),
+            Harness::Cluster(c) => {
+                let urls = c.urls();
+                let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+                b.cluster(&urls).await.expect("connect")
+            }
         }
     }
 }
@@ -744,3 +750,7 @@ macro_rules! suite {
 suite!(memory, Harness::memory());
 suite!(redis, Harness::Server(Server::start(Flavor::Redis)));
 suite!(valkey, Harness::Server(Server::start(Flavor::Valkey)));
+suite!(
+    redis_cluster,
+    Harness::Cluster(Cluster::start(Flavor::Redis, 3, 0))
+);

@@ -37,6 +37,6 @@ for _, id in ipairs(expired) do
   end
 end
 if woke then
-  redis.call('PUBLISH', ARGV[2], 'reaped')
+  redis.call(PUBLISH, ARGV[2], 'reaped')
 end
 return out

@@ -38,9 +38,8 @@
 //! - Payloads are at most [`MAX_PAYLOAD`] bytes; errors are stored cut to [`MAX_ERROR_LEN`].
 //! - `max_attempts` is stored with each job at enqueue; changing the builder later does not
 //!   change jobs already queued.
-//! - The queue connects through [`RedisBackend`] (one server). Its keys are ready for a
-//!   cluster (one hash tag, so one slot and one shard's throughput per queue), but no cluster
-//!   connection is wired to it yet.
+//! - On a cluster ([`QueueBuilder::cluster`]) a queue lives in one slot (one hash tag), so it
+//!   gets one shard's throughput; spread load over several queues.
 //! - On a single Redis primary with asynchronous replicas, a failover can lose the latest
 //!   claims and completions, as it can any write: a job may then run again.
 //!
@@ -69,7 +68,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, instrument};
 
-use crate::backend::RedisBackend;
+use crate::backend::{ClusterBackend, RedisBackend};
 use crate::error::{Error, Result};
 use crate::locker::DEFAULT_PREFIX;
 use crate::types::{Fence, drift, validate_key, validate_ttl};
@@ -274,7 +273,27 @@ impl QueueBuilder {
     pub fn on_redis(self, backend: RedisBackend) -> Result<Queue> {
         self.check()?;
         let store = Store::Redis(Box::new(redis::RedisQueue::new(
-            backend,
+            redis::Server::Single(backend),
+            &self.prefix,
+            &self.name,
+        )));
+        Ok(self.finish(store))
+    }
+
+    /// A queue on a Redis or Valkey Cluster, reached through any of `nodes`. Every key of the
+    /// queue shares one hash tag, so the whole queue lives in one slot (one master).
+    pub async fn cluster(self, nodes: &[&str]) -> Result<Queue> {
+        self.check()?;
+        let backend = ClusterBackend::connect(nodes).await?;
+        self.on_cluster(backend)
+    }
+
+    /// A queue on an existing cluster backend, sharing its connection and its sharded
+    /// subscription with the locks taken through it.
+    pub fn on_cluster(self, backend: ClusterBackend) -> Result<Queue> {
+        self.check()?;
+        let store = Store::Redis(Box::new(redis::RedisQueue::new(
+            redis::Server::Cluster(backend),
             &self.prefix,
             &self.name,
         )));

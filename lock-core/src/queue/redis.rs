@@ -6,14 +6,19 @@ use std::time::Duration;
 use ::redis::{Script, Value};
 
 use super::{ClaimReply, JobId, JobInfo, JobState, Op, QueueCounts, Reaped, Refusal, Settled};
-use crate::backend::{Backend, RedisBackend};
+use crate::backend::{Backend, ClusterBackend, RedisBackend};
 use crate::error::{Error, Result, classify};
 use crate::types::LockKey;
 use crate::wake::Watch;
 
+/// A queue script, in its standalone form (wake-ups by `PUBLISH`) and its cluster form
+/// (`SPUBLISH`, which the cluster backend's sharded subscription hears).
 macro_rules! queue_script {
-    ($file:literal) => {
+    ($file:literal, $publish:literal) => {
         Script::new(concat!(
+            "local PUBLISH = '",
+            $publish,
+            "'\n",
             include_str!("../lua/queue_common.lua"),
             include_str!(concat!("../lua/", $file))
         ))
@@ -31,19 +36,42 @@ struct Scripts {
     inspect: Script,
 }
 
-static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    enqueue: queue_script!("queue_enqueue.lua"),
-    claim: queue_script!("queue_claim.lua"),
-    complete: queue_script!("queue_complete.lua"),
-    retry: queue_script!("queue_retry.lua"),
-    fail: queue_script!("queue_fail.lua"),
-    extend: queue_script!("queue_extend.lua"),
-    reap: queue_script!("queue_reap.lua"),
-    inspect: queue_script!("queue_inspect.lua"),
-});
+macro_rules! scripts {
+    ($publish:literal) => {
+        Scripts {
+            enqueue: queue_script!("queue_enqueue.lua", $publish),
+            claim: queue_script!("queue_claim.lua", $publish),
+            complete: queue_script!("queue_complete.lua", $publish),
+            retry: queue_script!("queue_retry.lua", $publish),
+            fail: queue_script!("queue_fail.lua", $publish),
+            extend: queue_script!("queue_extend.lua", $publish),
+            reap: queue_script!("queue_reap.lua", $publish),
+            inspect: queue_script!("queue_inspect.lua", $publish),
+        }
+    };
+}
+
+static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| scripts!("PUBLISH"));
+static CLUSTER_SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| scripts!("SPUBLISH"));
+
+/// Where a queue's scripts run: one server, or a cluster (every key of a queue shares its
+/// hash tag, so each script stays in one slot).
+pub(crate) enum Server {
+    Single(RedisBackend),
+    Cluster(ClusterBackend),
+}
+
+impl Server {
+    fn scripts(&self) -> &'static Scripts {
+        match self {
+            Server::Single(_) => &SCRIPTS,
+            Server::Cluster(_) => &CLUSTER_SCRIPTS,
+        }
+    }
+}
 
 pub(crate) struct RedisQueue {
-    backend: RedisBackend,
+    backend: Server,
     /// The queue's hash tag, `{prefix:name}`, for error messages.
     tag: String,
     keys: [String; 5],
@@ -110,7 +138,7 @@ fn status<'a>(what: &str, reply: &'a Value) -> Result<(i64, &'a [Value])> {
 }
 
 impl RedisQueue {
-    pub(crate) fn new(backend: RedisBackend, prefix: &str, name: &str) -> RedisQueue {
+    pub(crate) fn new(backend: Server, prefix: &str, name: &str) -> RedisQueue {
         let tag = format!("{{{prefix}:{name}}}");
         RedisQueue {
             backend,
@@ -139,15 +167,16 @@ impl RedisQueue {
         }
         inv.arg(&self.job_prefix).arg(self.wake_key.channel());
         args(&mut inv);
-        let mut conn = self.backend.connection();
-        inv.invoke_async(&mut conn)
-            .await
-            .map_err(|e| classify(op, &self.tag, e))
+        let reply = match &self.backend {
+            Server::Single(b) => inv.invoke_async(&mut b.connection()).await,
+            Server::Cluster(b) => inv.invoke_async(&mut b.connection()).await,
+        };
+        reply.map_err(|e| classify(op, &self.tag, e))
     }
 
     pub(crate) async fn enqueue(&self, payloads: &[&[u8]], max: u64) -> Result<Vec<u64>> {
         let reply = self
-            .run("enqueue", &SCRIPTS.enqueue, |inv| {
+            .run("enqueue", &self.backend.scripts().enqueue, |inv| {
                 inv.arg(max);
                 for p in payloads {
                     inv.arg(*p);
@@ -164,7 +193,7 @@ impl RedisQueue {
 
     pub(crate) async fn claim(&self, lease_ms: u64) -> Result<ClaimReply> {
         let reply = self
-            .run("claim", &SCRIPTS.claim, |inv| {
+            .run("claim", &self.backend.scripts().claim, |inv| {
                 inv.arg(lease_ms);
             })
             .await?;
@@ -191,15 +220,21 @@ impl RedisQueue {
         let name = op.name();
         let (script, extra): (&Script, Vec<Vec<u8>>) = match *op {
             Op::Complete { keep_done_ms } => (
-                &SCRIPTS.complete,
+                &self.backend.scripts().complete,
                 vec![keep_done_ms.to_string().into_bytes()],
             ),
             Op::Retry { delay_ms, error } => (
-                &SCRIPTS.retry,
+                &self.backend.scripts().retry,
                 vec![delay_ms.to_string().into_bytes(), error.as_bytes().to_vec()],
             ),
-            Op::Fail { reason } => (&SCRIPTS.fail, vec![reason.as_bytes().to_vec()]),
-            Op::Extend { lease_ms } => (&SCRIPTS.extend, vec![lease_ms.to_string().into_bytes()]),
+            Op::Fail { reason } => (
+                &self.backend.scripts().fail,
+                vec![reason.as_bytes().to_vec()],
+            ),
+            Op::Extend { lease_ms } => (
+                &self.backend.scripts().extend,
+                vec![lease_ms.to_string().into_bytes()],
+            ),
         };
         let reply = self
             .run(name, script, |inv| {
@@ -238,7 +273,7 @@ impl RedisQueue {
 
     pub(crate) async fn reap(&self, limit: usize) -> Result<Vec<Reaped>> {
         let reply = self
-            .run("reap", &SCRIPTS.reap, |inv| {
+            .run("reap", &self.backend.scripts().reap, |inv| {
                 inv.arg(limit);
             })
             .await?;
@@ -258,7 +293,7 @@ impl RedisQueue {
 
     pub(crate) async fn counts(&self) -> Result<QueueCounts> {
         let reply = self
-            .run("counts", &SCRIPTS.inspect, |inv| {
+            .run("counts", &self.backend.scripts().inspect, |inv| {
                 inv.arg("");
             })
             .await?;
@@ -275,7 +310,7 @@ impl RedisQueue {
 
     pub(crate) async fn job(&self, id: u64) -> Result<Option<JobInfo>> {
         let reply = self
-            .run("job", &SCRIPTS.inspect, |inv| {
+            .run("job", &self.backend.scripts().inspect, |inv| {
                 inv.arg(id);
             })
             .await?;
@@ -297,6 +332,9 @@ impl RedisQueue {
     }
 
     pub(crate) async fn watch(&self) -> Result<Watch> {
-        self.backend.watch(&self.wake_key).await
+        match &self.backend {
+            Server::Single(b) => b.watch(&self.wake_key).await,
+            Server::Cluster(b) => b.watch(&self.wake_key).await,
+        }
     }
 }
