@@ -17,6 +17,8 @@ enum Harness {
     Memory(MemoryBackend),
     Server(Server),
     Cluster(Cluster),
+    /// A server the locker reaches as the restricted user of `docs/leasehold.acl`.
+    Acl(Server),
 }
 
 impl Harness {
@@ -24,6 +26,23 @@ impl Harness {
         match self {
             Harness::Memory(m) => Locker::new(leasehold::AnyBackend::Memory(m.clone())),
             Harness::Server(s) => Locker::redis(&s.url()).await.expect("connect"),
+            Harness::Acl(s) => {
+                let url = s.acl_user_url();
+                // The rule really restricts: keys outside the prefix are refused.
+                let outside = ::redis::Client::open(url.as_str())
+                    .and_then(|c| c.get_connection())
+                    .and_then(|mut c| {
+                        ::redis::cmd("SET")
+                            .arg("other:key")
+                            .arg("1")
+                            .query::<()>(&mut c)
+                    });
+                assert!(
+                    outside.is_err(),
+                    "the ACL user could write outside its prefix"
+                );
+                Locker::redis(&url).await.expect("connect as the ACL user")
+            }
             Harness::Cluster(c) => {
                 let urls = c.urls();
                 let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
@@ -39,7 +58,7 @@ impl Harness {
             Harness::Memory(m) => {
                 m.force_delete(&k);
             }
-            Harness::Server(s) => {
+            Harness::Server(s) | Harness::Acl(s) => {
                 let _: i64 = s.cmd(&["DEL", &k.lock_key()]);
             }
             Harness::Cluster(c) => {
@@ -53,7 +72,7 @@ impl Harness {
         match self {
             // The memory backend has no stray keys to look at: a free key is one we can take.
             Harness::Memory(_) => false,
-            Harness::Server(s) => s.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1,
+            Harness::Server(s) | Harness::Acl(s) => s.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1,
             Harness::Cluster(c) => c.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1,
         }
     }
@@ -581,6 +600,7 @@ macro_rules! suite {
 suite!(memory, Harness::Memory(MemoryBackend::new()));
 suite!(redis, Harness::Server(Server::start(Flavor::Redis)));
 suite!(valkey, Harness::Server(Server::start(Flavor::Valkey)));
+suite!(redis_acl, Harness::Acl(Server::start(Flavor::Redis)));
 suite!(
     redis_cluster,
     Harness::Cluster(Cluster::start(Flavor::Redis, 3, 0))

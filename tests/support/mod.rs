@@ -173,6 +173,31 @@ impl Server {
         format!("redis://127.0.0.1:{}/", self.port)
     }
 
+    /// Creates the ACL user of `docs/leasehold.acl` (the rule the README tells operators to
+    /// use) and returns a URL that logs in as it.
+    pub fn acl_user_url(&self) -> String {
+        let rule = include_str!("../../docs/leasehold.acl").trim();
+        let mut words = rule.split_whitespace();
+        assert_eq!(
+            words.next(),
+            Some("user"),
+            "an ACL file line starts with `user`"
+        );
+        let name = words.next().expect("user name");
+        let mut setuser = redis::cmd("ACL");
+        setuser.arg("SETUSER").arg(name);
+        let mut password = None;
+        for w in words {
+            setuser.arg(w);
+            if let Some(p) = w.strip_prefix('>') {
+                password = Some(p.to_owned());
+            }
+        }
+        let _: () = setuser.query(&mut self.conn()).expect("ACL SETUSER");
+        let password = password.expect("the rule sets a password");
+        format!("redis://{name}:{password}@127.0.0.1:{}/", self.port)
+    }
+
     /// SIGKILL: no shutdown, nothing saved beyond what the AOF already has.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
