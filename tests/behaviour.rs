@@ -609,3 +609,13 @@ suite!(
     valkey_cluster,
     Harness::Cluster(Cluster::start(Flavor::Valkey, 3, 0))
 );
+
+/// The ACL rule the README shows operators is the one the suite runs under.
+#[test]
+fn readme_shows_the_tested_acl_rule() {
+    let rule = include_str!("../docs/leasehold.acl").trim();
+    assert!(
+        include_str!("../README.md").contains(rule),
+        "README.md must quote docs/leasehold.acl verbatim"
+    );
+}
