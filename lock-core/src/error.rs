@@ -112,6 +112,30 @@ pub enum Error {
         /// The backend that cannot do it.
         backend: &'static str,
     },
+    /// Too few members of a [`QuorumBackend`](crate::backend::QuorumBackend) agreed within the
+    /// time allowed (the lease's validity, or the member timeout); whatever a failed acquire
+    /// took on the others was released.
+    #[error(
+        "no quorum for {op} on `{key}`: {agreed} of {members} members agreed in time, {needed} needed"
+    )]
+    NoQuorum {
+        /// The operation that found no quorum.
+        op: &'static str,
+        /// The key (or gate) it was for.
+        key: String,
+        /// How many members agreed in time.
+        agreed: usize,
+        /// How many must agree: a majority.
+        needed: usize,
+        /// How many members there are.
+        members: usize,
+    },
+    /// The member list of a quorum cannot work: too few members, or one server listed twice.
+    #[error("invalid quorum: {reason}")]
+    InvalidQuorum {
+        /// What is wrong with the members.
+        reason: &'static str,
+    },
     /// The server could not be reached or refused the command.
     #[error("backend unavailable: {0}")]
     Unavailable(#[source] redis::RedisError),
@@ -135,7 +159,10 @@ impl Error {
     /// Whether the failure came from the transport rather than from the lock's state, so that a
     /// retry later may succeed.
     pub fn is_transient(&self) -> bool {
-        matches!(self, Error::Unavailable(_) | Error::OutcomeUnknown { .. })
+        matches!(
+            self,
+            Error::Unavailable(_) | Error::OutcomeUnknown { .. } | Error::NoQuorum { .. }
+        )
     }
 }
 

@@ -8,7 +8,8 @@ use tokio::time::Instant;
 use tracing::{Instrument, debug, debug_span, instrument};
 
 use crate::backend::{
-    AcquireReply, AnyBackend, Backend, ClusterBackend, MemoryBackend, RedisBackend, RedisConfig,
+    AcquireReply, AnyBackend, Backend, ClusterBackend, MemoryBackend, QuorumBackend, QuorumConfig,
+    RedisBackend, RedisConfig,
 };
 use crate::error::{Error, Result};
 use crate::lease::{Lease, LeaseInfo};
@@ -159,6 +160,22 @@ impl Locker<AnyBackend> {
     pub async fn redis_cluster(nodes: &[&str]) -> Result<Locker> {
         Ok(Locker::new(AnyBackend::Cluster(
             ClusterBackend::connect(nodes).await?,
+        )))
+    }
+
+    /// A locker on a Redlock quorum of independent Redis or Valkey servers (3 or 5, each given
+    /// as `redis://host:port/db`), with fences that keep increasing when the majority changes
+    /// (see [`QuorumBackend`]).
+    pub async fn redlock(urls: &[&str]) -> Result<Locker> {
+        Ok(Locker::new(AnyBackend::Quorum(
+            QuorumBackend::connect(urls).await?,
+        )))
+    }
+
+    /// A locker on a Redlock quorum, with explicit settings.
+    pub async fn redlock_with(urls: &[&str], config: QuorumConfig) -> Result<Locker> {
+        Ok(Locker::new(AnyBackend::Quorum(
+            QuorumBackend::connect_with(urls, config).await?,
         )))
     }
 

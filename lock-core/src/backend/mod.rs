@@ -10,10 +10,12 @@ use crate::wake::{Wakeups, Watch};
 
 pub mod cluster;
 pub mod memory;
+pub mod quorum;
 pub mod redis;
 
 pub use self::cluster::ClusterBackend;
 pub use self::memory::MemoryBackend;
+pub use self::quorum::{QuorumBackend, QuorumConfig};
 pub use self::redis::{RedisBackend, RedisConfig};
 
 /// What the server answered to an acquire.
@@ -96,6 +98,8 @@ pub enum AnyBackend {
     Redis(RedisBackend),
     /// A Redis or Valkey Cluster.
     Cluster(ClusterBackend),
+    /// A Redlock quorum of independent Redis or Valkey servers.
+    Quorum(QuorumBackend),
 }
 
 macro_rules! dispatch {
@@ -104,6 +108,7 @@ macro_rules! dispatch {
             AnyBackend::Memory($b) => $e,
             AnyBackend::Redis($b) => $e,
             AnyBackend::Cluster($b) => $e,
+            AnyBackend::Quorum($b) => $e,
         }
     };
 }

@@ -1,0 +1,703 @@
+//! Redlock over N independent Redis / Valkey servers, with fences that keep increasing when the
+//! majority changes.
+//!
+//! # The algorithm
+//!
+//! A quorum is `N/2 + 1` of the N members. An acquire:
+//!
+//! 1. notes the monotonic clock, then asks every member at once to vote (`SET NX PX` with the
+//!    token, reading the member's stored fence and its clock), each bounded by a per-member
+//!    timeout much smaller than the TTL ([`QuorumConfig::member_timeout`], at most half the TTL);
+//! 2. with a quorum of grants and validity left (`ttl - elapsed - drift`, drift = 1% of the TTL
+//!    plus 2 ms, elapsed counted from step 1), picks the fence `F` and writes it back to the
+//!    granting members (below), and needs a quorum of those writes, still within the validity;
+//! 3. on any failure releases the key on every member that might hold it (all but those that
+//!    answered "held by another"), then retries after a random delay
+//!    ([`QuorumConfig::retries`], [`QuorumConfig::retry_delay`]) while the first half of the TTL
+//!    lasts. A quorum of "held by another" is an ordinary busy answer and is not retried.
+//!
+//! Extend needs a quorum of members to renew within the validity; release runs on every member.
+//!
+//! # Fences on a quorum
+//!
+//! Each vote returns the member's stored fence `s_i` and its clock `t_i` in microseconds. The
+//! client picks `F = max(max s_i + 1, max t_i)` and writes it to each granting member with a
+//! script that sets the fence key to `max(stored, F)` **only while that member's lock key still
+//! holds this token**. The grant is handed out only once a quorum `W` of members took the write.
+//!
+//! Why `F` strictly increases from one grant to the next: take a grant G1 (fence F1, write
+//! quorum W1) and any grant G2 (fence F2, vote quorum A2) that took its members after G1 wrote
+//! to them. Two quorums of the same N members share at least one member m. When G1 wrote F1 to
+//! m, m's lock key held G1's token, so G2's `SET NX` on m succeeded only after G1's token left m;
+//! G2 therefore read `s_m >= F1` on m and picked `F2 >= s_m + 1 > F1`. (Had G2 taken m first,
+//! G1's token-checked write would have failed there, and m would not be in W1.) On every member
+//! the fence key only ever grows, so this holds across any number of grants and any change of
+//! majority: any two successful grants are ordered by their fences the same way they are
+//! ordered on each member they share.
+//!
+//! # Limits
+//!
+//! - **Restarts without persistence.** A member restarted empty forgets its lock keys and fence
+//!   keys. It can then help a second client form a quorum while the first lease is still valid
+//!   (the known Redlock restart problem: run members with `appendonly yes` and `appendfsync
+//!   always`, or keep a restarted member out for one maximum TTL), and it breaks the
+//!   intersection argument above when it was the only shared member. The clock term `max t_i`
+//!   covers that case: fences remain increasing as long as member clocks never step back and
+//!   differ from each other by less than the time between the two grants. Without the clock
+//!   term a restart would let the fence go backwards.
+//! - **Clocks.** Validity is measured on the client's monotonic clock and assumes the servers
+//!   expire keys at roughly the rate it runs (the drift allowance). As for every lease, a
+//!   paused holder can outlive its lease: the fence, checked by the resource, is what keeps the
+//!   data safe.
+//! - **Timeouts.** A member that timed out may still have granted; the failure path releases it
+//!   (token-checked), and a release that does not arrive leaves the key to expire with its TTL.
+//! - **Members are distinct servers.** The same address listed twice is refused, but two names
+//!   for one server (a host name and its IP) cannot be told apart and would count twice.
+//!
+//! # Wake-ups
+//!
+//! A waiter subscribes on every connected member: any release publishes on each member it
+//! reaches, so one live member is enough to wake it, and a reconnecting member's subscriber
+//! wakes everyone. A member that stays down only costs its share; waiters also have a timer.
+//!
+//! # Fence gates
+//!
+//! [`FenceGate::admit`](crate::FenceGate::admit) runs on every member: a fence is admitted when a
+//! quorum admits it and no member has seen a higher one (then it is stale). An admitted fence is
+//! stored on a quorum, which any later admit's quorum intersects, so a lower fence offered later
+//! meets it and is refused.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use redis::{Script, Value};
+use tokio::time::Instant;
+use tracing::{Instrument, debug, debug_span, warn};
+
+use super::redis::{RedisBackend, RedisConfig};
+use super::{AcquireReply, Backend};
+use crate::error::{Error, Result, classify};
+use crate::types::{LockKey, Token, drift};
+use crate::wake::{Wakeups, Watch};
+
+/// Settings for [`QuorumBackend`]. The defaults suit members on the same network.
+///
+/// ```
+/// use lock_core::backend::QuorumConfig;
+/// use std::time::Duration;
+/// let config = QuorumConfig::default().member_timeout(Duration::from_millis(50)).retries(5);
+/// assert_eq!(config.retries, 5);
+/// ```
+#[derive(Clone, Debug)]
+pub struct QuorumConfig {
+    /// How long one member may take to answer one step (default 100 ms). An acquire caps it at
+    /// half the TTL, so that a dead or slow member leaves most of the lease to the others; the
+    /// members' own [`RedisConfig::response_timeout`] bounds it too.
+    pub member_timeout: Duration,
+    /// How many more rounds an acquire tries after a round without a quorum (default 2).
+    pub retries: u32,
+    /// The upper bound of the random pause before a retry (default 200 ms; the pause is drawn
+    /// from its upper half), so that competing clients stop splitting the votes.
+    pub retry_delay: Duration,
+    /// Connection settings for every member.
+    pub redis: RedisConfig,
+}
+
+impl Default for QuorumConfig {
+    fn default() -> Self {
+        QuorumConfig {
+            member_timeout: Duration::from_millis(100),
+            retries: 2,
+            retry_delay: Duration::from_millis(200),
+            redis: RedisConfig::default(),
+        }
+    }
+}
+
+impl QuorumConfig {
+    /// Sets [`member_timeout`](Self::member_timeout).
+    pub fn member_timeout(mut self, timeout: Duration) -> Self {
+        self.member_timeout = timeout;
+        self
+    }
+    /// Sets [`retries`](Self::retries).
+    pub fn retries(mut self, retries: u32) -> Self {
+        self.retries = retries;
+        self
+    }
+    /// Sets [`retry_delay`](Self::retry_delay).
+    pub fn retry_delay(mut self, delay: Duration) -> Self {
+        self.retry_delay = delay;
+        self
+    }
+    /// Sets the connection settings of every member.
+    pub fn redis(mut self, redis: RedisConfig) -> Self {
+        self.redis = redis;
+        self
+    }
+}
+
+/// Redlock: one lease over N independent Redis or Valkey servers (N = 3 or 5 in practice), held
+/// while a majority holds it, with fences that strictly increase even when the majority changes.
+/// Clones share the connections. See the [module docs](self) for the algorithm, why the fences
+/// increase, and the limits.
+///
+/// ```no_run
+/// use lock_core::{Locker, LockOptions};
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// let locker = Locker::redlock(&[
+///     "redis://10.0.0.1:6379/",
+///     "redis://10.0.0.2:6379/",
+///     "redis://10.0.0.3:6379/",
+/// ])
+/// .await?;
+/// let lease = locker.acquire("orders:42", &LockOptions::default()).await?;
+/// println!("fence {}", lease.fence());
+/// lease.release().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct QuorumBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// Filled as each member connects; a member down at start-up is retried in the background.
+    members: Vec<OnceLock<RedisBackend>>,
+    quorum: usize,
+    config: QuorumConfig,
+    vote: Script,
+    write_fence: Script,
+    wakeups: Arc<Wakeups>,
+    next_watch: AtomicU64,
+}
+
+/// One member's answer to a vote.
+enum Vote {
+    Granted { stored: u64, now_us: u64 },
+    Held { remaining: Option<Duration> },
+}
+
+/// How one acquire round ended.
+enum Round {
+    Granted(u64),
+    Held(Option<Duration>),
+    Failed {
+        agreed: usize,
+        answered: usize,
+        held: Option<Option<Duration>>,
+    },
+    Refused(Error),
+}
+
+impl QuorumBackend {
+    /// Connects to every member (`redis://host:port/db`) with default settings.
+    pub async fn connect(urls: &[&str]) -> Result<QuorumBackend> {
+        QuorumBackend::connect_with(urls, QuorumConfig::default()).await
+    }
+
+    /// Connects to every member with explicit settings.
+    ///
+    /// Needs at least three distinct members, and a quorum of them reachable now: the others
+    /// are connected in the background as they come up. A URL that cannot be parsed is an
+    /// [`Error::Unavailable`]; too few members or one listed twice is an
+    /// [`Error::InvalidQuorum`].
+    pub async fn connect_with(urls: &[&str], config: QuorumConfig) -> Result<QuorumBackend> {
+        if urls.len() < 3 {
+            return Err(Error::InvalidQuorum {
+                reason: "a quorum needs at least 3 members (use one server directly otherwise)",
+            });
+        }
+        let mut seen = Vec::with_capacity(urls.len());
+        for url in urls {
+            let client = redis::Client::open(*url).map_err(Error::Unavailable)?;
+            let info = client.get_connection_info();
+            let id = (info.addr().to_string(), info.redis_settings().db());
+            if seen.contains(&id) {
+                return Err(Error::InvalidQuorum {
+                    reason: "a server is listed twice; it would vote twice",
+                });
+            }
+            seen.push(id);
+        }
+        let inner = Arc::new(Inner {
+            members: urls.iter().map(|_| OnceLock::new()).collect(),
+            quorum: urls.len() / 2 + 1,
+            config,
+            vote: Script::new(include_str!("../lua/quorum_acquire.lua")),
+            write_fence: Script::new(include_str!("../lua/quorum_fence.lua")),
+            wakeups: Arc::new(Wakeups::default()),
+            next_watch: AtomicU64::new(0),
+        });
+        let redis_config = inner.config.redis.clone();
+        let attempts = urls
+            .iter()
+            .map(|url| RedisBackend::connect_with(url, redis_config.clone()));
+        let results = futures_util::future::join_all(attempts).await;
+        let mut first_error = None;
+        for (i, result) in results.into_iter().enumerate() {
+            match result {
+                Ok(backend) => {
+                    let _ = inner.members[i].set(backend);
+                }
+                Err(e) => {
+                    warn!(member = i, error = %e, "quorum member unreachable; retrying in the background");
+                    tokio::spawn(reconnect(Arc::downgrade(&inner), i, urls[i].to_owned()));
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        let connected = inner.members.iter().filter(|m| m.get().is_some()).count();
+        if connected < inner.quorum
+            && let Some(e) = first_error
+        {
+            return Err(e);
+        }
+        Ok(QuorumBackend { inner })
+    }
+
+    /// How many members there are.
+    pub fn members(&self) -> usize {
+        self.inner.members.len()
+    }
+
+    /// How many members must agree: `members / 2 + 1`.
+    pub fn quorum(&self) -> usize {
+        self.inner.quorum
+    }
+
+    /// The per-member timeout for a lease of `ttl`.
+    fn member_timeout(&self, ttl: Duration) -> Duration {
+        self.inner.config.member_timeout.min(ttl / 2)
+    }
+
+    fn no_quorum(&self, op: &'static str, key: &str, agreed: usize) -> Error {
+        Error::NoQuorum {
+            op,
+            key: key.to_owned(),
+            agreed,
+            needed: self.inner.quorum,
+            members: self.inner.members.len(),
+        }
+    }
+
+    /// Runs `f` on the members `which`, all at once, each bounded by `limit`. A member not
+    /// connected yet, or too slow, answers an error.
+    async fn on_members<'a, T, F, Fut>(
+        &'a self,
+        which: &[usize],
+        limit: Duration,
+        f: F,
+    ) -> Vec<(usize, Result<T>)>
+    where
+        F: Fn(&'a RedisBackend) -> Fut,
+        Fut: Future<Output = Result<T>> + 'a,
+    {
+        let calls = which.iter().map(|&i| {
+            let call = self.inner.members.get(i).and_then(OnceLock::get).map(&f);
+            async move {
+                let result = match call {
+                    None => Err(member_error("quorum member not connected")),
+                    Some(call) => match tokio::time::timeout(limit, call).await {
+                        Ok(r) => r,
+                        Err(_) => Err(member_error("quorum member did not answer in time")),
+                    },
+                };
+                (i, result)
+            }
+        });
+        futures_util::future::join_all(calls).await
+    }
+
+    fn all(&self) -> Vec<usize> {
+        (0..self.inner.members.len()).collect()
+    }
+
+    async fn vote(
+        &self,
+        member: &RedisBackend,
+        key: &LockKey,
+        token: &Token,
+        ttl: Duration,
+    ) -> Result<Vote> {
+        let reply: Value = self
+            .inner
+            .vote
+            .key(key.lock_key())
+            .key(key.fence_key())
+            .arg(token.as_str())
+            .arg(ttl.as_millis() as u64)
+            .invoke_async(&mut member.connection())
+            .await
+            .map_err(|e| classify("acquire", key.user(), e))?;
+        let Value::Array(items) = &reply else {
+            return Err(unexpected("acquire", &reply));
+        };
+        match (items.first().and_then(int), items.len()) {
+            (Some(1), 4) => {
+                // A fence key holding something other than a number counts as no fence, as on a
+                // single server.
+                let stored = text(&items[1]).parse::<u64>().unwrap_or(0);
+                let (secs, micros) = match (int(&items[2]), int(&items[3])) {
+                    (Some(s), Some(u)) => (s.max(0) as u64, u.max(0) as u64),
+                    _ => return Err(unexpected("acquire", &reply)),
+                };
+                Ok(Vote::Granted {
+                    stored,
+                    now_us: secs.saturating_mul(1_000_000).saturating_add(micros),
+                })
+            }
+            (Some(0), 2) => {
+                let pttl = int(&items[1]).unwrap_or(-1);
+                Ok(Vote::Held {
+                    remaining: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
+                })
+            }
+            (Some(-1), 3) => Err(Error::WrongType {
+                key: if int(&items[2]) == Some(2) {
+                    key.fence_key()
+                } else {
+                    key.lock_key()
+                },
+                found: text(&items[1]),
+            }),
+            _ => Err(unexpected("acquire", &reply)),
+        }
+    }
+
+    async fn write_fence(
+        &self,
+        member: &RedisBackend,
+        key: &LockKey,
+        token: &Token,
+        fence: u64,
+    ) -> Result<bool> {
+        let n: i64 = self
+            .inner
+            .write_fence
+            .key(key.lock_key())
+            .key(key.fence_key())
+            .arg(token.as_str())
+            .arg(fence.to_string())
+            .invoke_async(&mut member.connection())
+            .await
+            .map_err(|e| classify("acquire", key.user(), e))?;
+        Ok(n == 1)
+    }
+
+    /// One Redlock round: votes, fence write-back, and on failure the release of every member
+    /// that may hold the key.
+    async fn round(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Duration,
+        valid_until: Instant,
+    ) -> Round {
+        let limit = self.member_timeout(ttl);
+        let quorum = self.inner.quorum;
+        let votes = self
+            .on_members(&self.all(), limit, |m| self.vote(m, key, token, ttl))
+            .await;
+        let mut granted = Vec::new();
+        let (mut max_stored, mut max_now) = (0u64, 0u64);
+        let mut held = 0;
+        let mut shortest: Option<Option<Duration>> = None;
+        let mut may_hold = Vec::new();
+        let mut answered = 0;
+        let mut refusal = None;
+        for (i, vote) in votes {
+            match vote {
+                Ok(Vote::Granted { stored, now_us }) => {
+                    answered += 1;
+                    granted.push(i);
+                    may_hold.push(i);
+                    max_stored = max_stored.max(stored);
+                    max_now = max_now.max(now_us);
+                }
+                Ok(Vote::Held { remaining }) => {
+                    answered += 1;
+                    held += 1;
+                    shortest = Some(match (shortest, remaining) {
+                        (Some(Some(a)), Some(b)) => Some(a.min(b)),
+                        (Some(Some(a)), None) => Some(a),
+                        (_, r) => r,
+                    });
+                }
+                Err(e @ Error::WrongType { .. }) => {
+                    answered += 1;
+                    refusal = Some(e);
+                }
+                Err(e) => {
+                    // It may have granted before the reply was lost or late.
+                    debug!(member = i, error = %e, "quorum vote failed");
+                    may_hold.push(i);
+                }
+            }
+        }
+        let mut agreed = granted.len();
+        if granted.len() >= quorum && Instant::now() < valid_until {
+            let fence = max_stored.saturating_add(1).max(max_now);
+            let writes = self
+                .on_members(&granted, limit, |m| self.write_fence(m, key, token, fence))
+                .await;
+            let written = writes.iter().filter(|(_, w)| matches!(w, Ok(true))).count();
+            if written >= quorum && Instant::now() < valid_until {
+                return Round::Granted(fence);
+            }
+            debug!(written, "fence write-back found no quorum in time");
+            agreed = written;
+        }
+        if !may_hold.is_empty() {
+            // Token-checked, so members that never granted are untouched.
+            let _ = self
+                .on_members(&may_hold, limit, |m| m.release(key, token))
+                .await;
+        }
+        if held >= quorum {
+            return Round::Held(shortest.flatten());
+        }
+        if let Some(e) = refusal
+            && granted.len() < quorum
+        {
+            return Round::Refused(e);
+        }
+        Round::Failed {
+            agreed,
+            answered,
+            held: (held > 0).then(|| shortest.flatten()),
+        }
+    }
+}
+
+/// Connects a member that was down at start-up, for as long as the backend lives.
+async fn reconnect(inner: Weak<Inner>, index: usize, url: String) {
+    let mut pause = Duration::from_millis(200);
+    loop {
+        tokio::time::sleep(pause).await;
+        let Some(config) = inner.upgrade().map(|i| i.config.redis.clone()) else {
+            return;
+        };
+        match RedisBackend::connect_with(&url, config).await {
+            Ok(backend) => {
+                if let Some(inner) = inner.upgrade() {
+                    let _ = inner.members[index].set(backend);
+                    debug!(member = index, "quorum member connected");
+                }
+                return;
+            }
+            Err(e) => debug!(member = index, error = %e, "quorum member still unreachable"),
+        }
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
+}
+
+impl Backend for QuorumBackend {
+    async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
+        let span = debug_span!("quorum_acquire", key = key.user(), members = self.members());
+        async move {
+            let started = Instant::now();
+            let valid_until = started + ttl.saturating_sub(drift(ttl));
+            let mut round = 0;
+            loop {
+                let (agreed, answered, held) = match self.round(key, token, ttl, valid_until).await
+                {
+                    Round::Granted(fence) => {
+                        debug!(fence, rounds = round + 1, "quorum granted");
+                        return Ok(AcquireReply::Granted { fence });
+                    }
+                    Round::Held(remaining) => return Ok(AcquireReply::Held { remaining }),
+                    Round::Refused(e) => return Err(e),
+                    Round::Failed {
+                        agreed,
+                        answered,
+                        held,
+                    } => (agreed, answered, held),
+                };
+                round += 1;
+                let pause = pause(self.inner.config.retry_delay);
+                // A grant late in the TTL is worth little; past half of it, stop retrying.
+                if round > self.inner.config.retries || started.elapsed() + pause >= ttl / 2 {
+                    return match held {
+                        // Enough members answered, some for another holder: that is contention,
+                        // and waiting (wake-up or timer) is the right answer.
+                        Some(remaining) if answered >= self.inner.quorum => {
+                            Ok(AcquireReply::Held { remaining })
+                        }
+                        _ => Err(self.no_quorum("acquire", key.user(), agreed)),
+                    };
+                }
+                debug!(agreed, answered, ?pause, "no quorum; retrying");
+                tokio::time::sleep(pause).await;
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Runs on every member. `true` when at least one member deleted this token's key (the
+    /// copies on unreachable members expire with their TTL); `false` when a quorum answered and
+    /// none held it; [`Error::NoQuorum`] when fewer than a quorum answered and none held it, since
+    /// the lease may then still be valid on the others.
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
+        let limit = self.inner.config.member_timeout;
+        let answers = self
+            .on_members(&self.all(), limit, |m| m.release(key, token))
+            .await;
+        let answered = answers.iter().filter(|(_, a)| a.is_ok()).count();
+        let released = answers
+            .iter()
+            .filter(|(_, a)| matches!(a, Ok(true)))
+            .count();
+        if released > 0 {
+            return Ok(true);
+        }
+        if answered >= self.inner.quorum {
+            return Ok(false);
+        }
+        Err(self.no_quorum("release", key.user(), answered))
+    }
+
+    /// A lease is renewed when a quorum renewed it within the validity. When too few members
+    /// answered to tell either way, the whole batch is an [`Error::NoQuorum`], which the renewal
+    /// driver retries until the lease's deadline.
+    async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
+        let started = Instant::now();
+        let limit = self.member_timeout(ttl);
+        let batch_key = items.first().map_or("(batch)", |(k, _)| k.user());
+        let answers = self
+            .on_members(&self.all(), limit, |m| m.extend(items, ttl))
+            .await;
+        let mut counts = vec![0usize; items.len()];
+        let mut answered = 0;
+        for (i, answer) in answers {
+            match answer {
+                Ok(held) if held.len() == items.len() => {
+                    answered += 1;
+                    for (c, h) in counts.iter_mut().zip(held) {
+                        *c += usize::from(h);
+                    }
+                }
+                Ok(_) => warn!(member = i, "extend answered for a different batch size"),
+                Err(e) => debug!(member = i, error = %e, "quorum extend failed"),
+            }
+        }
+        let quorum = self.inner.quorum;
+        let unknown = self.members() - answered;
+        if started.elapsed() >= ttl.saturating_sub(drift(ttl)) {
+            return Err(self.no_quorum("extend", batch_key, 0));
+        }
+        // Held on a quorum, or certainly not: anything in between depends on the silent members.
+        if counts.iter().any(|&c| c < quorum && c + unknown >= quorum) {
+            let agreed = counts.iter().copied().min().unwrap_or(0);
+            return Err(self.no_quorum("extend", batch_key, agreed));
+        }
+        Ok(counts.into_iter().map(|c| c >= quorum).collect())
+    }
+
+    /// Admitted when a quorum admits `fence` and no member has seen a higher one.
+    async fn admit(&self, gate_key: &str, fence: u64) -> Result<Option<u64>> {
+        let limit = self.inner.config.member_timeout;
+        let answers = self
+            .on_members(&self.all(), limit, |m| m.admit(gate_key, fence))
+            .await;
+        let mut admitted = 0;
+        let mut highest = None;
+        let mut refusal = None;
+        for (_, answer) in answers {
+            match answer {
+                Ok(None) => admitted += 1,
+                Ok(Some(h)) => highest = Some(highest.map_or(h, |x: u64| x.max(h))),
+                Err(e @ Error::WrongType { .. }) => refusal = Some(e),
+                Err(_) => {}
+            }
+        }
+        if highest.is_some() {
+            return Ok(highest);
+        }
+        if admitted >= self.inner.quorum {
+            return Ok(None);
+        }
+        Err(refusal.unwrap_or_else(|| self.no_quorum("admit", gate_key, admitted)))
+    }
+
+    /// Subscribes on every connected member and forwards their wake-ups to one watch of its own.
+    async fn watch(&self, key: &LockKey) -> Result<Watch> {
+        // A channel name of its own per watch: each watch owns its forwarding task and stops it
+        // when dropped.
+        let id = self.inner.next_watch.fetch_add(1, Ordering::Relaxed);
+        let channel = format!("{}#{id}", key.channel());
+        let (rx, _) = self.inner.wakeups.register(&channel);
+        let limit = self.inner.config.member_timeout.max(Duration::from_secs(1));
+        let member_watches: Vec<Watch> = self
+            .on_members(&self.all(), limit, |m| m.watch(key))
+            .await
+            .into_iter()
+            .filter_map(|(_, w)| w.ok())
+            .collect();
+        let wakeups = self.inner.wakeups.clone();
+        let forward_to = channel.clone();
+        let forwarder = tokio::spawn(async move {
+            let mut member_watches = member_watches;
+            if member_watches.is_empty() {
+                return;
+            }
+            loop {
+                let changes = member_watches.iter_mut().map(|w| Box::pin(w.changed()));
+                futures_util::future::select_all(changes).await;
+                wakeups.wake(&forward_to);
+            }
+        });
+        Ok(Watch {
+            rx,
+            channel,
+            wakeups: self.inner.wakeups.clone(),
+            on_last: Some(Box::new(move |_| forwarder.abort())),
+        })
+    }
+
+    fn wakeups(&self) -> &Arc<Wakeups> {
+        &self.inner.wakeups
+    }
+}
+
+/// A random pause in the upper half of `max`, from the OS RNG.
+fn pause(max: Duration) -> Duration {
+    let mut b = [0u8; 4];
+    let frac = if getrandom::fill(&mut b).is_ok() {
+        f64::from(u32::from_le_bytes(b)) / f64::from(u32::MAX)
+    } else {
+        0.5
+    };
+    max / 2 + (max / 2).mul_f64(frac)
+}
+
+fn member_error(what: &'static str) -> Error {
+    Error::Unavailable(redis::RedisError::from((redis::ErrorKind::Io, what)))
+}
+
+fn int(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        _ => None,
+    }
+}
+
+fn text(v: &Value) -> String {
+    match v {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::SimpleString(s) => s.clone(),
+        Value::Int(i) => i.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+fn unexpected(what: &str, reply: &Value) -> Error {
+    Error::Unavailable(redis::RedisError::from((
+        redis::ErrorKind::UnexpectedReturnType,
+        "unexpected script reply",
+        format!("{what}: {reply:?}"),
+    )))
+}

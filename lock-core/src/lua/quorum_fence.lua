@@ -1,0 +1,20 @@
+-- Writes a quorum grant's fence back to one member, only while the member's lock key still
+-- holds the grant's token: a write that lands after the lease moved on would let the fence key
+-- claim a fence the new holder never read.
+-- KEYS[1] lock key, KEYS[2] fence key; ARGV[1] token, ARGV[2] fence (canonical decimal string).
+-- Sets the fence key to max(stored, ARGV[2]), never lowering it. Returns 1 when the token held
+-- the key (written, or already at least as high), 0 otherwise (nothing touched).
+if redis.pcall('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+local stored = redis.pcall('GET', KEYS[2])
+if type(stored) == 'table' then
+  -- A foreign type on the fence key: the acquire vote already refused it; write nothing.
+  return 0
+end
+-- Decimal strings without leading zeros compare by length, then lexically: no float rounding.
+local f = ARGV[2]
+if not stored or #stored < #f or (#stored == #f and stored < f) then
+  redis.call('SET', KEYS[2], f)
+end
+return 1

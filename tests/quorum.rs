@@ -1,0 +1,665 @@
+//! The Redlock quorum backend on real servers: members killed, restarted empty and slowed down
+//! (reliability scenarios 4 and 5), and fences that keep increasing when the majority changes.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use leasehold::{Error, Fence, LockOptions, Locker, QuorumConfig, Release};
+use support::proxy::Proxy;
+use support::{Flavor, Server};
+use tokio::time::{Instant, sleep};
+
+fn start(flavor: Flavor, n: usize) -> Vec<Server> {
+    (0..n).map(|_| Server::start(flavor)).collect()
+}
+
+async fn redlock(urls: &[String], config: QuorumConfig) -> Locker {
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    Locker::redlock_with(&urls, config).await.expect("connect")
+}
+
+fn urls(servers: &[Server]) -> Vec<String> {
+    servers.iter().map(Server::url).collect()
+}
+
+fn opts(ttl_ms: u64) -> LockOptions {
+    LockOptions::new().ttl(Duration::from_millis(ttl_ms))
+}
+
+/// Whether `server` holds the lock key of `key` (read directly, never through a proxy).
+fn holds(server: &Server, locker: &Locker, key: &str) -> bool {
+    let k = locker.lock_key(key).expect("key");
+    server.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1
+}
+
+/// One grant and release on every member, so that the scripts are loaded before replies are
+/// slowed: a first `EVALSHA` answered `NOSCRIPT` only late would never run at all.
+async fn warm_up(locker: &Locker) {
+    let lease = locker
+        .try_acquire("warm-up", &opts(5_000))
+        .await
+        .expect("warm-up");
+    lease.release().await.expect("warm-up release");
+}
+
+fn stored_fence(server: &Server, locker: &Locker, key: &str) -> Option<u64> {
+    let k = locker.lock_key(key).expect("key");
+    server
+        .cmd::<Option<String>>(&["GET", &k.fence_key()])
+        .map(|s| s.parse().expect("numeric fence"))
+}
+
+/// Scenario 5, first half: with 2 of 5 members down, leases are still granted, exclusive,
+/// held on every live member, renewed, and released everywhere.
+async fn two_down_still_grant(flavor: Flavor) {
+    let mut servers = start(flavor, 5);
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    servers[1].kill();
+    servers[3].kill();
+    let a = locker
+        .try_acquire("two-down", &opts(1_000))
+        .await
+        .expect("3 of 5 members are a quorum");
+    assert!(a.fence() > Fence(0));
+    for i in [0, 2, 4] {
+        assert!(holds(&servers[i], &locker, "two-down"), "member {i}");
+    }
+    match locker.try_acquire("two-down", &opts(1_000)).await {
+        Err(Error::Busy { remaining, .. }) => {
+            let r = remaining.expect("the holder has a ttl");
+            assert!(r <= Duration::from_secs(1) && r > Duration::ZERO, "{r:?}");
+        }
+        other => panic!("expected Busy, got {other:?}"),
+    }
+    // Renewal needs the same quorum: three TTLs later the lease is still ours.
+    sleep(Duration::from_millis(3_000)).await;
+    assert!(
+        !a.is_lost(),
+        "renewal on 3 of 5 members should keep the lease"
+    );
+    assert!(a.remaining() > Duration::ZERO);
+    let fa = a.fence();
+    assert_eq!(a.release().await.expect("release"), Release::Released);
+    for i in [0, 2, 4] {
+        assert!(!holds(&servers[i], &locker, "two-down"), "member {i}");
+    }
+    let b = locker
+        .try_acquire("two-down", &opts(1_000))
+        .await
+        .expect("free again");
+    assert!(b.fence() > fa);
+}
+
+/// Scenario 5, second half: with 3 of 5 down there is no quorum: a clear, typed error, fast,
+/// from both `try_acquire` and a waiting `acquire`, and no key left on the live members.
+async fn three_down_clear_error(flavor: Flavor) {
+    let mut servers = start(flavor, 5);
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    for i in [0, 2, 3] {
+        servers[i].kill();
+    }
+    let t = Instant::now();
+    let err = locker
+        .try_acquire("three-down", &opts(5_000))
+        .await
+        .expect_err("2 of 5 is no quorum");
+    match &err {
+        Error::NoQuorum {
+            op,
+            key,
+            agreed,
+            needed,
+            members,
+        } => {
+            assert_eq!((*op, key.as_str()), ("acquire", "three-down"));
+            assert_eq!((*agreed, *needed, *members), (2, 3, 5));
+        }
+        other => panic!("expected NoQuorum, got {other:?}"),
+    }
+    assert!(err.is_transient());
+    assert!(
+        err.to_string()
+            .contains("2 of 5 members agreed in time, 3 needed"),
+        "{err}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    for i in [1, 4] {
+        assert!(
+            !holds(&servers[i], &locker, "three-down"),
+            "member {i} kept a partial grant"
+        );
+    }
+    // A waiting acquire does not hide the outage behind its wait: it fails the same way.
+    let waited = locker
+        .acquire("three-down", &opts(5_000).wait(Duration::from_secs(30)))
+        .await;
+    assert!(matches!(waited, Err(Error::NoQuorum { .. })), "{waited:?}");
+    for i in [1, 4] {
+        assert!(!holds(&servers[i], &locker, "three-down"), "member {i}");
+    }
+    // One member back: a quorum again.
+    servers[0].restart();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match locker.try_acquire("three-down", &opts(5_000)).await {
+            Ok(lease) => {
+                lease.release().await.expect("release");
+                break;
+            }
+            Err(Error::NoQuorum { .. }) if Instant::now() < deadline => {
+                sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("no grant after a member came back: {e}"),
+        }
+    }
+}
+
+/// Fences keep increasing while the majority moves across the members. One member starts with
+/// a fence far above any clock, so only the write-back to the majority can carry it forward:
+/// a fence taken from the server clock alone would fall back and fail this test.
+async fn fences_follow_the_majority(flavor: Flavor) {
+    let mut servers = start(flavor, 5);
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let k = locker.lock_key("moving").expect("key");
+    let high: u64 = 1_000_000_000_000_000_000;
+    let _: () = servers[0].cmd(&["SET", &k.fence_key(), &high.to_string()]);
+
+    let l1 = locker
+        .try_acquire("moving", &opts(2_000))
+        .await
+        .expect("all up");
+    let f1 = l1.fence();
+    assert_eq!(f1, Fence(high + 1));
+    // Written back to every granting member, not just read.
+    for (i, s) in servers.iter().enumerate() {
+        assert_eq!(
+            stored_fence(s, &locker, "moving"),
+            Some(high + 1),
+            "member {i}"
+        );
+    }
+    l1.release().await.expect("release");
+
+    // Majority {2, 3, 4}: none of them ever saw `high` except through the write-back.
+    servers[0].kill();
+    servers[1].kill();
+    let l2 = locker
+        .try_acquire("moving", &opts(2_000))
+        .await
+        .expect("{2,3,4}");
+    let f2 = l2.fence();
+    assert!(f2 > f1, "{f1:?} then {f2:?}");
+    l2.release().await.expect("release");
+
+    // Majority {0, 1, 4}: 0 and 1 restarted empty; member 4 alone carries the fence.
+    servers[0].restart();
+    servers[1].restart();
+    servers[2].kill();
+    servers[3].kill();
+    let f3 = retry_grant(&locker, "moving").await;
+    assert!(f3 > f2, "{f2:?} then {f3:?}");
+
+    // Majority {0, 1, 2, 3}: 2 and 3 restarted empty; the write-back of the last grant put it
+    // on 0 and 1.
+    servers[2].restart();
+    servers[3].restart();
+    servers[4].kill();
+    let f4 = retry_grant(&locker, "moving").await;
+    assert!(f4 > f3, "{f3:?} then {f4:?}");
+}
+
+/// Grants and releases once, retrying while restarted members reconnect.
+async fn retry_grant(locker: &Locker, key: &str) -> Fence {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match locker.try_acquire(key, &opts(2_000)).await {
+            Ok(lease) => {
+                let f = lease.fence();
+                lease.release().await.expect("release");
+                return f;
+            }
+            Err(Error::NoQuorum { .. }) if Instant::now() < deadline => {
+                sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("no grant: {e}"),
+        }
+    }
+}
+
+/// A member restarted empty in the middle of a held, renewing lease: the lease survives on the
+/// rest of the quorum, scripts are reloaded on the restarted member, and fences keep rising.
+async fn restart_empty_mid_run(flavor: Flavor) {
+    let mut servers = start(flavor, 5);
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let a = locker
+        .try_acquire("restart", &opts(600))
+        .await
+        .expect("all up");
+    sleep(Duration::from_millis(300)).await;
+    servers[2].restart();
+    assert!(!holds(&servers[2], &locker, "restart"), "restarted empty");
+    sleep(Duration::from_millis(300)).await;
+    servers[4].restart();
+    // Several renewals later: still held on the three untouched members.
+    sleep(Duration::from_millis(1_500)).await;
+    assert!(!a.is_lost(), "a quorum kept renewing the lease");
+    a.extend(Duration::from_millis(600))
+        .await
+        .expect("an explicit extend reaches the same quorum");
+    let fa = a.fence();
+    assert_eq!(a.release().await.expect("release"), Release::Released);
+
+    let b = locker
+        .try_acquire("restart", &opts(2_000))
+        .await
+        .expect("grant after restarts");
+    assert!(b.fence() > fa);
+    // The restarted members voted too: their scripts were loaded again (NOSCRIPT recovered).
+    for (i, s) in servers.iter().enumerate() {
+        assert!(holds(s, &locker, "restart"), "member {i}");
+        assert_eq!(stored_fence(s, &locker, "restart"), Some(b.fence().get()));
+    }
+    b.release().await.expect("release");
+}
+
+/// Many clients on separate connections take turns while members are killed and restarted
+/// empty (never more than two down). Every grant gets a distinct fence, and a grant that started
+/// after another ended always has the higher fence.
+async fn fences_under_member_churn(flavor: Flavor) {
+    let servers = Arc::new(Mutex::new(start(flavor, 5)));
+    let member_urls = urls(&servers.lock().expect("servers"));
+    let mut lockers = Vec::new();
+    for _ in 0..3 {
+        lockers.push(redlock(&member_urls, QuorumConfig::default()).await);
+    }
+    let log = Arc::new(Mutex::new(Vec::<(Instant, Instant, u64)>::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let chaos = {
+        let (servers, stop) = (servers.clone(), stop.clone());
+        tokio::task::spawn_blocking(move || {
+            let mut round = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let (a, b) = (round % 5, (round + 2) % 5);
+                {
+                    let mut s = servers.lock().expect("servers");
+                    s[a].kill();
+                    s[b].kill();
+                }
+                std::thread::sleep(Duration::from_millis(400));
+                {
+                    let mut s = servers.lock().expect("servers");
+                    s[a].restart();
+                    s[b].restart();
+                }
+                std::thread::sleep(Duration::from_millis(200));
+                round += 1;
+            }
+        })
+    };
+    let mut tasks = Vec::new();
+    for locker in lockers {
+        let log = log.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut grants = 0;
+            let until = Instant::now() + Duration::from_secs(6);
+            while Instant::now() < until {
+                let o = opts(500).wait(Duration::from_secs(2));
+                match locker.acquire("churn", &o).await {
+                    Ok(lease) => {
+                        let start = Instant::now();
+                        sleep(Duration::from_millis(5)).await;
+                        let f = lease.fence().get();
+                        let _ = lease.release().await;
+                        log.lock().expect("log").push((start, Instant::now(), f));
+                        grants += 1;
+                    }
+                    // Members going away mid-round: no quorum for a moment, or a wait that
+                    // outlasted a lease left on a member that was then restarted.
+                    Err(Error::NoQuorum { .. } | Error::WaitTimeout { .. }) => {
+                        sleep(Duration::from_millis(20)).await;
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            grants
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.expect("client");
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    chaos.await.expect("chaos");
+    let mut log = log.lock().expect("log").clone();
+    assert!(total >= 10, "too few grants to show anything: {total}");
+    log.sort_by_key(|&(_, _, f)| f);
+    assert!(
+        log.windows(2).all(|w| w[0].2 < w[1].2),
+        "two grants shared a fence"
+    );
+    for x in &log {
+        for y in &log {
+            if x.1 < y.0 {
+                assert!(
+                    x.2 < y.2,
+                    "grant {} started after grant {} ended but has a lower fence",
+                    y.2,
+                    x.2
+                );
+            }
+        }
+    }
+}
+
+/// Scenario 4 on a quorum. A delay of 0.9 x ttl on the path to a majority: those members'
+/// votes cannot arrive within the per-member timeout, so the acquire fails with NoQuorum, and
+/// the keys every member granted (the slow ones granted too: only their replies are late) are
+/// released at once, long before their TTL.
+async fn slow_majority_no_lease_no_leftovers(flavor: Flavor) {
+    let servers = start(flavor, 5);
+    let mut proxies = Vec::new();
+    for s in &servers {
+        proxies.push(Proxy::start(s.port).await);
+    }
+    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
+    let locker = redlock(&proxy_urls, QuorumConfig::default()).await;
+    warm_up(&locker).await;
+    let ttl = Duration::from_secs(3);
+    for p in &proxies[..3] {
+        p.delay_replies(ttl.mul_f64(0.9));
+    }
+    let t = Instant::now();
+    let r = locker
+        .try_acquire("slow", &LockOptions::new().ttl(ttl))
+        .await;
+    let took = t.elapsed();
+    assert!(
+        matches!(r, Err(Error::NoQuorum { agreed: 2, .. })),
+        "{:?}",
+        r.map(|l| l.fence())
+    );
+    assert!(took < ttl / 2 + Duration::from_millis(500), "{took:?}");
+    // Checked well within the TTL: cleaned up, not merely expired.
+    sleep(Duration::from_millis(200)).await;
+    assert!(t.elapsed() < ttl - Duration::from_millis(500));
+    for (i, s) in servers.iter().enumerate() {
+        assert!(
+            !holds(s, &locker, "slow"),
+            "member {i} kept a partial grant"
+        );
+    }
+}
+
+/// Scenario 4, with replies slow on every member but within the member timeout: the votes come
+/// back after 0.4 x ttl and the fence write-back after as much again. The lease is granted with
+/// its validity counted from before the first vote was sent, so it has well under a fifth of
+/// the TTL left, never the full TTL.
+async fn slow_replies_shorten_validity(flavor: Flavor) {
+    let servers = start(flavor, 5);
+    let mut proxies = Vec::new();
+    for s in &servers {
+        proxies.push(Proxy::start(s.port).await);
+    }
+    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
+    // The connections' own response timeout (2 s by default) would cut the slow replies too.
+    let slow_ok = leasehold::RedisConfig {
+        response_timeout: Duration::from_secs(10),
+        ..Default::default()
+    };
+    let config = QuorumConfig::default()
+        .member_timeout(Duration::from_secs(10))
+        .redis(slow_ok);
+    let locker = redlock(&proxy_urls, config).await;
+    warm_up(&locker).await;
+    let ttl = Duration::from_secs(5);
+    let delay = ttl.mul_f64(0.4);
+    for p in &proxies {
+        p.delay_replies(delay);
+    }
+    let t = Instant::now();
+    let lease = locker
+        .try_acquire("slow-all", &LockOptions::new().ttl(ttl).renew(false))
+        .await
+        .expect("votes and write-back both fit in the validity");
+    let took = t.elapsed();
+    assert!(took >= delay * 2, "{took:?}");
+    assert!(!lease.is_lost());
+    let left = lease.remaining();
+    assert!(left > Duration::ZERO);
+    assert!(
+        left <= ttl.saturating_sub(took),
+        "validity {left:?} not counted from before the first send ({took:?} elapsed)"
+    );
+    for p in &proxies {
+        p.delay_replies(Duration::ZERO);
+    }
+    drop(lease);
+}
+
+/// Scenario 4 with only a minority slow: the fast majority grants within the member timeout;
+/// the slow members' late grants are ours too and are released with the lease.
+async fn slow_minority_still_grants(flavor: Flavor) {
+    let servers = start(flavor, 5);
+    let mut proxies = Vec::new();
+    for s in &servers {
+        proxies.push(Proxy::start(s.port).await);
+    }
+    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
+    let locker = redlock(&proxy_urls, QuorumConfig::default()).await;
+    warm_up(&locker).await;
+    let ttl = Duration::from_secs(3);
+    for p in &proxies[..2] {
+        p.delay_replies(ttl.mul_f64(0.9));
+    }
+    let lease = locker
+        .try_acquire("slow-few", &LockOptions::new().ttl(ttl).renew(false))
+        .await
+        .expect("3 fast members are a quorum");
+    assert!(
+        lease.remaining() > ttl / 2,
+        "a slow minority costs one member timeout, not the lease: {:?}",
+        lease.remaining()
+    );
+    lease.release().await.expect("release");
+    sleep(Duration::from_millis(200)).await;
+    for (i, s) in servers.iter().enumerate() {
+        assert!(!holds(s, &locker, "slow-few"), "member {i}");
+    }
+}
+
+/// Split votes between two clients never yield two leases; waiting resolves the contention.
+async fn contention_one_winner(flavor: Flavor) {
+    let servers = start(flavor, 5);
+    let u = urls(&servers);
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let locker = redlock(&u, QuorumConfig::default()).await;
+        tasks.push(tokio::spawn(async move {
+            let mut fences = Vec::new();
+            for _ in 0..5 {
+                let o = opts(2_000).wait(Duration::from_secs(20));
+                let lease = locker.acquire("split", &o).await.expect("acquire");
+                fences.push((Instant::now(), lease.fence()));
+                sleep(Duration::from_millis(10)).await;
+                lease.release().await.expect("release");
+            }
+            fences
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.expect("client"));
+    }
+    all.sort_by_key(|&(at, _)| at);
+    assert_eq!(all.len(), 20);
+    assert!(
+        all.windows(2).all(|w| w[0].1 < w[1].1),
+        "fences out of grant order: {:?}",
+        all.iter().map(|x| x.1.get()).collect::<Vec<_>>()
+    );
+}
+
+/// The fence gate on a quorum admits a fence on a majority and refuses a lower one even after
+/// the majority changed.
+async fn gate_on_a_quorum(flavor: Flavor) {
+    let mut servers = start(flavor, 5);
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let gate = locker.fence_gate("ledger").expect("gate");
+    gate.admit(Fence(10)).await.expect("admitted");
+    gate.admit(Fence(10))
+        .await
+        .expect("equal fences are admitted");
+    servers[0].kill();
+    servers[1].kill();
+    match gate.admit(Fence(9)).await {
+        Err(Error::Stale { highest, .. }) => assert_eq!(highest, 10),
+        other => panic!("expected Stale, got {other:?}"),
+    }
+    servers[2].kill();
+    assert!(matches!(
+        gate.admit(Fence(11)).await,
+        Err(Error::NoQuorum { op: "admit", .. })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_member_lists_are_refused() {
+    let s = start(Flavor::Redis, 3);
+    let u = urls(&s);
+    assert!(matches!(
+        Locker::redlock(&[u[0].as_str(), u[1].as_str()]).await,
+        Err(Error::InvalidQuorum { .. })
+    ));
+    assert!(matches!(
+        Locker::redlock(&[u[0].as_str(), u[1].as_str(), u[0].as_str()]).await,
+        Err(Error::InvalidQuorum { .. })
+    ));
+    assert!(matches!(
+        Locker::redlock(&[u[0].as_str(), u[1].as_str(), "not a url"]).await,
+        Err(Error::Unavailable(_))
+    ));
+}
+
+/// Starting while a minority is down works, and the missing member joins when it comes up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_down_at_start_joins_later() {
+    let mut servers = start(Flavor::Redis, 3);
+    servers[2].kill();
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let a = locker
+        .try_acquire("late", &opts(2_000))
+        .await
+        .expect("2 of 3");
+    a.release().await.expect("release");
+    servers[2].restart();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let lease = locker
+            .try_acquire("late", &opts(2_000))
+            .await
+            .expect("grant");
+        let joined = holds(&servers[2], &locker, "late");
+        lease.release().await.expect("release");
+        if joined {
+            break;
+        }
+        assert!(Instant::now() < deadline, "member 2 never joined");
+        sleep(Duration::from_millis(200)).await;
+    }
+    // With a majority down at start, connecting fails with the connection error.
+    servers[0].kill();
+    servers[1].kill();
+    assert!(
+        Locker::redlock(
+            &urls(&servers)
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+        )
+        .await
+        .is_err()
+    );
+}
+
+/// A waiter on a quorum wakes on release even with a member down, long before the TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_wakes_with_a_member_down() {
+    let mut servers = start(Flavor::Redis, 5);
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    servers[0].kill();
+    let holder = locker
+        .try_acquire("wake", &opts(20_000))
+        .await
+        .expect("holder");
+    let other = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let waiter = tokio::spawn(async move {
+        let t = Instant::now();
+        let lease = other
+            .acquire("wake", &opts(5_000).wait(Duration::from_secs(15)))
+            .await
+            .expect("waiter");
+        (t.elapsed(), lease.fence())
+    });
+    sleep(Duration::from_millis(300)).await;
+    let f = holder.fence();
+    holder.release().await.expect("release");
+    let (waited, fence) = waiter.await.expect("join");
+    assert!(fence > f);
+    assert!(
+        waited < Duration::from_secs(5),
+        "woken by the timer: {waited:?}"
+    );
+}
+
+macro_rules! suite {
+    ($modname:ident, $flavor:expr) => {
+        mod $modname {
+            use super::*;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn two_down_still_grant() {
+                super::two_down_still_grant($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn three_down_clear_error() {
+                super::three_down_clear_error($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fences_follow_the_majority() {
+                super::fences_follow_the_majority($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn restart_empty_mid_run() {
+                super::restart_empty_mid_run($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fences_under_member_churn() {
+                super::fences_under_member_churn($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn slow_majority_no_lease_no_leftovers() {
+                super::slow_majority_no_lease_no_leftovers($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn slow_replies_shorten_validity() {
+                super::slow_replies_shorten_validity($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn slow_minority_still_grants() {
+                super::slow_minority_still_grants($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn contention_one_winner() {
+                super::contention_one_winner($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn gate_on_a_quorum() {
+                super::gate_on_a_quorum($flavor).await
+            }
+        }
+    };
+}
+
+suite!(redis, Flavor::Redis);
+suite!(valkey, Flavor::Valkey);
