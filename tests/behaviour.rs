@@ -19,6 +19,8 @@ enum Harness {
     Cluster(Cluster),
     /// A server the locker reaches as the restricted user of `docs/leasehold.acl`.
     Acl(Server),
+    /// A Redlock quorum of independent servers.
+    Quorum(Vec<Server>),
 }
 
 impl Harness {
@@ -48,6 +50,11 @@ impl Harness {
                 let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
                 Locker::redis_cluster(&urls).await.expect("connect")
             }
+            Harness::Quorum(members) => {
+                let urls: Vec<String> = members.iter().map(Server::url).collect();
+                let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+                Locker::redlock(&urls).await.expect("connect")
+            }
         }
     }
 
@@ -64,6 +71,11 @@ impl Harness {
             Harness::Cluster(c) => {
                 let _: i64 = c.cmd(&["DEL", &k.lock_key()]);
             }
+            Harness::Quorum(members) => {
+                for s in members {
+                    let _: i64 = s.cmd(&["DEL", &k.lock_key()]);
+                }
+            }
         }
     }
 
@@ -74,6 +86,9 @@ impl Harness {
             Harness::Memory(_) => false,
             Harness::Server(s) | Harness::Acl(s) => s.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1,
             Harness::Cluster(c) => c.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1,
+            Harness::Quorum(members) => members
+                .iter()
+                .any(|s| s.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1),
         }
     }
 }
@@ -619,3 +634,11 @@ fn readme_shows_the_tested_acl_rule() {
         "README.md must quote docs/leasehold.acl verbatim"
     );
 }
+suite!(
+    redis_quorum,
+    Harness::Quorum((0..3).map(|_| Server::start(Flavor::Redis)).collect())
+);
+suite!(
+    valkey_quorum,
+    Harness::Quorum((0..3).map(|_| Server::start(Flavor::Valkey)).collect())
+);

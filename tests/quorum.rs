@@ -210,6 +210,30 @@ async fn fences_follow_the_majority(flavor: Flavor) {
     assert!(f4 > f3, "{f3:?} then {f4:?}");
 }
 
+/// Scenario 6 on a quorum: every member that saw the last fence is restarted empty or down, so
+/// the next majority has no fence at all. The server clock term keeps the fence rising (the
+/// members share this machine's clock here; in production that is the documented assumption).
+async fn fences_survive_a_majority_restarted_empty(flavor: Flavor) {
+    let mut servers = start(flavor, 5);
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    servers[3].kill();
+    servers[4].kill();
+    let f1 = retry_grant(&locker, "amnesia").await;
+    servers[1].kill();
+    servers[2].kill();
+    servers[0].restart();
+    servers[3].restart();
+    servers[4].restart();
+    for (i, s) in [&servers[0], &servers[3], &servers[4]]
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(stored_fence(s, &locker, "amnesia"), None, "live member {i}");
+    }
+    let f2 = retry_grant(&locker, "amnesia").await;
+    assert!(f2 > f1, "{f1:?} then {f2:?}");
+}
+
 /// Grants and releases once, retrying while restarted members reconnect.
 async fn retry_grant(locker: &Locker, key: &str) -> Fence {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -628,6 +652,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn fences_follow_the_majority() {
                 super::fences_follow_the_majority($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fences_survive_a_majority_restarted_empty() {
+                super::fences_survive_a_majority_restarted_empty($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn restart_empty_mid_run() {

@@ -72,6 +72,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use redis::{Script, Value};
 use tokio::time::Instant;
 use tracing::{Instrument, debug, debug_span, warn};
@@ -295,20 +296,36 @@ impl QuorumBackend {
         F: Fn(&'a RedisBackend) -> Fut,
         Fut: Future<Output = Result<T>> + 'a,
     {
-        let calls = which.iter().map(|&i| {
-            let call = self.inner.members.get(i).and_then(OnceLock::get).map(&f);
-            async move {
-                let result = match call {
-                    None => Err(member_error("quorum member not connected")),
-                    Some(call) => match tokio::time::timeout(limit, call).await {
-                        Ok(r) => r,
-                        Err(_) => Err(member_error("quorum member did not answer in time")),
-                    },
-                };
-                (i, result)
-            }
-        });
-        futures_util::future::join_all(calls).await
+        futures_util::future::join_all(self.member_calls(which, limit, f)).await
+    }
+
+    /// The calls of [`on_members`](Self::on_members), not yet awaited.
+    fn member_calls<'a, T, F, Fut>(
+        &'a self,
+        which: &[usize],
+        limit: Duration,
+        f: F,
+    ) -> Vec<impl Future<Output = (usize, Result<T>)> + 'a>
+    where
+        F: Fn(&'a RedisBackend) -> Fut,
+        Fut: Future<Output = Result<T>> + 'a,
+    {
+        which
+            .iter()
+            .map(|&i| {
+                let call = self.inner.members.get(i).and_then(OnceLock::get).map(&f);
+                async move {
+                    let result = match call {
+                        None => Err(member_error("quorum member not connected")),
+                        Some(call) => match tokio::time::timeout(limit, call).await {
+                            Ok(r) => r,
+                            Err(_) => Err(member_error("quorum member did not answer in time")),
+                        },
+                    };
+                    (i, result)
+                }
+            })
+            .collect()
     }
 
     fn all(&self) -> Vec<usize> {
@@ -563,19 +580,28 @@ impl Backend for QuorumBackend {
     /// A lease is renewed when a quorum renewed it within the validity. When too few members
     /// answered to tell either way, the whole batch is an [`Error::NoQuorum`], which the renewal
     /// driver retries until the lease's deadline.
+    ///
+    /// It returns as soon as every lease of the batch is decided, so a slow or hung member costs
+    /// nothing while the others agree; it waits for the slow ones (up to half the TTL, since a
+    /// large batch on a busy server takes a while) only when the answer depends on them.
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
         let started = Instant::now();
-        let limit = self.member_timeout(ttl);
+        let limit = ttl / 2;
         let batch_key = items.first().map_or("(batch)", |(k, _)| k.user());
-        let answers = self
-            .on_members(&self.all(), limit, |m| m.extend(items, ttl))
-            .await;
+        let mut calls: futures_util::stream::FuturesUnordered<_> = self
+            .member_calls(&self.all(), limit, |m| m.extend(items, ttl))
+            .into_iter()
+            .collect();
+        let quorum = self.inner.quorum;
         let mut counts = vec![0usize; items.len()];
-        let mut answered = 0;
-        for (i, answer) in answers {
+        // Members that have not answered yet, or failed: either may still have renewed.
+        let mut unknown = self.members();
+        let mut outstanding = self.members();
+        while let Some((i, answer)) = calls.next().await {
+            outstanding -= 1;
             match answer {
                 Ok(held) if held.len() == items.len() => {
-                    answered += 1;
+                    unknown -= 1;
                     for (c, h) in counts.iter_mut().zip(held) {
                         *c += usize::from(h);
                     }
@@ -583,9 +609,13 @@ impl Backend for QuorumBackend {
                 Ok(_) => warn!(member = i, "extend answered for a different batch size"),
                 Err(e) => debug!(member = i, error = %e, "quorum extend failed"),
             }
+            if counts
+                .iter()
+                .all(|&c| c >= quorum || c + outstanding < quorum)
+            {
+                break;
+            }
         }
-        let quorum = self.inner.quorum;
-        let unknown = self.members() - answered;
         if started.elapsed() >= ttl.saturating_sub(drift(ttl)) {
             return Err(self.no_quorum("extend", batch_key, 0));
         }
