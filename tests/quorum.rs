@@ -257,19 +257,20 @@ async fn retry_grant(locker: &Locker, key: &str) -> Fence {
 async fn restart_empty_mid_run(flavor: Flavor) {
     let mut servers = start(flavor, 5);
     let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    // Renewed every 500 ms, with a second of slack before the deadline: the machine is shared.
     let a = locker
-        .try_acquire("restart", &opts(600))
+        .try_acquire("restart", &opts(1_500))
         .await
         .expect("all up");
-    sleep(Duration::from_millis(300)).await;
+    sleep(Duration::from_millis(700)).await;
     servers[2].restart();
     assert!(!holds(&servers[2], &locker, "restart"), "restarted empty");
-    sleep(Duration::from_millis(300)).await;
+    sleep(Duration::from_millis(700)).await;
     servers[4].restart();
     // Several renewals later: still held on the three untouched members.
-    sleep(Duration::from_millis(1_500)).await;
+    sleep(Duration::from_millis(3_000)).await;
     assert!(!a.is_lost(), "a quorum kept renewing the lease");
-    a.extend(Duration::from_millis(600))
+    a.extend(Duration::from_millis(1_500))
         .await
         .expect("an explicit extend reaches the same quorum");
     let fa = a.fence();
@@ -493,6 +494,103 @@ async fn slow_minority_still_grants(flavor: Flavor) {
     }
 }
 
+/// A hung member (replies held back for seconds) does not slow renewal down: extend returns
+/// as soon as the other members decide every lease.
+async fn extend_does_not_wait_for_a_hung_member(flavor: Flavor) {
+    let servers = start(flavor, 5);
+    let mut proxies = Vec::new();
+    for s in &servers {
+        proxies.push(Proxy::start(s.port).await);
+    }
+    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
+    let locker = redlock(&proxy_urls, QuorumConfig::default()).await;
+    warm_up(&locker).await;
+    let ttl = Duration::from_secs(4);
+    let lease = locker
+        .try_acquire("hung", &LockOptions::new().ttl(ttl).renew(false))
+        .await
+        .expect("all members up");
+    proxies[4].delay_replies(Duration::from_secs(3));
+    let t = Instant::now();
+    lease.extend(ttl).await.expect("4 of 5 members renew");
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "extend waited for the hung member: {took:?}"
+    );
+    proxies[4].delay_replies(Duration::ZERO);
+    drop(servers);
+}
+
+/// A release that cannot reach a quorum and finds no copy of the lease says so, rather than
+/// claiming the lease was not held: it may still be valid on the unreachable members.
+async fn release_without_quorum_is_an_error(flavor: Flavor) {
+    let mut servers = start(flavor, 5);
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let lease = locker
+        .try_acquire("unknown", &opts(300).renew(false))
+        .await
+        .expect("all up");
+    for i in [0, 1, 2] {
+        servers[i].kill();
+    }
+    sleep(Duration::from_millis(500)).await;
+    match lease.release().await {
+        Err(Error::NoQuorum {
+            op: "release",
+            agreed: 2,
+            ..
+        }) => {}
+        other => panic!("expected NoQuorum for release, got {other:?}"),
+    }
+}
+
+/// Split votes: another holder has 2 of 5 members, one member is down, we get the other 2.
+/// Neither side has a quorum: our 2 grants are released, the round is retried after random
+/// pauses, and the answer is Busy (contention), not an outage. A waiting acquire gets the key
+/// once the other holder's keys expire.
+async fn split_votes_retry_then_busy(flavor: Flavor) {
+    let mut servers = start(flavor, 5);
+    let config = QuorumConfig::default()
+        .retries(2)
+        .retry_delay(Duration::from_millis(200));
+    let locker = redlock(&urls(&servers), config).await;
+    let k = locker.lock_key("split").expect("key");
+    for s in &servers[..2] {
+        let _: () = s.cmd(&["SET", &k.lock_key(), "someone-else", "PX", "1500"]);
+    }
+    servers[4].kill();
+    let t = Instant::now();
+    match locker.try_acquire("split", &opts(5_000)).await {
+        Err(Error::Busy { remaining, .. }) => {
+            let r = remaining.expect("the other holder has a ttl");
+            assert!(r <= Duration::from_millis(1_500), "{r:?}");
+        }
+        other => panic!("expected Busy, got {:?}", other.map(|l| l.fence())),
+    }
+    let took = t.elapsed();
+    // Two retries, each after a pause of at least half the 200 ms retry delay.
+    assert!(
+        took >= Duration::from_millis(200),
+        "no retry pauses: {took:?}"
+    );
+    for i in [2, 3] {
+        assert!(
+            !holds(&servers[i], &locker, "split"),
+            "member {i} kept our vote"
+        );
+    }
+    let lease = locker
+        .acquire("split", &opts(5_000).wait(Duration::from_secs(10)))
+        .await
+        .expect("free once the other holder's keys expire");
+    assert!(t.elapsed() >= Duration::from_millis(1_000));
+    for (i, s) in servers[..4].iter().enumerate() {
+        assert!(holds(s, &locker, "split"), "member {i}");
+    }
+    lease.release().await.expect("release");
+}
+
 /// Split votes between two clients never yield two leases; waiting resolves the contention.
 async fn contention_one_winner(flavor: Flavor) {
     let servers = start(flavor, 5);
@@ -676,6 +774,18 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn slow_minority_still_grants() {
                 super::slow_minority_still_grants($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn extend_does_not_wait_for_a_hung_member() {
+                super::extend_does_not_wait_for_a_hung_member($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn release_without_quorum_is_an_error() {
+                super::release_without_quorum_is_an_error($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn split_votes_retry_then_busy() {
+                super::split_votes_retry_then_busy($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn contention_one_winner() {
