@@ -463,6 +463,63 @@ async fn slow_replies_shorten_validity(flavor: Flavor) {
     drop(lease);
 }
 
+/// Scenario 4 at the second step: the votes come back in time, then the replies to the fence
+/// write-back slow down past the member timeout. No lease is handed out, and every member's key
+/// is released while the acquire is still winding down, seconds before the TTL would have
+/// expired it.
+async fn slow_fence_write_back_no_lease(flavor: Flavor) {
+    let servers = start(flavor, 5);
+    let mut proxies = Vec::new();
+    for s in &servers {
+        proxies.push(Arc::new(Proxy::start(s.port).await));
+    }
+    let proxy_urls: Vec<String> = proxies.iter().map(|p| p.url()).collect();
+    let slow_ok = leasehold::RedisConfig {
+        response_timeout: Duration::from_secs(20),
+        ..Default::default()
+    };
+    let config = QuorumConfig::default()
+        .member_timeout(Duration::from_secs(20))
+        .redis(slow_ok);
+    let locker = redlock(&proxy_urls, config).await;
+    warm_up(&locker).await;
+    // ttl 8 s: member timeout capped at 4 s. Votes answer after 1 s; the write-back, sent then,
+    // answers after 6 s, so it times out at 5 s.
+    let ttl = Duration::from_secs(8);
+    for p in &proxies {
+        p.delay_replies(Duration::from_secs(1));
+    }
+    let t = Instant::now();
+    let attempt = {
+        let locker = locker.clone();
+        tokio::spawn(async move {
+            locker
+                .try_acquire("late-write", &LockOptions::new().ttl(ttl))
+                .await
+                .map(|l| l.fence())
+        })
+    };
+    // The vote replies are already on their way (their delay was read when they arrived).
+    sleep(Duration::from_millis(500)).await;
+    for p in &proxies {
+        p.delay_replies(Duration::from_secs(6));
+    }
+    // Write-back timed out at ~5 s and the release ran on every member right then.
+    sleep(Duration::from_millis(6_500).saturating_sub(t.elapsed())).await;
+    assert!(t.elapsed() < ttl - Duration::from_millis(1_000));
+    for (i, s) in servers.iter().enumerate() {
+        assert!(
+            !holds(s, &locker, "late-write"),
+            "member {i} kept the grant"
+        );
+    }
+    let r = attempt.await.expect("join");
+    assert!(matches!(r, Err(Error::NoQuorum { agreed: 0, .. })), "{r:?}");
+    for p in &proxies {
+        p.delay_replies(Duration::ZERO);
+    }
+}
+
 /// Scenario 4 with only a minority slow: the fast majority grants within the member timeout;
 /// the slow members' late grants are ours too and are released with the lease.
 async fn slow_minority_still_grants(flavor: Flavor) {
@@ -770,6 +827,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn slow_replies_shorten_validity() {
                 super::slow_replies_shorten_validity($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn slow_fence_write_back_no_lease() {
+                super::slow_fence_write_back_no_lease($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn slow_minority_still_grants() {

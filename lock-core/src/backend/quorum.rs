@@ -93,9 +93,12 @@ use crate::wake::{Wakeups, Watch};
 /// ```
 #[derive(Clone, Debug)]
 pub struct QuorumConfig {
-    /// How long one member may take to answer one step (default 100 ms). An acquire caps it at
-    /// half the TTL, so that a dead or slow member leaves most of the lease to the others; the
-    /// members' own [`RedisConfig::response_timeout`] bounds it too.
+    /// How long one member may take to answer one step of an acquire (its vote, the fence
+    /// write-back, the release after a failed round), a release or a fence-gate check (default
+    /// 100 ms). An acquire caps it at half the TTL, so that a dead or slow member leaves most of
+    /// the lease to the others; the members' own [`RedisConfig::response_timeout`] bounds it
+    /// too. Renewal waits up to half the TTL instead, but only for members whose answer still
+    /// matters (see [`Backend::extend`] on [`QuorumBackend`]).
     pub member_timeout: Duration,
     /// How many more rounds an acquire tries after a round without a quorum (default 2).
     pub retries: u32,
