@@ -3,6 +3,9 @@
 //! (docs in the README).
 
 mod support;
+#[cfg(feature = "tls")]
+#[path = "support/tls.rs"]
+mod tls_support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -21,6 +24,9 @@ enum Harness {
     Acl(Server),
     /// A Redlock quorum of independent servers.
     Quorum(Vec<Server>),
+    /// A server that speaks only TLS (`rediss://`), trusted through its test CA.
+    #[cfg(feature = "tls")]
+    Tls(Server),
 }
 
 impl Harness {
@@ -28,6 +34,17 @@ impl Harness {
         match self {
             Harness::Memory(m) => Locker::new(leasehold::AnyBackend::Memory(m.clone())),
             Harness::Server(s) => Locker::redis(&s.url()).await.expect("connect"),
+            #[cfg(feature = "tls")]
+            Harness::Tls(s) => {
+                let config = leasehold::RedisConfig {
+                    tls_root_pem: s.tls_ca.clone(),
+                    ..Default::default()
+                };
+                assert!(s.url().starts_with("rediss://"));
+                Locker::redis_with(&s.url(), config)
+                    .await
+                    .expect("connect over TLS")
+            }
             Harness::Acl(s) => {
                 let url = s.acl_user_url();
                 // The rule really restricts: keys outside the prefix are refused.
@@ -68,6 +85,10 @@ impl Harness {
             Harness::Server(s) | Harness::Acl(s) => {
                 let _: i64 = s.cmd(&["DEL", &k.lock_key()]);
             }
+            #[cfg(feature = "tls")]
+            Harness::Tls(s) => {
+                let _: i64 = s.cmd(&["DEL", &k.lock_key()]);
+            }
             Harness::Cluster(c) => {
                 let _: i64 = c.cmd(&["DEL", &k.lock_key()]);
             }
@@ -85,6 +106,8 @@ impl Harness {
             // The memory backend has no stray keys to look at: a free key is one we can take.
             Harness::Memory(_) => false,
             Harness::Server(s) | Harness::Acl(s) => s.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1,
+            #[cfg(feature = "tls")]
+            Harness::Tls(s) => s.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1,
             Harness::Cluster(c) => c.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1,
             Harness::Quorum(members) => members
                 .iter()
@@ -616,6 +639,11 @@ suite!(memory, Harness::Memory(MemoryBackend::new()));
 suite!(redis, Harness::Server(Server::start(Flavor::Redis)));
 suite!(valkey, Harness::Server(Server::start(Flavor::Valkey)));
 suite!(redis_acl, Harness::Acl(Server::start(Flavor::Redis)));
+#[cfg(feature = "tls")]
+suite!(
+    redis_tls,
+    Harness::Tls(tls_support::start_tls(Flavor::Redis))
+);
 suite!(
     redis_cluster,
     Harness::Cluster(Cluster::start(Flavor::Redis, 3, 0))

@@ -141,6 +141,7 @@ async fn server_goes_away(flavor: Flavor) {
     let config = RedisConfig {
         response_timeout: Duration::from_millis(300),
         connection_timeout: Duration::from_millis(300),
+        ..Default::default()
     };
     let locker = Locker::redis_with(&server.url(), config)
         .await

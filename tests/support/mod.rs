@@ -36,7 +36,7 @@ pub fn has_binary(name: &str) -> bool {
         .unwrap_or(false)
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -59,6 +59,9 @@ fn free_cluster_port() -> u16 {
     panic!("no free loopback port pair for a cluster node")
 }
 
+/// Makes a client for a URL that trusts the given CA (PEM); set by `support/tls.rs`.
+pub type TlsClient = fn(String, Vec<u8>) -> redis::RedisResult<redis::Client>;
+
 /// One server process owned by a test; killed when dropped.
 pub struct Server {
     pub flavor: Flavor,
@@ -66,6 +69,9 @@ pub struct Server {
     pub persist: bool,
     /// Extra configuration arguments (cluster mode).
     extra: Vec<String>,
+    /// The test certificate authority in PEM, when the server speaks only TLS.
+    pub tls_ca: Option<Vec<u8>>,
+    tls_client: Option<TlsClient>,
     dir: tempfile::TempDir,
     child: Option<Child>,
 }
@@ -107,22 +113,34 @@ impl Server {
     }
 
     fn start_full(flavor: Flavor, persist: bool, port: u16, extra: Vec<String>) -> Server {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut s = Server::unspawned(flavor, persist, port, extra, dir);
+        s.spawn();
+        s
+    }
+
+    fn unspawned(
+        flavor: Flavor,
+        persist: bool,
+        port: u16,
+        extra: Vec<String>,
+        dir: tempfile::TempDir,
+    ) -> Server {
         assert!(
             has_binary(flavor.binary()),
             "`{}` is not on PATH: install it (the README's test command provisions it)",
             flavor.binary()
         );
-        let dir = tempfile::tempdir().expect("temp dir");
-        let mut s = Server {
+        Server {
             flavor,
             port,
             persist,
             extra,
+            tls_ca: None,
+            tls_client: None,
             dir,
             child: None,
-        };
-        s.spawn();
-        s
+        }
     }
 
     fn dir(&self) -> PathBuf {
@@ -160,7 +178,7 @@ impl Server {
     }
 
     fn ping(&self) -> bool {
-        let Ok(client) = redis::Client::open(self.url()) else {
+        let Ok(client) = self.client() else {
             return false;
         };
         let Ok(mut c) = client.get_connection_with_timeout(Duration::from_millis(200)) else {
@@ -170,7 +188,39 @@ impl Server {
     }
 
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.port)
+        let scheme = if self.tls_ca.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}/", self.port)
+    }
+
+    /// A client for test-side commands (trusting the test CA on a TLS server).
+    fn client(&self) -> redis::RedisResult<redis::Client> {
+        match (&self.tls_ca, self.tls_client) {
+            (Some(ca), Some(make)) => make(self.url(), ca.clone()),
+            _ => redis::Client::open(self.url()),
+        }
+    }
+
+    /// Starts a server in `dir` with extra arguments on `port`; with `tls`, the server speaks
+    /// TLS there and `tls.0` (a CA in PEM) with `tls.1` makes the test-side clients. For
+    /// `support/tls.rs`.
+    pub fn start_configured(
+        flavor: Flavor,
+        port: u16,
+        extra: Vec<String>,
+        dir: tempfile::TempDir,
+        tls: Option<(Vec<u8>, TlsClient)>,
+    ) -> Server {
+        let mut s = Server::unspawned(flavor, false, port, extra, dir);
+        if let Some((ca, make)) = tls {
+            s.tls_ca = Some(ca);
+            s.tls_client = Some(make);
+        }
+        s.spawn();
+        s
     }
 
     /// Creates the ACL user of `docs/leasehold.acl` (the rule the README tells operators to
@@ -214,7 +264,7 @@ impl Server {
 
     /// A plain synchronous connection for test-side commands.
     pub fn conn(&self) -> redis::Connection {
-        redis::Client::open(self.url())
+        self.client()
             .and_then(|c| c.get_connection())
             .expect("test connection")
     }

@@ -26,6 +26,10 @@ pub struct RedisConfig {
     pub response_timeout: Duration,
     /// How long connecting may take (default 2 s).
     pub connection_timeout: Duration,
+    /// For `rediss://` URLs (feature `tls`): the certificate authorities to trust, in PEM, instead
+    /// of the platform's. `None` (the default) uses the platform's trust store.
+    #[cfg(feature = "tls")]
+    pub tls_root_pem: Option<Vec<u8>>,
 }
 
 impl Default for RedisConfig {
@@ -33,7 +37,30 @@ impl Default for RedisConfig {
         RedisConfig {
             response_timeout: Duration::from_secs(2),
             connection_timeout: Duration::from_secs(2),
+            #[cfg(feature = "tls")]
+            tls_root_pem: None,
         }
+    }
+}
+
+impl RedisConfig {
+    /// A client for `url` with these settings: plain `redis://`, or `rediss://` (TLS) with the
+    /// `tls` feature.
+    pub(crate) fn client(&self, url: &str) -> Result<redis::Client> {
+        #[cfg(feature = "tls")]
+        {
+            // rustls needs one crypto provider per process; ring is the one built in. Another
+            // already installed by the application is kept.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            if let Some(root) = &self.tls_root_pem {
+                let certs = redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(root.clone()),
+                };
+                return redis::Client::build_with_tls(url, certs).map_err(Error::Unavailable);
+            }
+        }
+        redis::Client::open(url).map_err(Error::Unavailable)
     }
 }
 
@@ -85,7 +112,7 @@ impl RedisBackend {
 
     /// Connects to `url` with explicit settings.
     pub async fn connect_with(url: &str, config: RedisConfig) -> Result<RedisBackend> {
-        let client = redis::Client::open(url).map_err(Error::Unavailable)?;
+        let client = config.client(url)?;
         let cm_config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(config.response_timeout))
             .set_connection_timeout(Some(config.connection_timeout))
