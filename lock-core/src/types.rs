@@ -188,6 +188,29 @@ mod tests {
         assert!(validate_ttl(MAX_TTL + Duration::from_millis(1)).is_err());
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2_000))]
+
+        /// Any string gets an answer, never a panic, and the answer is exactly the documented
+        /// rule: non-empty, at most MAX_KEY_LEN bytes, no braces, no control characters.
+        #[test]
+        fn any_key_is_judged_by_the_documented_rule(key in "\\PC{0,8}|.{0,600}|[{}\\x00-\\x1f a-z]{0,20}") {
+            let expected = !key.is_empty()
+                && key.len() <= MAX_KEY_LEN
+                && !key.contains(['{', '}'])
+                && !key.chars().any(char::is_control);
+            proptest::prop_assert_eq!(validate_key(&key).is_ok(), expected);
+        }
+
+        /// Any TTL gets an answer, never a panic.
+        #[test]
+        fn any_ttl_is_judged(ms in 0u64..(2 * 24 * 3_600_000), nanos in 0u32..1_000_000) {
+            let ttl = Duration::from_millis(ms) + Duration::from_nanos(u64::from(nanos));
+            let expected = ttl >= MIN_TTL && ttl <= MAX_TTL;
+            proptest::prop_assert_eq!(validate_ttl(ttl).is_ok(), expected);
+        }
+    }
+
     #[test]
     fn lock_and_fence_share_a_hash_tag() {
         let k = LockKey::new("lh", "job:7");

@@ -46,6 +46,24 @@ pub(crate) fn parse(s: &str) -> Result<Duration, String> {
 mod tests {
     use super::*;
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2_000))]
+
+        /// Arbitrary text: an answer, never a panic.
+        #[test]
+        fn any_text_gets_an_answer(s in "\\PC{0,40}|[0-9mshx ]{0,30}") {
+            let _ = parse(&s);
+        }
+
+        /// A sum of well-formed parts parses to the sum of their milliseconds.
+        #[test]
+        fn sums_add_up(parts in proptest::collection::vec((0u64..100_000, 0usize..4), 1..5)) {
+            let text: String = parts.iter().map(|(n, u)| format!("{n}{}", UNITS[*u].0)).collect();
+            let expected: u64 = parts.iter().map(|(n, u)| n * UNITS[*u].1).sum();
+            proptest::prop_assert_eq!(parse(&text), Ok(Duration::from_millis(expected)));
+        }
+    }
+
     #[test]
     fn accepts_the_documented_forms() {
         assert_eq!(parse("30s"), Ok(Duration::from_secs(30)));

@@ -263,6 +263,49 @@ fn parse_sf_string(raw: &str) -> Result<String, String> {
 mod tests {
     use super::*;
 
+    fn extract_json(pointer: &str, body: &[u8]) -> Result<String, KeyProblem> {
+        let (mut parts, ()) = http::Request::new(()).into_parts();
+        let body = Bytes::copy_from_slice(body);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        rt.block_on(KeyExtractor::json_field(pointer).extract(&mut parts, Some(&body)))
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2_000))]
+
+        /// Any header text: a key or a typed problem, never a panic.
+        #[test]
+        fn any_idempotency_header_gets_an_answer(raw in "\\PC{0,80}|\"[ -~]{0,40}\"?") {
+            let _ = parse_sf_string(&raw);
+        }
+
+        /// A printable key, quoted and escaped as RFC 8941 says, comes back unchanged.
+        #[test]
+        fn quoted_keys_round_trip(key in "[ -~]{0,64}") {
+            let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
+            proptest::prop_assert_eq!(parse_sf_string(&quoted), Ok(key));
+        }
+
+        /// Any body bytes: the JSON key extractor answers, never panics.
+        #[test]
+        fn any_body_gets_an_answer(body in proptest::collection::vec(proptest::num::u8::ANY, 0..256)) {
+            let _ = extract_json("/id", &body);
+        }
+
+        /// A JSON object with a string or number `id` yields it.
+        #[test]
+        fn json_ids_are_found(id in "[a-zA-Z0-9_]{1,40}", number in proptest::num::u64::ANY, as_number in proptest::bool::ANY) {
+            let (body, expected) = if as_number {
+                (format!("{{\"id\": {number}, \"x\": [1, 2]}}"), number.to_string())
+            } else {
+                (format!("{{\"x\": null, \"id\": \"{id}\"}}"), id)
+            };
+            proptest::prop_assert_eq!(extract_json("/id", body.as_bytes()).ok(), Some(expected));
+        }
+    }
+
     #[test]
     fn sf_strings() {
         assert_eq!(parse_sf_string(r#""abc""#).as_deref(), Ok("abc"));
