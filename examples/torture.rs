@@ -1,0 +1,1070 @@
+//! Torture harness: many clients in several OS processes take leases on a few hot keys against
+//! a `redis-server` this program starts, while it injects faults (pauses, crashes, server
+//! restarts, `SCRIPT FLUSH`, `CLIENT KILL`); afterwards it checks what the grants and the fenced
+//! resource saw, prints a summary table and exits non-zero if an invariant failed.
+//!
+//! ```text
+//! cargo run --release --example torture -- --seed 7 --secs 40 --clients 4 --keys 2
+//! ```
+//!
+//! Options (defaults in brackets): `--seed N` [1], `--secs N` [30], `--clients N` child
+//! processes [4], `--tasks N` client loops per process [2], `--keys N` hot keys [2],
+//! `--ttl-ms N` [300], `--faults pause,crash,restart,flush,clientkill` [all], `--persist`
+//! (the lock server runs with `appendonly yes`, `appendfsync always`).
+//!
+//! Two servers: the *lock server*, which takes the faults, and the *resource server*, which
+//! plays the protected data store and is never faulted. The fenced resource is a script on the
+//! resource server that, atomically, refuses a fence lower than the highest it stored, stores
+//! it and appends it to a list: that list is the resource's own acceptance order, which the
+//! checker reads back instead of trusting what the clients say. Beside it, the negative
+//! control: an unfenced counter every holder reads (GET) at the start of its hold and writes
+//! (SET n+1) at the end; lost increments show that the faults really broke mutual exclusion.
+//!
+//! Time stamps are wall-clock microseconds (`SystemTime`), compared across processes; that is
+//! sound only because every process runs on this one host.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use leasehold::{LockOptions, Locker, Release};
+use serde_json::{Value, json};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The fenced resource. KEYS: highest accepted fence, acceptance list, refusal counter;
+/// ARGV[1]: the offered fence. Fences are wall-clock microseconds (below 2^53), so Lua's
+/// doubles compare them exactly; the stored values stay the caller's decimal strings.
+const RESOURCE_WRITE: &str = r"
+local highest = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) < highest then
+  redis.call('INCR', KEYS[3])
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('RPUSH', KEYS[2], ARGV[1])
+return 1
+";
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+/// A tiny xorshift64* generator: the fault schedule must be repeatable from `--seed` and the
+/// workspace has no `rand`.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in `[lo, hi)`; `lo` when the range is empty.
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        if hi <= lo {
+            lo
+        } else {
+            lo + self.next() % (hi - lo)
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Opts {
+    seed: u64,
+    secs: u64,
+    clients: usize,
+    tasks: usize,
+    keys: usize,
+    ttl_ms: u64,
+    faults: Vec<String>,
+    persist: bool,
+    child: Option<(usize, usize)>,
+    url: String,
+    res_url: String,
+    until: u64,
+}
+
+fn parse_args() -> Result<Opts, BoxError> {
+    let mut o = Opts {
+        seed: 1,
+        secs: 30,
+        clients: 4,
+        tasks: 2,
+        keys: 2,
+        ttl_ms: 300,
+        faults: ["pause", "crash", "restart", "flush", "clientkill"]
+            .map(String::from)
+            .to_vec(),
+        persist: false,
+        child: None,
+        url: String::new(),
+        res_url: String::new(),
+        until: 0,
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < args.len() {
+        let flag = args[i].as_str();
+        if flag == "--persist" {
+            o.persist = true;
+            i += 1;
+            continue;
+        }
+        let v = args
+            .get(i + 1)
+            .ok_or_else(|| format!("{flag} needs a value"))?;
+        let num = || {
+            v.parse::<u64>()
+                .map_err(|_| format!("{flag}: `{v}` is not a number"))
+        };
+        match flag {
+            "--seed" => o.seed = num()?,
+            "--secs" => o.secs = num()?,
+            "--clients" => o.clients = num()? as usize,
+            "--tasks" => o.tasks = num()? as usize,
+            "--keys" => o.keys = num()? as usize,
+            "--ttl-ms" => o.ttl_ms = num()?,
+            "--until" => o.until = num()?,
+            "--url" => o.url = v.clone(),
+            "--res-url" => o.res_url = v.clone(),
+            "--faults" => {
+                o.faults = v
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(String::from)
+                    .collect();
+                for f in &o.faults {
+                    if !["pause", "crash", "restart", "flush", "clientkill"].contains(&f.as_str()) {
+                        return Err(format!("unknown fault `{f}`").into());
+                    }
+                }
+            }
+            "--child" => {
+                let (a, b) = v.split_once('.').ok_or("--child wants INDEX.INCARNATION")?;
+                o.child = Some((a.parse()?, b.parse()?));
+            }
+            _ => return Err(format!("unknown option `{flag}`").into()),
+        }
+        i += 2;
+    }
+    if o.clients == 0 || o.tasks == 0 || o.keys == 0 || o.secs == 0 {
+        return Err("--clients, --tasks, --keys and --secs must be at least 1".into());
+    }
+    Ok(o)
+}
+
+fn main() -> Result<(), BoxError> {
+    let opts = parse_args()?;
+    if let Some((index, incarnation)) = opts.child {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        return rt.block_on(child_main(opts, index, incarnation));
+    }
+    let ok = parent_main(&opts)?;
+    if !ok {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Child: client loops.
+
+fn emit(v: Value) {
+    println!("{v}");
+}
+
+async fn child_main(opts: Opts, index: usize, incarnation: usize) -> Result<(), BoxError> {
+    // The lock server may be down (a restart in progress) when a replacement child starts.
+    let locker = loop {
+        match Locker::redis(&opts.url).await {
+            Ok(l) => break l,
+            Err(_) if now_us() < opts.until => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let res = redis::Client::open(opts.res_url.as_str())?
+        .get_multiplexed_async_connection()
+        .await?;
+    let mut tasks = Vec::new();
+    for t in 0..opts.tasks {
+        let (locker, res, o) = (locker.clone(), res.clone(), opts.clone());
+        let id = format!("{index}.{incarnation}.{t}");
+        let seed = opts.seed ^ ((index as u64) << 32) ^ ((incarnation as u64) << 16) ^ t as u64;
+        tasks.push(tokio::spawn(client(locker, res, o, id, seed)));
+    }
+    for task in tasks {
+        task.await?;
+    }
+    drop(locker);
+    drop(res);
+    // Whatever is still alive now (renewal driver, watchers, release tasks) is work left
+    // running after every lease was released and the locker dropped.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let alive = tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks();
+    emit(
+        json!({"ev": "exit", "c": format!("{index}.{incarnation}"), "alive_tasks": alive, "t": now_us()}),
+    );
+    Ok(())
+}
+
+async fn client(
+    locker: Locker,
+    mut res: redis::aio::MultiplexedConnection,
+    o: Opts,
+    id: String,
+    seed: u64,
+) {
+    let mut rng = Rng::new(seed);
+    let script = redis::Script::new(RESOURCE_WRITE);
+    let ttl = Duration::from_millis(o.ttl_ms);
+    let opts = LockOptions::new()
+        .ttl(ttl)
+        .wait(Duration::from_secs(3))
+        .renew(true);
+    while now_us() < o.until {
+        let key = format!("hot:{}", rng.range(0, o.keys as u64));
+        let t_req = now_us();
+        let lease = match locker.acquire(&key, &opts).await {
+            Ok(l) => l,
+            Err(e) => {
+                emit(
+                    json!({"ev": "acq_err", "c": id, "key": key, "err": e.to_string(), "t": now_us()}),
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        let t_start = now_us();
+        let fence = lease.fence().0;
+        emit(json!({"ev": "grant", "c": id, "key": key, "fence": fence,
+            "token": &lease.token().as_str()[..8.min(lease.token().as_str().len())],
+            "t_req": t_req, "t": t_start}));
+
+        // The lost watcher: samples the local deadline while the lease is held so that, when
+        // `lost` fires, it can say whether the holder was told before that deadline.
+        let released = Arc::new(AtomicBool::new(false));
+        let info = lease.info();
+        let (wid, wkey, wreleased) = (id.clone(), key.clone(), released.clone());
+        tokio::spawn(async move {
+            let mut deadline = now_us() + info.remaining().as_micros() as u64;
+            loop {
+                tokio::select! {
+                    _ = info.lost() => break,
+                    _ = tokio::time::sleep(Duration::from_millis(10)) => {
+                        if !info.is_lost() {
+                            deadline = now_us() + info.remaining().as_micros() as u64;
+                        }
+                    }
+                }
+            }
+            // `lost` also resolves on release; only a loss while still holding counts.
+            if !wreleased.load(Ordering::SeqCst) {
+                let t = now_us();
+                emit(
+                    json!({"ev": "lost", "c": wid, "key": wkey, "fence": fence, "t": t,
+                    "deadline": deadline, "in_time": t <= deadline}),
+                );
+            }
+        });
+
+        // Negative control, part 1: read the unfenced counter.
+        let counter = format!("cnt:{key}");
+        let read: Result<Option<i64>, _> =
+            redis::cmd("GET").arg(&counter).query_async(&mut res).await;
+        tokio::time::sleep(Duration::from_millis(rng.range(10, 60))).await;
+        // The fenced write. Deliberately made whether or not the lease is still held: the
+        // fence, not the holder's own check, is what must stop a stale writer.
+        let was_lost = lease.is_lost();
+        let verdict: Result<i64, _> = script
+            .key(format!("res:{key}:highest"))
+            .key(format!("res:{key}:accepted"))
+            .key(format!("res:{key}:refused"))
+            .arg(fence.to_string())
+            .invoke_async(&mut res)
+            .await;
+        match verdict {
+            Ok(v) => emit(json!({"ev": "write", "c": id, "key": key, "fence": fence,
+                "ok": v == 1, "lost": was_lost, "t": now_us()})),
+            Err(e) => emit(json!({"ev": "write_err", "c": id, "key": key, "err": e.to_string()})),
+        }
+        // Negative control, part 2: write back n+1 without any fence.
+        if let Ok(n) = read {
+            let n = n.unwrap_or(0);
+            let set: Result<(), _> = redis::cmd("SET")
+                .arg(&counter)
+                .arg(n + 1)
+                .query_async(&mut res)
+                .await;
+            if set.is_ok() {
+                emit(json!({"ev": "inc", "c": id, "key": key, "from": n}));
+            }
+        }
+        let t_rel = now_us();
+        released.store(true, Ordering::SeqCst);
+        let was_lost = lease.is_lost();
+        let result = match lease.release().await {
+            Ok(Release::Released) => "released".to_string(),
+            Ok(Release::NotHeld) => "not_held".to_string(),
+            Err(e) => format!("error: {e}"),
+        };
+        emit(
+            json!({"ev": "end", "c": id, "key": key, "fence": fence, "t": t_rel,
+            "t_done": now_us(), "result": result, "was_lost": was_lost}),
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parent: servers, children, faults, checks.
+
+/// A `redis-server` on a fixed loopback port; restartable on the same port.
+struct Server {
+    child: Option<Child>,
+    port: u16,
+    dir: tempfile::TempDir,
+    persist: bool,
+}
+
+impl Server {
+    fn start(persist: bool) -> Result<Server, BoxError> {
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let mut s = Server {
+            child: None,
+            port,
+            dir: tempfile::tempdir()?,
+            persist,
+        };
+        s.spawn()?;
+        Ok(s)
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    fn spawn(&mut self) -> Result<(), BoxError> {
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", ""])
+            .arg("--dir")
+            .arg(self.dir.path());
+        if self.persist {
+            cmd.args(["--appendonly", "yes", "--appendfsync", "always"]);
+        } else {
+            cmd.args(["--appendonly", "no"]);
+        }
+        let child = cmd
+            .stdout(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("cannot start redis-server (is it installed?): {e}"))?;
+        self.child = Some(child);
+        let client = redis::Client::open(self.url())?;
+        for _ in 0..250 {
+            if let Ok(mut c) = client.get_connection()
+                && redis::cmd("PING").query::<String>(&mut c).is_ok()
+            {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Err("redis-server did not answer PING".into())
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn conn(&self) -> Result<redis::Connection, BoxError> {
+        Ok(redis::Client::open(self.url())?.get_connection_with_timeout(Duration::from_secs(2))?)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// One injected fault, for the summary and for explaining double grants.
+struct Fault {
+    kind: &'static str,
+    /// The child index it hit, for pauses and crashes.
+    child: Option<usize>,
+    t0: u64,
+    t1: u64,
+}
+
+type Events = Arc<Mutex<Vec<Value>>>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn spawn_child(
+    opts: &Opts,
+    index: usize,
+    incarnation: usize,
+    url: &str,
+    res_url: &str,
+    until: u64,
+    events: &Events,
+) -> Result<Child, BoxError> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(["--child", &format!("{index}.{incarnation}")])
+        .args(["--url", url, "--res-url", res_url])
+        .args(["--until", &until.to_string()])
+        .args(["--seed", &opts.seed.to_string()])
+        .args(["--tasks", &opts.tasks.to_string()])
+        .args(["--keys", &opts.keys.to_string()])
+        .args(["--ttl-ms", &opts.ttl_ms.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let out = child.stdout.take().ok_or("child has no stdout")?;
+    let events = events.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            // A child killed mid-line leaves a torn last line; it is counted, not trusted.
+            let v = serde_json::from_str::<Value>(&line).unwrap_or_else(|_| json!({"ev": "torn"}));
+            lock(&events).push(v);
+        }
+    });
+    Ok(child)
+}
+
+fn signal(pid: u32, sig: &str) -> Result<(), BoxError> {
+    let status = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()?;
+    if !status.success() {
+        return Err(format!("kill -{sig} {pid} failed").into());
+    }
+    Ok(())
+}
+
+/// Child indices that hold a lease right now, judged from the events so far.
+fn holding_children(events: &Events) -> Vec<usize> {
+    let mut open: HashMap<(String, u64), usize> = HashMap::new();
+    for e in lock(events).iter() {
+        let (Some(c), Some(f)) = (e["c"].as_str(), e["fence"].as_u64()) else {
+            continue;
+        };
+        match e["ev"].as_str() {
+            Some("grant") => {
+                let idx = c
+                    .split('.')
+                    .next()
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0);
+                open.insert((c.to_string(), f), idx);
+            }
+            Some("end") => {
+                open.remove(&(c.to_string(), f));
+            }
+            _ => {}
+        }
+    }
+    let mut v: Vec<usize> = open.into_values().collect();
+    v.sort();
+    v.dedup();
+    v
+}
+
+fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
+    let mut lock_server = Server::start(opts.persist)?;
+    let res_server = Server::start(false)?;
+    let (url, res_url) = (lock_server.url(), res_server.url());
+    let start = now_us();
+    let until = start + opts.secs * 1_000_000;
+    let events: Events = Arc::new(Mutex::new(Vec::new()));
+    let mut children: Vec<(Child, usize)> = Vec::new();
+    for i in 0..opts.clients {
+        children.push((spawn_child(opts, i, 0, &url, &res_url, until, &events)?, 0));
+    }
+    println!(
+        "torture: seed {} secs {} clients {}x{} tasks keys {} ttl {} ms faults {} persist {}",
+        opts.seed,
+        opts.secs,
+        opts.clients,
+        opts.tasks,
+        opts.keys,
+        opts.ttl_ms,
+        opts.faults.join(","),
+        opts.persist
+    );
+
+    let mut rng = Rng::new(opts.seed);
+    let mut faults: Vec<Fault> = Vec::new();
+    let ttl = opts.ttl_ms;
+    // Leave the last two seconds fault-free so every child can finish its cycle cleanly.
+    while !opts.faults.is_empty() && now_us() + 2_000_000 < until {
+        std::thread::sleep(Duration::from_millis(rng.range(700, 1_800)));
+        if now_us() + 2_000_000 >= until {
+            break;
+        }
+        let kind = opts.faults[rng.range(0, opts.faults.len() as u64) as usize].as_str();
+        let t0 = now_us();
+        match kind {
+            "pause" => {
+                // Prefer a child that holds a lease: pausing an idle one exercises nothing.
+                let holding = holding_children(&events);
+                let i = if holding.is_empty() {
+                    rng.range(0, children.len() as u64) as usize
+                } else {
+                    holding[rng.range(0, holding.len() as u64) as usize]
+                };
+                let pid = children[i].0.id();
+                signal(pid, "STOP")?;
+                std::thread::sleep(Duration::from_millis(rng.range(2 * ttl, 3 * ttl + 1)));
+                signal(pid, "CONT")?;
+                faults.push(Fault {
+                    kind: "pause",
+                    child: Some(i),
+                    t0,
+                    t1: now_us(),
+                });
+            }
+            "crash" => {
+                let i = rng.range(0, children.len() as u64) as usize;
+                let _ = children[i].0.kill();
+                let _ = children[i].0.wait();
+                let t1 = now_us();
+                let inc = children[i].1 + 1;
+                children[i] = (
+                    spawn_child(opts, i, inc, &url, &res_url, until, &events)?,
+                    inc,
+                );
+                faults.push(Fault {
+                    kind: "crash",
+                    child: Some(i),
+                    t0,
+                    t1,
+                });
+            }
+            "restart" => {
+                lock_server.kill();
+                lock_server.spawn()?;
+                faults.push(Fault {
+                    kind: "restart",
+                    child: None,
+                    t0,
+                    t1: now_us(),
+                });
+            }
+            "flush" => {
+                let _: () = redis::cmd("SCRIPT")
+                    .arg("FLUSH")
+                    .query(&mut lock_server.conn()?)?;
+                faults.push(Fault {
+                    kind: "script flush",
+                    child: None,
+                    t0,
+                    t1: now_us(),
+                });
+            }
+            _ => {
+                let _: i64 = redis::cmd("CLIENT")
+                    .arg("KILL")
+                    .arg("TYPE")
+                    .arg("normal")
+                    .query(&mut lock_server.conn()?)?;
+                faults.push(Fault {
+                    kind: "client kill",
+                    child: None,
+                    t0,
+                    t1: now_us(),
+                });
+            }
+        }
+    }
+
+    // Children stop on their own at `until`; one still running well after is hung.
+    let mut hung = 0;
+    for (child, _) in &mut children {
+        let deadline = until + 15_000_000;
+        loop {
+            if child.try_wait()?.is_some() {
+                break;
+            }
+            if now_us() > deadline {
+                hung += 1;
+                let _ = child.kill();
+                let _ = child.wait();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    // Let the reader threads drain the last lines, and every possible lease run out.
+    std::thread::sleep(Duration::from_millis(ttl + 500));
+    let mut lc = lock_server.conn()?;
+    let leftover: Vec<String> = redis::cmd("KEYS").arg("*:lock").query(&mut lc)?;
+    let mut rc = res_server.conn()?;
+    let mut resource = BTreeMap::new();
+    for k in 0..opts.keys {
+        let key = format!("hot:{k}");
+        let list: Vec<u64> = redis::cmd("LRANGE")
+            .arg(format!("res:{key}:accepted"))
+            .arg(0)
+            .arg(-1)
+            .query(&mut rc)?;
+        let refused: Option<u64> = redis::cmd("GET")
+            .arg(format!("res:{key}:refused"))
+            .query(&mut rc)?;
+        let counter: Option<u64> = redis::cmd("GET").arg(format!("cnt:{key}")).query(&mut rc)?;
+        resource.insert(key, (list, refused.unwrap_or(0), counter.unwrap_or(0)));
+    }
+    let events = std::mem::take(&mut *lock(&events));
+    Ok(check(
+        opts,
+        &events,
+        &faults,
+        &resource,
+        leftover.len(),
+        hung,
+        now_us() - start,
+    ))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checker.
+
+struct Grant {
+    c: String,
+    child: usize,
+    incarnation: usize,
+    key: String,
+    fence: u64,
+    t_req: u64,
+    t_start: u64,
+    /// When the holder asked to release (before the server deleted the key).
+    t_rel: Option<u64>,
+    result: Option<String>,
+    lost_t: Option<u64>,
+}
+
+fn who(c: &str) -> (usize, usize) {
+    let mut it = c.split('.').map(|s| s.parse::<usize>().unwrap_or(0));
+    (it.next().unwrap_or(0), it.next().unwrap_or(0))
+}
+
+fn check(
+    opts: &Opts,
+    events: &[Value],
+    faults: &[Fault],
+    resource: &BTreeMap<String, (Vec<u64>, u64, u64)>,
+    leftover_locks: usize,
+    hung: usize,
+    elapsed_us: u64,
+) -> bool {
+    let mut grants: Vec<Grant> = Vec::new();
+    let mut by_id: HashMap<(String, u64), usize> = HashMap::new();
+    let (mut acc, mut refused, mut acc_after_lost, mut refused_lost) = (0u64, 0u64, 0u64, 0u64);
+    let (mut write_errs, mut acq_errs, mut torn) = (0u64, 0u64, 0u64);
+    let mut incs: BTreeMap<String, u64> = BTreeMap::new();
+    let (mut lost_total, mut lost_in_time) = (0u64, 0u64);
+    let mut lost_late: Vec<(String, u64, u64)> = Vec::new();
+    let (mut exits, mut alive_tasks) = (0u64, 0u64);
+    for e in events {
+        let c = e["c"].as_str().unwrap_or("").to_string();
+        let key = e["key"].as_str().unwrap_or("").to_string();
+        let fence = e["fence"].as_u64().unwrap_or(0);
+        let t = e["t"].as_u64().unwrap_or(0);
+        match e["ev"].as_str().unwrap_or("") {
+            "grant" => {
+                let (child, incarnation) = who(&c);
+                by_id.insert((c.clone(), fence), grants.len());
+                grants.push(Grant {
+                    c,
+                    child,
+                    incarnation,
+                    key,
+                    fence,
+                    t_req: e["t_req"].as_u64().unwrap_or(0),
+                    t_start: t,
+                    t_rel: None,
+                    result: None,
+                    lost_t: None,
+                });
+            }
+            "end" => {
+                if let Some(&g) = by_id.get(&(c, fence)) {
+                    grants[g].t_rel = Some(t);
+                    grants[g].result = e["result"].as_str().map(String::from);
+                }
+            }
+            "lost" => {
+                lost_total += 1;
+                if e["in_time"].as_bool() == Some(true) {
+                    lost_in_time += 1;
+                } else {
+                    lost_late.push((c.clone(), t, e["deadline"].as_u64().unwrap_or(0)));
+                }
+                if let Some(&g) = by_id.get(&(c, fence)) {
+                    grants[g].lost_t = Some(t);
+                }
+            }
+            "write" => {
+                let lost = e["lost"].as_bool() == Some(true);
+                if e["ok"].as_bool() == Some(true) {
+                    acc += 1;
+                    acc_after_lost += lost as u64;
+                } else {
+                    refused += 1;
+                    refused_lost += lost as u64;
+                }
+            }
+            "inc" => *incs.entry(key).or_default() += 1,
+            "write_err" => write_errs += 1,
+            "acq_err" => acq_errs += 1,
+            "exit" => {
+                exits += 1;
+                alive_tasks += e["alive_tasks"].as_u64().unwrap_or(0);
+            }
+            "torn" => torn += 1,
+            _ => {}
+        }
+    }
+    let killed: HashMap<(usize, usize), u64> = {
+        // Incarnations are numbered per child in crash order.
+        let mut m = HashMap::new();
+        let mut inc: HashMap<usize, usize> = HashMap::new();
+        for f in faults.iter().filter(|f| f.kind == "crash") {
+            if let Some(i) = f.child {
+                let n = inc.entry(i).or_default();
+                m.insert((i, *n), f.t0);
+                *n += 1;
+            }
+        }
+        m
+    };
+    let pauses = faults.iter().filter(|f| f.kind == "pause").count();
+    let restarts: Vec<&Fault> = faults.iter().filter(|f| f.kind == "restart").collect();
+    let paused = |child: usize, from: u64, to: u64| {
+        faults
+            .iter()
+            .any(|f| f.kind == "pause" && f.child == Some(child) && f.t0 < to && f.t1 > from)
+    };
+
+    // 1. Fences strictly increase in grant order: a grant that finished before another began
+    //    must carry a lower fence. Grants whose requests overlapped have no order to check.
+    let mut order_violations = 0u64;
+    let mut dup_fences = 0u64;
+    let mut per_key: BTreeMap<&str, Vec<&Grant>> = BTreeMap::new();
+    for g in &grants {
+        per_key.entry(g.key.as_str()).or_default().push(g);
+    }
+    for gs in per_key.values() {
+        let mut by_start: Vec<&&Grant> = gs.iter().collect();
+        by_start.sort_by_key(|g| g.t_start);
+        let mut by_req: Vec<&&Grant> = gs.iter().collect();
+        by_req.sort_by_key(|g| g.t_req);
+        let (mut j, mut max_done) = (0, 0u64);
+        for b in by_req {
+            while j < by_start.len() && by_start[j].t_start < b.t_req {
+                max_done = max_done.max(by_start[j].fence);
+                j += 1;
+            }
+            if max_done >= b.fence {
+                order_violations += 1;
+            }
+        }
+        let set: HashSet<u64> = gs.iter().map(|g| g.fence).collect();
+        dup_fences += (gs.len() - set.len()) as u64;
+    }
+
+    // 2. The resource's own acceptance order never goes down, and holds only granted fences.
+    let granted: HashSet<(&str, u64)> = grants.iter().map(|g| (g.key.as_str(), g.fence)).collect();
+    let (mut stale_accepted, mut unknown, mut server_acc, mut server_ref) =
+        (0u64, 0u64, 0u64, 0u64);
+    for (key, (list, r, _)) in resource {
+        server_acc += list.len() as u64;
+        server_ref += r;
+        let mut high = 0;
+        for &f in list {
+            if f < high {
+                stale_accepted += 1;
+            }
+            high = high.max(f);
+            if !granted.contains(&(key.as_str(), f)) {
+                unknown += 1;
+            }
+        }
+    }
+
+    // 3. Double grants: a higher grant that began before a lower one's holder stopped.
+    let end_of = |g: &Grant| -> Option<u64> {
+        let killed_at = killed.get(&(g.child, g.incarnation)).copied();
+        [g.t_rel, g.lost_t, killed_at].into_iter().flatten().min()
+    };
+    let mut doubles: BTreeMap<&'static str, u64> = BTreeMap::new();
+    let mut unexplained: Vec<String> = Vec::new();
+    for gs in per_key.values() {
+        let mut gs: Vec<&&Grant> = gs.iter().collect();
+        gs.sort_by_key(|g| g.fence);
+        for (bi, b) in gs.iter().enumerate() {
+            // Counted once per later grant; unexplained if any overlap with it is.
+            let mut verdict: Option<&'static str> = None;
+            for a in &gs[..bi] {
+                let Some(end) = end_of(a) else { continue };
+                if a.t_start >= b.t_start || end <= b.t_start {
+                    continue;
+                }
+                let why = if restarts
+                    .iter()
+                    .any(|f| f.t0 >= a.t_start && f.t0 <= b.t_start)
+                {
+                    "server restart lost the key"
+                } else if paused(a.child, a.t_start, b.t_start) {
+                    "earlier holder paused past its TTL"
+                } else if a.lost_t.is_some() || a.result.as_deref() == Some("not_held") {
+                    "lease lapsed, holder not paused"
+                } else {
+                    unexplained.push(format!(
+                        "{} fence {} ({}) overlaps fence {} ({})",
+                        a.key, a.fence, a.c, b.fence, b.c
+                    ));
+                    "UNEXPLAINED"
+                };
+                if verdict.is_none() || why == "UNEXPLAINED" {
+                    verdict = Some(why);
+                }
+            }
+            if let Some(why) = verdict {
+                *doubles.entry(why).or_default() += 1;
+            }
+        }
+    }
+
+    // 4. Every grant was released, or its process was killed and the lease left to expire.
+    let mut unended = 0u64;
+    let mut expired_by_crash = 0u64;
+    let mut not_held = 0u64;
+    let mut release_errors = 0u64;
+    let mut release_error_kinds: BTreeMap<String, u64> = BTreeMap::new();
+    for g in &grants {
+        match g.result.as_deref() {
+            Some("released") => {}
+            Some("not_held") => not_held += 1,
+            Some(other) => {
+                release_errors += 1;
+                *release_error_kinds
+                    .entry(other.chars().take(90).collect())
+                    .or_default() += 1;
+            }
+            None if killed.contains_key(&(g.child, g.incarnation)) => expired_by_crash += 1,
+            None => unended += 1,
+        }
+    }
+    // Lost leases told late: was the holder's process paused at the time?
+    let late_paused = lost_late
+        .iter()
+        .filter(|(c, t, deadline)| paused(who(c).0, deadline.saturating_sub(1), *t))
+        .count();
+
+    // 5. Negative control.
+    let total_incs: u64 = incs.values().sum();
+    let final_sum: u64 = resource.values().map(|(_, _, n)| n).sum();
+    let lost_updates = total_incs.saturating_sub(final_sum);
+
+    let mut fault_counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for f in faults {
+        *fault_counts.entry(f.kind).or_default() += 1;
+    }
+    let expected_exits = (opts.clients + killed.len()) as u64;
+
+    let mut failures: Vec<String> = Vec::new();
+    let mut require = |ok: bool, what: String| {
+        if !ok {
+            failures.push(what);
+        }
+    };
+    require(!grants.is_empty(), "no grants at all".into());
+    require(
+        order_violations == 0,
+        format!("{order_violations} fences out of grant order"),
+    );
+    require(
+        dup_fences == 0,
+        format!("{dup_fences} fences granted twice"),
+    );
+    require(
+        stale_accepted == 0,
+        format!("{stale_accepted} stale writes accepted"),
+    );
+    require(
+        unknown == 0,
+        format!("{unknown} accepted fences never granted"),
+    );
+    require(
+        unexplained.is_empty(),
+        format!("{} unexplained double grants", unexplained.len()),
+    );
+    require(
+        unended == 0,
+        format!("{unended} grants neither released nor expired"),
+    );
+    require(
+        leftover_locks == 0,
+        format!("{leftover_locks} lock keys left on the server"),
+    );
+    require(
+        alive_tasks == 0,
+        format!("{alive_tasks} tasks still running in children at exit"),
+    );
+    require(hung == 0, format!("{hung} children hung"));
+    require(
+        exits + hung as u64 >= opts.clients as u64,
+        format!("only {exits} of {} children exited cleanly", opts.clients),
+    );
+    require(
+        pauses == 0 || lost_updates > 0,
+        "negative control: pauses were injected but no unfenced update was lost".into(),
+    );
+    require(
+        pauses == 0 || refused > 0,
+        "pauses were injected but no stale write was refused".into(),
+    );
+
+    let row = |name: &str, value: String| println!("  {name:<52} {value}");
+    println!(
+        "\nsummary ({:.1} s, {} events, {} torn lines)",
+        elapsed_us as f64 / 1e6,
+        events.len(),
+        torn
+    );
+    row("grants", grants.len().to_string());
+    row(
+        "acquire errors (server down, timeouts)",
+        acq_errs.to_string(),
+    );
+    row(
+        "fence order violations (must be 0)",
+        order_violations.to_string(),
+    );
+    row("duplicate fences (must be 0)", dup_fences.to_string());
+    row(
+        "writes accepted (client / resource list)",
+        format!("{acc} / {server_acc}"),
+    );
+    row(
+        "  of which the writer's lease was already known lost",
+        acc_after_lost.to_string(),
+    );
+    row(
+        "stale writes refused (client / resource count)",
+        format!("{refused} / {server_ref}"),
+    );
+    row(
+        "  of which the writer's lease was already known lost",
+        refused_lost.to_string(),
+    );
+    row(
+        "stale writes accepted (must be 0)",
+        stale_accepted.to_string(),
+    );
+    row(
+        "accepted fences never granted (must be 0)",
+        unknown.to_string(),
+    );
+    row("resource write errors", write_errs.to_string());
+    let total_doubles: u64 = doubles.values().sum();
+    row(
+        "double grants (later grants overlapping a live one)",
+        total_doubles.to_string(),
+    );
+    for (why, n) in &doubles {
+        row(&format!("  {why}"), n.to_string());
+    }
+    let faults_line = if fault_counts.is_empty() {
+        "none".to_string()
+    } else {
+        fault_counts
+            .iter()
+            .map(|(k, n)| format!("{k} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    row("faults injected", faults_line);
+    row(
+        "leases lost (lost() fired while held)",
+        lost_total.to_string(),
+    );
+    row(
+        "  holder told before its local deadline",
+        lost_in_time.to_string(),
+    );
+    row(
+        "  told late, holder's process was paused",
+        late_paused.to_string(),
+    );
+    row(
+        "  told late, not paused (scheduling delay)",
+        (lost_late.len() - late_paused).to_string(),
+    );
+    row("releases that found the lease gone", not_held.to_string());
+    row("release errors", release_errors.to_string());
+    for (kind, n) in &release_error_kinds {
+        row(&format!("  {n} x"), kind.clone());
+    }
+    row(
+        "grants left to expire by a crash",
+        expired_by_crash.to_string(),
+    );
+    row(
+        "grants neither released nor expired (must be 0)",
+        unended.to_string(),
+    );
+    row(
+        "lock keys left after the run (must be 0)",
+        leftover_locks.to_string(),
+    );
+    row(
+        "children exited cleanly / processes started",
+        format!("{exits} / {expected_exits}"),
+    );
+    row(
+        "tasks alive in children at exit (must be 0)",
+        alive_tasks.to_string(),
+    );
+    row(
+        "negative control: unfenced increments / final counter",
+        format!("{total_incs} / {final_sum}"),
+    );
+    row("negative control: lost updates", lost_updates.to_string());
+    for u in unexplained.iter().take(10) {
+        println!("  unexplained: {u}");
+    }
+    if failures.is_empty() {
+        println!("\nresult: PASS");
+        true
+    } else {
+        println!("\nresult: FAIL");
+        for f in &failures {
+            println!("  - {f}");
+        }
+        false
+    }
+}
