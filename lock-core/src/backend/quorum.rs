@@ -7,7 +7,8 @@
 //!
 //! 1. notes the monotonic clock, then asks every member at once to vote (`SET NX PX` with the
 //!    token, reading the member's stored fence and its clock), each bounded by a per-member
-//!    timeout much smaller than the TTL ([`QuorumConfig::member_timeout`], at most half the TTL);
+//!    timeout much smaller than the TTL ([`QuorumConfig::member_timeout`], 250 ms by default,
+//!    and never past the validity, since a later answer cannot count);
 //! 2. with a quorum of grants and validity left (`ttl - elapsed - drift`, drift = 1% of the TTL
 //!    plus 2 ms, elapsed counted from step 1), picks the fence `F` and writes it back to the
 //!    granting members (below), and needs a quorum of those writes, still within the validity;
@@ -95,15 +96,16 @@ use crate::wake::{Wakeups, Watch};
 pub struct QuorumConfig {
     /// How long one member may take to answer one step of an acquire (its vote, the fence
     /// write-back, the release after a failed round), a release or a fence-gate check (default
-    /// 100 ms). An acquire caps it at half the TTL, so that a dead or slow member leaves most of
-    /// the lease to the others; the members' own [`RedisConfig::response_timeout`] bounds it
-    /// too. Renewal waits up to half the TTL instead, but only for members whose answer still
-    /// matters (see [`Backend::extend`] on [`QuorumBackend`]).
+    /// 250 ms). An acquire never waits past the lease's validity (a later answer cannot count),
+    /// and the members' own [`RedisConfig::response_timeout`] bounds it too. Renewal waits up to
+    /// the lease's validity instead, but only for members whose answer still matters (see
+    /// [`Backend::extend`] on [`QuorumBackend`]).
     pub member_timeout: Duration,
     /// How many more rounds an acquire tries after a round without a quorum (default 2).
     pub retries: u32,
-    /// The upper bound of the random pause before a retry (default 200 ms; the pause is drawn
-    /// from its upper half), so that competing clients stop splitting the votes.
+    /// The upper bound of the random pause before a retry (default 200 ms, and at most a quarter
+    /// of the TTL; the pause is drawn from its upper half), so that competing clients stop
+    /// splitting the votes.
     pub retry_delay: Duration,
     /// Connection settings for every member.
     pub redis: RedisConfig,
@@ -112,7 +114,7 @@ pub struct QuorumConfig {
 impl Default for QuorumConfig {
     fn default() -> Self {
         QuorumConfig {
-            member_timeout: Duration::from_millis(100),
+            member_timeout: Duration::from_millis(250),
             retries: 2,
             retry_delay: Duration::from_millis(200),
             redis: RedisConfig::default(),
@@ -272,9 +274,12 @@ impl QuorumBackend {
         self.inner.quorum
     }
 
-    /// The per-member timeout for a lease of `ttl`.
-    fn member_timeout(&self, ttl: Duration) -> Duration {
-        self.inner.config.member_timeout.min(ttl / 2)
+    /// The per-member timeout for one acquire step: no answer after the validity can count.
+    fn step_timeout(&self, valid_until: Instant) -> Duration {
+        self.inner
+            .config
+            .member_timeout
+            .min(valid_until.saturating_duration_since(Instant::now()))
     }
 
     fn no_quorum(&self, op: &'static str, key: &str, agreed: usize) -> Error {
@@ -416,10 +421,11 @@ impl QuorumBackend {
         ttl: Duration,
         valid_until: Instant,
     ) -> Round {
-        let limit = self.member_timeout(ttl);
         let quorum = self.inner.quorum;
         let votes = self
-            .on_members(&self.all(), limit, |m| self.vote(m, key, token, ttl))
+            .on_members(&self.all(), self.step_timeout(valid_until), |m| {
+                self.vote(m, key, token, ttl)
+            })
             .await;
         let mut granted = Vec::new();
         let (mut max_stored, mut max_now) = (0u64, 0u64);
@@ -461,7 +467,9 @@ impl QuorumBackend {
         if granted.len() >= quorum && Instant::now() < valid_until {
             let fence = max_stored.saturating_add(1).max(max_now);
             let writes = self
-                .on_members(&granted, limit, |m| self.write_fence(m, key, token, fence))
+                .on_members(&granted, self.step_timeout(valid_until), |m| {
+                    self.write_fence(m, key, token, fence)
+                })
                 .await;
             let written = writes.iter().filter(|(_, w)| matches!(w, Ok(true))).count();
             if written >= quorum && Instant::now() < valid_until {
@@ -472,6 +480,7 @@ impl QuorumBackend {
         }
         if !may_hold.is_empty() {
             // Token-checked, so members that never granted are untouched.
+            let limit = self.inner.config.member_timeout;
             let _ = self
                 .on_members(&may_hold, limit, |m| m.release(key, token))
                 .await;
@@ -537,7 +546,8 @@ impl Backend for QuorumBackend {
                     } => (agreed, answered, held),
                 };
                 round += 1;
-                let pause = pause(self.inner.config.retry_delay);
+                // Short leases retry sooner: a pause longer than the lease would end every retry.
+                let pause = pause(self.inner.config.retry_delay.min(ttl / 4));
                 // A grant late in the TTL is worth little; past half of it, stop retrying.
                 if round > self.inner.config.retries || started.elapsed() + pause >= ttl / 2 {
                     return match held {
@@ -585,11 +595,12 @@ impl Backend for QuorumBackend {
     /// driver retries until the lease's deadline.
     ///
     /// It returns as soon as every lease of the batch is decided, so a slow or hung member costs
-    /// nothing while the others agree; it waits for the slow ones (up to half the TTL, since a
-    /// large batch on a busy server takes a while) only when the answer depends on them.
+    /// nothing while the others agree. When the answer depends on slow members it waits for them
+    /// up to the validity (ttl less drift), as a single server's renewal would: a large batch on
+    /// a busy server takes a while, and giving up early would only send the same work again.
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
         let started = Instant::now();
-        let limit = ttl / 2;
+        let limit = ttl.saturating_sub(drift(ttl));
         let batch_key = items.first().map_or("(batch)", |(k, _)| k.user());
         let mut calls: futures_util::stream::FuturesUnordered<_> = self
             .member_calls(&self.all(), limit, |m| m.extend(items, ttl))
