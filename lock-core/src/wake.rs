@@ -3,7 +3,11 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use tokio::sync::watch;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::types::LockKey;
 
 /// A per-key generation counter that waiters watch; a release bumps it.
 #[derive(Default)]
@@ -74,6 +78,44 @@ impl Wakeups {
         let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         keys.keys().cloned().collect()
     }
+}
+
+/// A request to a backend's one subscription task, which handles them in order so that a late
+/// unsubscribe of a channel's last waiter can never undo the subscribe of its next first one.
+pub(crate) enum SubCmd {
+    /// Subscribe to the channel; the sender is answered once the server confirmed it.
+    Subscribe(String, oneshot::Sender<()>),
+    /// Unsubscribe from the channel: its last waiter left.
+    Unsubscribe(String),
+}
+
+/// Registers a waiter for releases of `key` with a backend whose subscription task takes
+/// [`SubCmd`]s on `sub_tx`. The first waiter of a channel waits (up to a second) for the
+/// subscription to be confirmed: without that a release could slip in unseen. If subscribing
+/// fails, the waiter still has its timer, and a reconnecting subscriber wakes everyone.
+pub(crate) async fn watch_through(
+    wakeups: &Arc<Wakeups>,
+    sub_tx: &mpsc::UnboundedSender<SubCmd>,
+    key: &LockKey,
+) -> Watch {
+    let channel = key.channel();
+    let (rx, reg) = wakeups.register(&channel);
+    let tx = sub_tx.clone();
+    let watch = Watch {
+        rx,
+        channel: channel.clone(),
+        wakeups: wakeups.clone(),
+        on_last: Some(Box::new(move |ch| {
+            let _ = tx.send(SubCmd::Unsubscribe(ch));
+        })),
+    };
+    if let Registered::First = reg {
+        let (ack_tx, ack_rx) = oneshot::channel();
+        if sub_tx.send(SubCmd::Subscribe(channel, ack_tx)).is_ok() {
+            let _ = tokio::time::timeout(Duration::from_secs(1), ack_rx).await;
+        }
+    }
+    watch
 }
 
 /// A waiter's registration; unsubscribes the backend when the last one for a key is dropped.

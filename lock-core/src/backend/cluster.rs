@@ -9,7 +9,7 @@ use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{ProtocolVersion, PushInfo, PushKind, Script, Value};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tracing::debug;
 
 use super::Backend;
@@ -17,7 +17,7 @@ use super::redis::{EXTEND_CHUNK, RedisConfig, Scripts, ops};
 use crate::backend::AcquireReply;
 use crate::error::{Error, Result};
 use crate::types::{LockKey, Token};
-use crate::wake::{Registered, Wakeups, Watch};
+use crate::wake::{SubCmd, Wakeups, Watch, watch_through};
 
 /// The renewal script for many slots of one node (see the script for why keys are arguments).
 const EXTEND_NODE: &str = include_str!("../lua/extend_node.lua");
@@ -100,11 +100,6 @@ impl SlotMap {
         }
         Some(map)
     }
-}
-
-enum SubCmd {
-    Subscribe(String, oneshot::Sender<()>),
-    Unsubscribe(String),
 }
 
 impl ClusterBackend {
@@ -356,26 +351,7 @@ impl Backend for ClusterBackend {
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Watch> {
-        let channel = key.channel();
-        let (rx, reg) = self.wakeups.register(&channel);
-        let tx = self.sub_tx.clone();
-        let watch = Watch {
-            rx,
-            channel: channel.clone(),
-            wakeups: self.wakeups.clone(),
-            on_last: Some(Box::new(move |ch| {
-                let _ = tx.send(SubCmd::Unsubscribe(ch));
-            })),
-        };
-        if let Registered::First = reg {
-            let (ack_tx, ack_rx) = oneshot::channel();
-            if self.sub_tx.send(SubCmd::Subscribe(channel, ack_tx)).is_ok() {
-                // Without the ack a release could slip in unseen; if subscribing fails the
-                // waiter still has its timer.
-                let _ = tokio::time::timeout(Duration::from_secs(1), ack_rx).await;
-            }
-        }
-        Ok(watch)
+        Ok(watch_through(&self.wakeups, &self.sub_tx, key).await)
     }
 
     fn wakeups(&self) -> &Arc<Wakeups> {

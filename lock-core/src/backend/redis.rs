@@ -7,13 +7,13 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::{Script, Value};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use super::{AcquireReply, Backend};
 use crate::error::{Error, Result, classify};
 use crate::types::{LockKey, Token};
-use crate::wake::{Registered, Wakeups, Watch};
+use crate::wake::{SubCmd, Wakeups, Watch, watch_through};
 
 /// Leases per extend script call: large enough to batch, small enough not to stall the server.
 pub(super) const EXTEND_CHUNK: usize = 256;
@@ -82,11 +82,6 @@ impl Scripts {
             admit: Script::new(include_str!("../lua/fence_gate.lua")),
         }
     }
-}
-
-enum SubCmd {
-    Subscribe(String, oneshot::Sender<()>),
-    Unsubscribe(String),
 }
 
 /// A Redis or Valkey server. Clones share the connection.
@@ -395,26 +390,7 @@ impl Backend for RedisBackend {
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Watch> {
-        let channel = key.channel();
-        let (rx, reg) = self.wakeups.register(&channel);
-        let tx = self.sub_tx.clone();
-        let watch = Watch {
-            rx,
-            channel: channel.clone(),
-            wakeups: self.wakeups.clone(),
-            on_last: Some(Box::new(move |ch| {
-                let _ = tx.send(SubCmd::Unsubscribe(ch));
-            })),
-        };
-        if let Registered::First = reg {
-            let (ack_tx, ack_rx) = oneshot::channel();
-            if self.sub_tx.send(SubCmd::Subscribe(channel, ack_tx)).is_ok() {
-                // Without the ack a release could slip in unseen; if the subscriber is down the
-                // waiter still has its timer, and the subscriber wakes everyone on reconnect.
-                let _ = tokio::time::timeout(Duration::from_secs(1), ack_rx).await;
-            }
-        }
-        Ok(watch)
+        Ok(watch_through(&self.wakeups, &self.sub_tx, key).await)
     }
 
     fn wakeups(&self) -> &Arc<Wakeups> {
