@@ -517,6 +517,7 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
 
     let mut rng = Rng::new(opts.seed);
     let mut faults: Vec<Fault> = Vec::new();
+    let mut pauses_on_holder = 0usize;
     let ttl = opts.ttl_ms;
     // Leave the last two seconds fault-free so every child can finish its cycle cleanly.
     while !opts.faults.is_empty() && now_us() + 2_000_000 < until {
@@ -524,12 +525,19 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
         if now_us() + 2_000_000 >= until {
             break;
         }
-        let kind = opts.faults[rng.range(0, opts.faults.len() as u64) as usize].as_str();
+        // Pauses are what the fence is for, so they get two faults in five when enabled.
+        let pause_on = opts.faults.iter().any(|f| f == "pause");
+        let kind = if pause_on && rng.range(0, 5) < 2 {
+            "pause"
+        } else {
+            opts.faults[rng.range(0, opts.faults.len() as u64) as usize].as_str()
+        };
         let t0 = now_us();
         match kind {
             "pause" => {
                 // Prefer a child that holds a lease: pausing an idle one exercises nothing.
                 let holding = holding_children(&events);
+                pauses_on_holder += !holding.is_empty() as usize;
                 let i = if holding.is_empty() {
                     rng.range(0, children.len() as u64) as usize
                 } else {
@@ -644,6 +652,7 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
         &resource,
         leftover.len(),
         hung,
+        pauses_on_holder,
         now_us() - start,
     ))
 }
@@ -677,6 +686,7 @@ fn check(
     resource: &BTreeMap<String, (Vec<u64>, u64, u64)>,
     leftover_locks: usize,
     hung: usize,
+    pauses_on_holder: usize,
     elapsed_us: u64,
 ) -> bool {
     let mut grants: Vec<Grant> = Vec::new();
@@ -1008,6 +1018,10 @@ fn check(
             .join(", ")
     };
     row("faults injected", faults_line);
+    row(
+        "  pauses aimed at a child that held a lease",
+        format!("{pauses_on_holder} of {pauses}"),
+    );
     row(
         "leases lost (lost() fired while held)",
         lost_total.to_string(),
