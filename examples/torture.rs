@@ -10,7 +10,8 @@
 //! Options (defaults in brackets): `--seed N` [1], `--secs N` [30], `--clients N` child
 //! processes [4], `--tasks N` client loops per process [2], `--keys N` hot keys [2],
 //! `--ttl-ms N` [300], `--faults pause,crash,restart,flush,clientkill` [all], `--persist`
-//! (the lock server runs with `appendonly yes`, `appendfsync always`).
+//! (the lock server runs with `appendonly yes`, `appendfsync always`), `--break-resource` (a
+//! self-test: the resource accepts every write, and the checker must then FAIL the run).
 //!
 //! Two servers: the *lock server*, which takes the faults, and the *resource server*, which
 //! plays the protected data store and is never faulted. The fenced resource is a script on the
@@ -45,6 +46,14 @@ if tonumber(ARGV[1]) < highest then
   redis.call('INCR', KEYS[3])
   return 0
 end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('RPUSH', KEYS[2], ARGV[1])
+return 1
+";
+
+/// The same resource with its fence check removed (`--break-resource`): a self-test that
+/// shows the checker catches stale writes when the resource lets them through.
+const BROKEN_WRITE: &str = r"
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('RPUSH', KEYS[2], ARGV[1])
 return 1
@@ -91,6 +100,7 @@ struct Opts {
     ttl_ms: u64,
     faults: Vec<String>,
     persist: bool,
+    break_resource: bool,
     child: Option<(usize, usize)>,
     url: String,
     res_url: String,
@@ -109,6 +119,7 @@ fn parse_args() -> Result<Opts, BoxError> {
             .map(String::from)
             .to_vec(),
         persist: false,
+        break_resource: false,
         child: None,
         url: String::new(),
         res_url: String::new(),
@@ -118,8 +129,9 @@ fn parse_args() -> Result<Opts, BoxError> {
     let mut i = 0;
     while i < args.len() {
         let flag = args[i].as_str();
-        if flag == "--persist" {
-            o.persist = true;
+        if flag == "--persist" || flag == "--break-resource" {
+            o.persist |= flag == "--persist";
+            o.break_resource |= flag == "--break-resource";
             i += 1;
             continue;
         }
@@ -233,7 +245,11 @@ async fn client(
     seed: u64,
 ) {
     let mut rng = Rng::new(seed);
-    let script = redis::Script::new(RESOURCE_WRITE);
+    let script = redis::Script::new(if o.break_resource {
+        BROKEN_WRITE
+    } else {
+        RESOURCE_WRITE
+    });
     let ttl = Duration::from_millis(o.ttl_ms);
     let opts = LockOptions::new()
         .ttl(ttl)
@@ -430,7 +446,11 @@ fn spawn_child(
     until: u64,
     events: &Events,
 ) -> Result<Child, BoxError> {
-    let mut child = Command::new(std::env::current_exe()?)
+    let mut cmd = Command::new(std::env::current_exe()?);
+    if opts.break_resource {
+        cmd.arg("--break-resource");
+    }
+    let mut child = cmd
         .args(["--child", &format!("{index}.{incarnation}")])
         .args(["--url", url, "--res-url", res_url])
         .args(["--until", &until.to_string()])
@@ -645,16 +665,15 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
         resource.insert(key, (list, refused.unwrap_or(0), counter.unwrap_or(0)));
     }
     let events = std::mem::take(&mut *lock(&events));
-    Ok(check(
-        opts,
-        &events,
-        &faults,
-        &resource,
-        leftover.len(),
+    let run = Run {
+        faults,
+        resource,
+        leftover_locks: leftover.len(),
         hung,
         pauses_on_holder,
-        now_us() - start,
-    ))
+        elapsed_us: now_us() - start,
+    };
+    Ok(check(opts, &events, &run))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -679,16 +698,28 @@ fn who(c: &str) -> (usize, usize) {
     (it.next().unwrap_or(0), it.next().unwrap_or(0))
 }
 
-fn check(
-    opts: &Opts,
-    events: &[Value],
-    faults: &[Fault],
-    resource: &BTreeMap<String, (Vec<u64>, u64, u64)>,
+/// What the parent saw besides the children's events.
+struct Run {
+    faults: Vec<Fault>,
+    /// Per key: the resource's acceptance list, its refusal count, the unfenced counter.
+    resource: BTreeMap<String, (Vec<u64>, u64, u64)>,
     leftover_locks: usize,
     hung: usize,
     pauses_on_holder: usize,
     elapsed_us: u64,
-) -> bool {
+}
+
+fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
+    let Run {
+        faults,
+        resource,
+        leftover_locks,
+        hung,
+        pauses_on_holder,
+        elapsed_us,
+    } = run;
+    let (leftover_locks, hung, pauses_on_holder, elapsed_us) =
+        (*leftover_locks, *hung, *pauses_on_holder, *elapsed_us);
     let mut grants: Vec<Grant> = Vec::new();
     let mut by_id: HashMap<(String, u64), usize> = HashMap::new();
     let (mut acc, mut refused, mut acc_after_lost, mut refused_lost) = (0u64, 0u64, 0u64, 0u64);
