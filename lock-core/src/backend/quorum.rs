@@ -255,6 +255,12 @@ impl QuorumBackend {
                 }
             }
         }
+        let preloads = inner
+            .members
+            .iter()
+            .filter_map(OnceLock::get)
+            .map(|m| inner.preload(m));
+        futures_util::future::join_all(preloads).await;
         let connected = inner.members.iter().filter(|m| m.get().is_some()).count();
         if connected < inner.quorum
             && let Some(e) = first_error
@@ -501,6 +507,19 @@ impl QuorumBackend {
     }
 }
 
+impl Inner {
+    /// Loads the quorum scripts on a member, so that its first vote is one round trip rather
+    /// than three (`NOSCRIPT`, load, run), which a short member timeout might not allow.
+    async fn preload(&self, member: &RedisBackend) {
+        let mut conn = member.connection();
+        for script in [&self.vote, &self.write_fence] {
+            if let Err(e) = script.load_async(&mut conn).await {
+                debug!(error = %e, "quorum script not preloaded; it loads on first use");
+            }
+        }
+    }
+}
+
 /// Connects a member that was down at start-up, for as long as the backend lives.
 async fn reconnect(inner: Weak<Inner>, index: usize, url: String) {
     let mut pause = Duration::from_millis(200);
@@ -512,6 +531,7 @@ async fn reconnect(inner: Weak<Inner>, index: usize, url: String) {
         match RedisBackend::connect_with(&url, config).await {
             Ok(backend) => {
                 if let Some(inner) = inner.upgrade() {
+                    inner.preload(&backend).await;
                     let _ = inner.members[index].set(backend);
                     debug!(member = index, "quorum member connected");
                 }
@@ -595,24 +615,41 @@ impl Backend for QuorumBackend {
     /// driver retries until the lease's deadline.
     ///
     /// It returns as soon as every lease of the batch is decided, so a slow or hung member costs
-    /// nothing while the others agree. When the answer depends on slow members it waits for them
+    /// nothing while the others agree (its renewal still runs to completion in the background). When the answer depends on slow members it waits for them
     /// up to the validity (ttl less drift), as a single server's renewal would: a large batch on
     /// a busy server takes a while, and giving up early would only send the same work again.
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
         let started = Instant::now();
         let limit = ttl.saturating_sub(drift(ttl));
         let batch_key = items.first().map_or("(batch)", |(k, _)| k.user());
-        let mut calls: futures_util::stream::FuturesUnordered<_> = self
-            .member_calls(&self.all(), limit, |m| m.extend(items, ttl))
-            .into_iter()
-            .collect();
+        let shared: Arc<[(LockKey, Token)]> = items.into();
+        let mut calls = futures_util::stream::FuturesUnordered::new();
+        for (i, slot) in self.inner.members.iter().enumerate() {
+            let Some(member) = slot.get().cloned() else {
+                continue;
+            };
+            let items = shared.clone();
+            // Each member's renewal runs as a task of its own, so that one still under way when
+            // the batch is decided completes anyway: a call dropped between `NOSCRIPT` and its
+            // retry would leave that member without the script, always the slowest, and never
+            // renewing again.
+            let task = tokio::spawn(async move {
+                tokio::time::timeout(limit, member.extend(&items, ttl)).await
+            });
+            calls.push(async move { (i, task.await) });
+        }
         let quorum = self.inner.quorum;
         let mut counts = vec![0usize; items.len()];
         // Members that have not answered yet, or failed: either may still have renewed.
         let mut unknown = self.members();
-        let mut outstanding = self.members();
+        let mut outstanding = calls.len();
         while let Some((i, answer)) = calls.next().await {
             outstanding -= 1;
+            let answer = match answer {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(_)) => Err(member_error("quorum member did not answer in time")),
+                Err(_) => Err(member_error("quorum member's renewal task failed")),
+            };
             match answer {
                 Ok(held) if held.len() == items.len() => {
                     unknown -= 1;
