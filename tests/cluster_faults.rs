@@ -22,6 +22,11 @@ struct Grant {
 
 async fn master_killed_under_load(flavor: Flavor) {
     let mut cluster = Cluster::start(flavor, 3, 1);
+    // The surviving shards keep serving while the failed one fails over (the default stops the
+    // whole cluster until every slot is covered again, and nothing could be renewed anywhere).
+    for node in &cluster.nodes {
+        let _: () = node.cmd(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
+    }
     let urls = cluster.urls();
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     let locker = Locker::redis_cluster(&urls).await.expect("connect");
@@ -69,6 +74,35 @@ async fn master_killed_under_load(flavor: Flavor) {
             }
         }));
     }
+    // Long-held renewing leases on keys of every shard, through the failover: renewals are
+    // batched per node, so the batch for the dead master fails and falls back to slot-by-slot
+    // renewal on a fresh slot map. Leases on the surviving masters must not be lost because one
+    // node died; those on the failed shard may be, and are counted.
+    let held_opts = LockOptions::new().ttl(Duration::from_secs(2));
+    let mut held = Vec::new();
+    for i in 0..30 {
+        held.push(
+            locker
+                .try_acquire(&format!("held{i}"), &held_opts)
+                .await
+                .expect("a long-held lease"),
+        );
+    }
+    let on_killed: Vec<bool> = held
+        .iter()
+        .map(|l| {
+            let k = locker.lock_key(l.key()).expect("key");
+            // Only the master serving a key answers for it; the others answer MOVED.
+            redis::cmd("EXISTS")
+                .arg(k.lock_key())
+                .query::<i64>(&mut cluster.nodes[0].conn())
+                .is_ok_and(|n| n == 1)
+        })
+        .collect();
+    assert!(
+        on_killed.iter().any(|b| *b) && on_killed.iter().any(|b| !*b),
+        "the held leases span the killed master and the others"
+    );
     sleep(Duration::from_secs(2)).await;
     // The first node is a master (`--cluster create` makes the first N nodes masters).
     let killed_at = Instant::now();
@@ -127,11 +161,28 @@ async fn master_killed_under_load(flavor: Flavor) {
             }
         }
     }
+    let lost_elsewhere: Vec<&str> = held
+        .iter()
+        .zip(&on_killed)
+        .filter(|(l, killed)| !**killed && l.is_lost())
+        .map(|(l, _)| l.key())
+        .collect();
+    assert!(
+        lost_elsewhere.is_empty(),
+        "leases on surviving masters were lost: {lost_elsewhere:?}"
+    );
+    let lost_on_failed = held
+        .iter()
+        .zip(&on_killed)
+        .filter(|(l, killed)| **killed && l.is_lost())
+        .count();
     println!(
-        "{flavor:?} cluster, master killed under load: {} grants, {} transient errors, {} double grants",
+        "{flavor:?} cluster, master killed under load: {} grants, {} transient errors, {} double grants, {} of {} renewing leases on the failed shard lost",
         grants.len(),
         errors,
-        doubles
+        doubles,
+        lost_on_failed,
+        on_killed.iter().filter(|b| **b).count()
     );
 }
 

@@ -107,7 +107,12 @@ const BATCH_WINDOW: Duration = Duration::from_millis(20);
 /// The leases of one batch: their ids and what the backend needs to renew them.
 type Batch = (Vec<u64>, Vec<(LockKey, Token)>);
 
-type BatchResult = (Instant, Duration, Vec<u64>, crate::Result<Vec<bool>>);
+type BatchResult = (
+    Instant,
+    Duration,
+    Vec<u64>,
+    crate::Result<Vec<Option<bool>>>,
+);
 
 /// Timers kept in ordered sets, so each wake-up costs O(log n) per lease it touches rather than a
 /// scan of every lease.
@@ -222,7 +227,7 @@ pub(crate) async fn run<B: Backend + Clone>(backend: B, mut rx: mpsc::UnboundedR
             debug!(count = items.len(), ?ttl, "renewing leases");
             inflight.push(async move {
                 let sent_at = Instant::now();
-                let result = backend.extend(&items, ttl).await;
+                let result = backend.extend_each(&items, ttl).await;
                 (sent_at, ttl, ids, result)
             });
         }
@@ -284,6 +289,13 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
         Ok(answers) => {
             for (id, held) in ids.iter().zip(answers) {
                 let Some(e) = d.entries.get(id) else { continue };
+                let Some(held) = held else {
+                    // This lease's part of the batch failed: retry it like a failed batch.
+                    let retry = Instant::now() + (e.ttl / 10).min(Duration::from_millis(250));
+                    debug!(key = e.key.user(), "renewal outcome unknown; retrying");
+                    d.file_renew(*id, retry);
+                    continue;
+                };
                 if held {
                     e.state.extend_to(sent_at + ttl - drift(ttl));
                     let next = sent_at + e.ttl / 3;

@@ -166,6 +166,26 @@ impl ClusterBackend {
         Some(map)
     }
 
+    async fn extend_job(
+        &self,
+        node: Option<(String, u16)>,
+        places: &[usize],
+        chunk: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> Vec<(usize, Option<bool>)> {
+        match tokio::time::timeout(ttl / 4, self.extend_placed(node, places, chunk, ttl)).await {
+            Ok(Ok(answers)) => answers.into_iter().map(|(i, h)| (i, Some(h))).collect(),
+            Ok(Err(e)) => {
+                debug!(error = %e, "renewal failed on one node; its leases are retried");
+                places.iter().map(|&i| (i, None)).collect()
+            }
+            Err(_) => {
+                debug!("renewal timed out on one node; its leases are retried");
+                places.iter().map(|&i| (i, None)).collect()
+            }
+        }
+    }
+
     async fn extend_placed(
         &self,
         node: Option<(String, u16)>,
@@ -313,6 +333,25 @@ impl Backend for ClusterBackend {
     }
 
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
+        let answers = self.extend_each(items, ttl).await?;
+        answers
+            .into_iter()
+            .map(|held| {
+                held.ok_or_else(|| {
+                    Error::Unavailable(redis::RedisError::from((
+                        redis::ErrorKind::Io,
+                        "renewal failed on part of the cluster",
+                    )))
+                })
+            })
+            .collect()
+    }
+
+    async fn extend_each(
+        &self,
+        items: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> Result<Vec<Option<bool>>> {
         // One script call per node and 256 leases: a script may touch several slots of the node
         // it runs on (`allow-cross-slot-keys`), so renewal batches as on a single server. Where
         // the slot map is stale (failover, resharding) the node refuses the batch and its leases
@@ -340,10 +379,19 @@ impl Backend for ClusterBackend {
                 jobs.push((node.clone(), places, chunk));
             }
         }
+        // Each node answers for its own leases, within a quarter of the TTL: a node that is
+        // down or failing over leaves its leases to be retried without holding back the
+        // renewal of every other node's.
         let calls = jobs
             .into_iter()
-            .map(|(node, places, chunk)| self.extend_placed(node, places, chunk, ttl));
-        scatter(items.len(), calls).await
+            .map(|(node, places, chunk)| self.extend_job(node, places, chunk, ttl));
+        let mut out = vec![None; items.len()];
+        for answers in futures_util::future::join_all(calls).await {
+            for (i, held) in answers {
+                out[i] = held;
+            }
+        }
+        Ok(out)
     }
 
     async fn admit(&self, gate_key: &str, fence: u64) -> Result<Option<u64>> {

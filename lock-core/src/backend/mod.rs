@@ -76,6 +76,20 @@ pub trait Backend: Send + Sync + 'static {
         ttl: Duration,
     ) -> impl Future<Output = Result<Vec<bool>>> + Send;
 
+    /// As [`extend`](Backend::extend), for the renewal driver: one answer per item, `None` where
+    /// that item's outcome is unknown (its part of the batch failed) so that it is retried while
+    /// the others settle. The default answers all or nothing; a backend whose batch spans
+    /// several servers (a cluster) answers per server, so that one failed node does not stall
+    /// the renewal of leases on the others.
+    fn extend_each(
+        &self,
+        items: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Vec<Option<bool>>>> + Send {
+        let answers = self.extend(items, ttl);
+        async move { Ok(answers.await?.into_iter().map(Some).collect()) }
+    }
+
     /// Admits `fence` at the gate stored under `gate_key` if no higher fence was admitted before.
     /// Returns `Ok(None)` when admitted and `Ok(Some(highest))` when stale.
     fn admit(&self, gate_key: &str, fence: u64)
@@ -132,6 +146,13 @@ impl Backend for AnyBackend {
     }
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
         dispatch!(self, b => b.extend(items, ttl).await)
+    }
+    async fn extend_each(
+        &self,
+        items: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> Result<Vec<Option<bool>>> {
+        dispatch!(self, b => b.extend_each(items, ttl).await)
     }
     async fn admit(&self, gate_key: &str, fence: u64) -> Result<Option<u64>> {
         dispatch!(self, b => b.admit(gate_key, fence).await)
