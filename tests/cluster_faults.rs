@@ -186,6 +186,66 @@ async fn master_killed_under_load(flavor: Flavor) {
     );
 }
 
+/// On a cluster, a waiter whose sharded subscription is cut is woken once the client
+/// resubscribes, even though the release happened while it was not subscribed (a silent delete
+/// here). Without that it would sleep until the holder's TTL.
+async fn waiter_woken_after_resubscribe(flavor: Flavor) {
+    let cluster = Cluster::start(flavor, 3, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let holder_side = Locker::redis_cluster(&urls).await.expect("connect");
+    let waiter_side = Locker::redis_cluster(&urls).await.expect("connect");
+    let ttl = LockOptions::new().ttl(Duration::from_secs(20));
+    let held = holder_side.try_acquire("gap", &ttl).await.expect("holder");
+    let waiter = tokio::spawn(async move {
+        let started = Instant::now();
+        let lease = waiter_side
+            .acquire(
+                "gap",
+                &LockOptions::new()
+                    .ttl(Duration::from_secs(1))
+                    .wait(Duration::from_secs(15)),
+            )
+            .await;
+        (lease.map(|l| l.fence()), started.elapsed())
+    });
+    let k = holder_side.lock_key("gap").expect("key");
+    let channel = k.channel();
+    let started = Instant::now();
+    while cluster
+        .cmd::<Vec<(String, i64)>>(&["PUBSUB", "SHARDNUMSUB", &channel])
+        .first()
+        .is_none_or(|(_, n)| *n == 0)
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "never subscribed"
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+    let _: i64 = cluster.cmd(&["DEL", &k.lock_key()]);
+    // Every client connection of every node: the client reconnects and resubscribes.
+    for node in &cluster.nodes {
+        let _: i64 = node.cmd(&["CLIENT", "KILL", "TYPE", "normal"]);
+    }
+    let (fence, waited) = waiter.await.expect("waiter task");
+    assert!(fence.expect("the waiter got the key") > held.fence());
+    assert!(
+        waited < Duration::from_secs(5),
+        "woken by its timer, not by the resubscription: {waited:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_waiter_woken_after_resubscribe() {
+    waiter_woken_after_resubscribe(Flavor::Redis).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_waiter_woken_after_resubscribe() {
+    waiter_woken_after_resubscribe(Flavor::Valkey).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_master_killed_under_load() {
     master_killed_under_load(Flavor::Redis).await
