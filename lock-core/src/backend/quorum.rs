@@ -78,7 +78,7 @@ use redis::{Script, Value};
 use tokio::time::Instant;
 use tracing::{Instrument, debug, debug_span, warn};
 
-use super::redis::{RedisBackend, RedisConfig};
+use super::redis::{RedisBackend, RedisConfig, int, text, unexpected};
 use super::{AcquireReply, Backend};
 use crate::error::{Error, Result, classify};
 use crate::types::{LockKey, Token, drift};
@@ -757,28 +757,4 @@ fn pause(max: Duration) -> Duration {
 
 fn member_error(what: &'static str) -> Error {
     Error::Unavailable(redis::RedisError::from((redis::ErrorKind::Io, what)))
-}
-
-fn int(v: &Value) -> Option<i64> {
-    match v {
-        Value::Int(i) => Some(*i),
-        _ => None,
-    }
-}
-
-fn text(v: &Value) -> String {
-    match v {
-        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
-        Value::SimpleString(s) => s.clone(),
-        Value::Int(i) => i.to_string(),
-        other => format!("{other:?}"),
-    }
-}
-
-fn unexpected(what: &str, reply: &Value) -> Error {
-    Error::Unavailable(redis::RedisError::from((
-        redis::ErrorKind::UnexpectedReturnType,
-        "unexpected script reply",
-        format!("{what}: {reply:?}"),
-    )))
 }

@@ -139,17 +139,20 @@ impl RedisBackend {
     }
 }
 
-fn int(v: &Value) -> Option<i64> {
+/// An integer reply.
+pub(super) fn int(v: &Value) -> Option<i64> {
     match v {
         Value::Int(i) => Some(*i),
         _ => None,
     }
 }
 
-fn text(v: &Value) -> String {
+/// A reply as text, for error messages (a type name, a member's answer).
+pub(super) fn text(v: &Value) -> String {
     match v {
         Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
         Value::SimpleString(s) => s.clone(),
+        Value::Int(i) => i.to_string(),
         other => format!("{other:?}"),
     }
 }
@@ -161,7 +164,8 @@ fn pair(reply: &Value) -> Option<(i64, &Value)> {
     }
 }
 
-fn unexpected(what: &str, reply: &Value) -> Error {
+/// A script answered in a shape it never should: a version mismatch or a corrupted key.
+pub(super) fn unexpected(what: &str, reply: &Value) -> Error {
     Error::Unavailable(redis::RedisError::from((
         redis::ErrorKind::UnexpectedReturnType,
         "unexpected script reply",
