@@ -28,7 +28,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -278,15 +278,26 @@ async fn client(
         // `lost` fires, it can say whether the holder was told before that deadline.
         let released = Arc::new(AtomicBool::new(false));
         let info = lease.info();
-        let (wid, wkey, wreleased) = (id.clone(), key.clone(), released.clone());
+        // The last local deadline seen, shared with the end event: a later grant after it is
+        // a lapsed lease, not a violation.
+        let last_deadline = Arc::new(AtomicU64::new(
+            now_us() + info.remaining().as_micros() as u64,
+        ));
+        let (wid, wkey, wreleased, wdeadline) = (
+            id.clone(),
+            key.clone(),
+            released.clone(),
+            last_deadline.clone(),
+        );
         tokio::spawn(async move {
-            let mut deadline = now_us() + info.remaining().as_micros() as u64;
+            let mut deadline = wdeadline.load(Ordering::SeqCst);
             loop {
                 tokio::select! {
                     _ = info.lost() => break,
                     _ = tokio::time::sleep(Duration::from_millis(10)) => {
                         if !info.is_lost() {
                             deadline = now_us() + info.remaining().as_micros() as u64;
+                            wdeadline.store(deadline, Ordering::SeqCst);
                         }
                     }
                 }
@@ -343,7 +354,8 @@ async fn client(
         };
         emit(
             json!({"ev": "end", "c": id, "key": key, "fence": fence, "t": t_rel,
-            "t_done": now_us(), "result": result, "was_lost": was_lost}),
+            "t_done": now_us(), "result": result, "was_lost": was_lost,
+            "deadline": last_deadline.load(Ordering::SeqCst)}),
         );
     }
 }
@@ -691,6 +703,8 @@ struct Grant {
     t_rel: Option<u64>,
     result: Option<String>,
     lost_t: Option<u64>,
+    /// The holder's last local deadline, as its lease reported it (at most 10 ms stale).
+    deadline: Option<u64>,
 }
 
 fn who(c: &str) -> (usize, usize) {
@@ -748,12 +762,14 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
                     t_rel: None,
                     result: None,
                     lost_t: None,
+                    deadline: None,
                 });
             }
             "end" => {
                 if let Some(&g) = by_id.get(&(c, fence)) {
                     grants[g].t_rel = Some(t);
                     grants[g].result = e["result"].as_str().map(String::from);
+                    grants[g].deadline = e["deadline"].as_u64();
                 }
             }
             "lost" => {
@@ -880,7 +896,10 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
                     "server restart lost the key"
                 } else if paused(a.child, a.t_start, b.t_start) {
                     "earlier holder paused past its TTL"
-                } else if a.lost_t.is_some() || a.result.as_deref() == Some("not_held") {
+                } else if a.lost_t.is_some()
+                    || a.result.as_deref() == Some("not_held")
+                    || a.deadline.is_some_and(|d| d <= b.t_start)
+                {
                     "lease lapsed, holder not paused"
                 } else {
                     unexplained.push(format!(
