@@ -20,6 +20,9 @@ use tokio::time::{Instant, sleep};
 enum Harness {
     Memory(Mutex<HashMap<String, Queue>>),
     Server(Server),
+    /// A server the queue reaches as the restricted `leasehold-queue` user of
+    /// `docs/leasehold.acl`.
+    Acl(Server),
     Cluster(Cluster),
 }
 
@@ -38,6 +41,24 @@ impl Harness {
                 m.entry(probe.name().to_owned()).or_insert(probe).clone()
             }
             Harness::Server(s) => b.redis(&s.url()).await.expect("connect"),
+            Harness::Acl(s) => {
+                let url = s.acl_user_url_for("leasehold-queue");
+                // The rule really restricts: keys outside the prefix are refused.
+                let outside = ::redis::Client::open(url.as_str())
+                    .and_then(|c| c.get_connection())
+                    .and_then(|mut c| {
+                        ::redis::cmd("ZADD")
+                            .arg("other:pending")
+                            .arg(1)
+                            .arg("1")
+                            .query::<()>(&mut c)
+                    });
+                assert!(
+                    outside.is_err(),
+                    "the ACL user could write outside its prefix"
+                );
+                b.redis(&url).await.expect("connect as the ACL user")
+            }
             Harness::Cluster(c) => {
                 let urls = c.urls();
                 let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
@@ -750,6 +771,8 @@ macro_rules! suite {
 suite!(memory, Harness::memory());
 suite!(redis, Harness::Server(Server::start(Flavor::Redis)));
 suite!(valkey, Harness::Server(Server::start(Flavor::Valkey)));
+suite!(redis_acl, Harness::Acl(Server::start(Flavor::Redis)));
+suite!(valkey_acl, Harness::Acl(Server::start(Flavor::Valkey)));
 suite!(
     redis_cluster,
     Harness::Cluster(Cluster::start(Flavor::Redis, 3, 0))

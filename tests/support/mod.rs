@@ -223,10 +223,20 @@ impl Server {
         s
     }
 
-    /// Creates the ACL user of `docs/leasehold.acl` (the rule the README tells operators to
+    /// Creates the lock user of `docs/leasehold.acl` (the rule the README tells operators to
     /// use) and returns a URL that logs in as it.
     pub fn acl_user_url(&self) -> String {
-        let rule = include_str!("../../docs/leasehold.acl").trim();
+        self.acl_user_url_for("leasehold")
+    }
+
+    /// Creates (or resets to its rule) the user `name` of `docs/leasehold.acl` and returns a URL
+    /// that logs in as it.
+    pub fn acl_user_url_for(&self, name: &str) -> String {
+        let file = include_str!("../../docs/leasehold.acl");
+        let rule = file
+            .lines()
+            .find(|l| l.split_whitespace().nth(1) == Some(name))
+            .unwrap_or_else(|| panic!("docs/leasehold.acl has no user `{name}`"));
         let mut words = rule.split_whitespace();
         assert_eq!(
             words.next(),
