@@ -136,9 +136,24 @@ pub enum Error {
         /// What is wrong with the members.
         reason: &'static str,
     },
-    /// The server could not be reached or refused the command.
+    /// The server could not be reached, or answered in a shape leasehold does not understand.
     #[error("backend unavailable: {0}")]
     Unavailable(#[source] redis::RedisError),
+    /// The server was reached and answered the command with an error instead of running it:
+    /// out of memory (`OOM`), writes stopped after a failed save (`MISCONF`), a command the
+    /// client's ACL user may not run (`NOPERM`), a read-only replica (`READONLY`), data still
+    /// loading (`LOADING`). Under these the server refuses a script at its first write, so the
+    /// call wrote nothing; it may succeed once the condition clears.
+    #[error("the server refused {op} on `{key}`: {source}")]
+    Refused {
+        /// The operation that was refused.
+        op: &'static str,
+        /// The key (or gate, or queue) it was for.
+        key: String,
+        /// The server's error reply.
+        #[source]
+        source: redis::RedisError,
+    },
     /// The connection dropped after the command was sent, so whether it took effect is unknown.
     #[error("outcome of {op} on `{key}` is unknown: the connection failed mid-command")]
     OutcomeUnknown {
@@ -156,22 +171,33 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    /// Whether the failure came from the transport rather than from the lock's state, so that a
-    /// retry later may succeed.
+    /// Whether the failure came from the transport or the server's condition rather than from
+    /// the lock's state, so that a retry later may succeed.
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            Error::Unavailable(_) | Error::OutcomeUnknown { .. } | Error::NoQuorum { .. }
+            Error::Unavailable(_)
+                | Error::Refused { .. }
+                | Error::OutcomeUnknown { .. }
+                | Error::NoQuorum { .. }
         )
     }
 }
 
-/// Sorts a redis error into "certainly not applied" and "maybe applied".
+/// Sorts a redis error into "maybe applied", "refused by the server" and "not reached".
 pub(crate) fn classify(op: &'static str, key: &str, err: redis::RedisError) -> Error {
     let maybe_sent = (err.is_io_error() || err.is_timeout() || err.is_connection_dropped())
         && !err.is_connection_refusal();
     if maybe_sent {
         Error::OutcomeUnknown {
+            op,
+            key: key.to_owned(),
+            source: err,
+        }
+    } else if err.code().is_some() {
+        // An error reply (`-OOM ...`): the server is there and said no; calling it unavailable
+        // would send an operator looking at the network instead of at the server's state.
+        Error::Refused {
             op,
             key: key.to_owned(),
             source: err,

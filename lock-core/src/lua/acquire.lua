@@ -6,11 +6,15 @@
 -- four calls: GET fence, SET NX GET, TIME, SET fence. pcall turns a foreign type into a report.
 local stored = redis.pcall('GET', KEYS[2])
 if type(stored) == 'table' and stored.err then
+  -- Only WRONGTYPE means a foreign type; any other refusal (OOM, MISCONF, NOPERM) is passed on
+  -- as the server's error, not reported as a type the key does not hold.
+  if string.sub(stored.err, 1, 9) ~= 'WRONGTYPE' then return stored end
   return {-1, redis.call('TYPE', KEYS[2]).ok, 2}
 end
 -- SET NX GET (Redis 7+, Valkey): sets only when free and returns the value found either way.
 local current = redis.pcall('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2], 'GET')
 if type(current) == 'table' and current.err then
+  if string.sub(current.err, 1, 9) ~= 'WRONGTYPE' then return current end
   return {-1, redis.call('TYPE', KEYS[1]).ok, 1}
 end
 if current == ARGV[1] then

@@ -8,10 +8,14 @@
 -- The fence travels as a string: Lua numbers are doubles and would round fences above 2^53.
 local stored = redis.pcall('GET', KEYS[2])
 if type(stored) == 'table' and stored.err then
+  -- Only WRONGTYPE means a foreign type; any other refusal (OOM, MISCONF, NOPERM) is passed on
+  -- as the server's error, not reported as a type the key does not hold.
+  if string.sub(stored.err, 1, 9) ~= 'WRONGTYPE' then return stored end
   return {-1, redis.call('TYPE', KEYS[2]).ok, 2}
 end
 local current = redis.pcall('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2], 'GET')
 if type(current) == 'table' and current.err then
+  if string.sub(current.err, 1, 9) ~= 'WRONGTYPE' then return current end
   return {-1, redis.call('TYPE', KEYS[1]).ok, 1}
 end
 if current == ARGV[1] then

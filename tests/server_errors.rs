@@ -1,0 +1,500 @@
+//! A server that answers errors: real `redis-server` / `valkey-server` processes put into states
+//! where they refuse commands, never a mock. Out of memory (`maxmemory 1`, `noeviction`: OOM on
+//! writes that need memory), the connected ACL user stripped of every command at run time
+//! (NOPERM), and writes stopped after a failed background save (MISCONF). Under each, every
+//! operation of the locks, the fence gate and the claim queue must answer a typed error or a
+//! full success, never a panic and never a misleading error (a foreign key type, a busy key); an
+//! error must leave every key as it was; a held lease whose renewals are refused must be reported
+//! lost before its deadline; and everything must work again once the condition clears.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use leasehold::queue::Queue;
+use leasehold::{Error, Lease, LockOptions, Locker, Release};
+use support::{Flavor, Server};
+use tokio::time::{Instant, sleep, timeout};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Condition {
+    /// `maxmemory 1` with `noeviction`: the server refuses commands that may grow memory.
+    Oom,
+    /// The client's ACL user loses every command while its connections stay open.
+    NoPerm,
+    /// `stop-writes-on-bgsave-error` after a background save that failed: every write refused.
+    Misconf,
+}
+
+const LOCK_USER: &str = "leasehold";
+const QUEUE_USER: &str = "leasehold-queue";
+
+fn opts(ttl_ms: u64) -> LockOptions {
+    LockOptions::new().ttl(Duration::from_millis(ttl_ms))
+}
+
+/// URLs for the locker and the queue: as the restricted users of `docs/leasehold.acl` for the
+/// NOPERM condition (whose permissions it takes away), as the default user otherwise.
+fn urls(server: &Server, cond: Condition) -> (String, String) {
+    match cond {
+        Condition::NoPerm => (
+            server.acl_user_url_for(LOCK_USER),
+            server.acl_user_url_for(QUEUE_USER),
+        ),
+        _ => (server.url(), server.url()),
+    }
+}
+
+fn info_field(server: &Server, section: &str, field: &str) -> String {
+    let info: String = server.cmd(&["INFO", section]);
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
+
+/// Waits for the background save to finish and returns its status (`ok` or `err`).
+fn bgsave_status(server: &Server) -> String {
+    let give_up = std::time::Instant::now() + Duration::from_secs(10);
+    while info_field(server, "persistence", "rdb_bgsave_in_progress") != "0" {
+        assert!(std::time::Instant::now() < give_up, "BGSAVE never ended");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    info_field(server, "persistence", "rdb_last_bgsave_status")
+}
+
+fn set_condition(server: &Server, cond: Condition, on: bool) {
+    match (cond, on) {
+        (Condition::Oom, true) => {
+            let _: () = server.cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+            let _: () = server.cmd(&["CONFIG", "SET", "maxmemory", "1"]);
+        }
+        (Condition::Oom, false) => {
+            let _: () = server.cmd(&["CONFIG", "SET", "maxmemory", "0"]);
+        }
+        (Condition::NoPerm, true) => {
+            let _: () = server.cmd(&["ACL", "SETUSER", LOCK_USER, "-@all"]);
+            let _: () = server.cmd(&["ACL", "SETUSER", QUEUE_USER, "-@all"]);
+        }
+        (Condition::NoPerm, false) => {
+            server.acl_user_url_for(LOCK_USER);
+            server.acl_user_url_for(QUEUE_USER);
+        }
+        (Condition::Misconf, true) => {
+            // The server refuses writes only when save points are configured (the support starts
+            // it with none). The save fails where the dump would be renamed into place: a
+            // directory already sits there (the tests run as root, so permissions cannot make
+            // it fail).
+            let _: () = server.cmd(&["CONFIG", "SET", "save", "3600 1"]);
+            let _: () = server.cmd(&["CONFIG", "SET", "stop-writes-on-bgsave-error", "yes"]);
+            std::fs::create_dir(dump_path(server)).expect("a directory where the dump goes");
+            let _: String = server.cmd(&["BGSAVE"]);
+            assert_eq!(
+                bgsave_status(server),
+                "err",
+                "the background save did not fail"
+            );
+        }
+        (Condition::Misconf, false) => {
+            std::fs::remove_dir(dump_path(server)).expect("remove the directory");
+            let _: String = server.cmd(&["BGSAVE"]);
+            assert_eq!(
+                bgsave_status(server),
+                "ok",
+                "the background save still fails"
+            );
+        }
+    }
+}
+
+fn dump_path(server: &Server) -> std::path::PathBuf {
+    let dir: Vec<String> = server.cmd(&["CONFIG", "GET", "dir"]);
+    let file: Vec<String> = server.cmd(&["CONFIG", "GET", "dbfilename"]);
+    std::path::Path::new(&dir[1]).join(&file[1])
+}
+
+/// Every key with its type and contents (not its TTL), read as the default user.
+fn snapshot(server: &Server) -> BTreeMap<String, String> {
+    let mut conn = server.conn();
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).expect("KEYS");
+    let mut out = BTreeMap::new();
+    for k in keys {
+        let kind: String = redis::cmd("TYPE").arg(&k).query(&mut conn).expect("TYPE");
+        let value = match kind.as_str() {
+            "string" => redis::cmd("GET")
+                .arg(&k)
+                .query::<Option<String>>(&mut conn)
+                .expect("GET")
+                .unwrap_or_default(),
+            "hash" => {
+                let h: BTreeMap<String, String> = redis::cmd("HGETALL")
+                    .arg(&k)
+                    .query(&mut conn)
+                    .expect("HGETALL");
+                format!("{h:?}")
+            }
+            "zset" => {
+                let z: Vec<String> = redis::cmd("ZRANGE")
+                    .arg(&k)
+                    .arg(0)
+                    .arg(-1)
+                    .arg("WITHSCORES")
+                    .query(&mut conn)
+                    .expect("ZRANGE");
+                format!("{z:?}")
+            }
+            other => other.to_owned(),
+        };
+        out.insert(k, format!("{kind} {value}"));
+    }
+    out
+}
+
+/// The typed error a refused command must become.
+fn is_refusal(e: &Error) -> bool {
+    matches!(e, Error::Refused { .. })
+}
+
+/// An operation under the condition that the server must refuse: a typed refusal, and every key
+/// as it was.
+#[track_caller]
+fn refused<T: std::fmt::Debug>(
+    server: &Server,
+    before: &BTreeMap<String, String>,
+    what: &str,
+    r: leasehold::Result<T>,
+) {
+    match r {
+        Err(e) if is_refusal(&e) => {}
+        other => panic!("{what}: want the server's refusal, got {other:?}"),
+    }
+    assert_eq!(
+        &snapshot(server),
+        before,
+        "{what} changed keys while refused"
+    );
+}
+
+/// An operation that the server may run or refuse (under OOM, a script whose first write needs
+/// no memory runs to the end): a full success, or a typed refusal with every key as it was.
+/// Returns whether it ran.
+#[track_caller]
+fn ran_or_refused<T: std::fmt::Debug>(
+    server: &Server,
+    before: &BTreeMap<String, String>,
+    what: &str,
+    r: leasehold::Result<T>,
+) -> bool {
+    match r {
+        Ok(_) => true,
+        Err(e) if is_refusal(&e) => {
+            assert_eq!(
+                &snapshot(server),
+                before,
+                "{what} changed keys while refused"
+            );
+            false
+        }
+        Err(e) => panic!("{what}: want success or the server's refusal, got {e:?}"),
+    }
+}
+
+/// Every lock, gate and queue operation against a server in `cond`, then recovery.
+async fn every_operation(flavor: Flavor, cond: Condition) {
+    let server = Server::start(flavor);
+    let (lock_url, queue_url) = urls(&server, cond);
+    let locker = Locker::redis(&lock_url).await.expect("connect");
+    let other = Locker::redis(&lock_url)
+        .await
+        .expect("connect a second client");
+    let held = other
+        .try_acquire("held", &opts(30_000))
+        .await
+        .expect("held");
+    let mine = locker
+        .try_acquire("mine", &opts(30_000).renew(false))
+        .await
+        .expect("mine");
+    let gate = locker.fence_gate("ledger").expect("gate");
+    gate.admit(mine.fence()).await.expect("admit");
+
+    let q = Queue::redis(&queue_url, "jobs").await.expect("queue");
+    let mut jobs = BTreeSet::new();
+    for p in [b"a", b"b", b"c", b"d"] {
+        jobs.insert(q.enqueue(p).await.expect("enqueue"));
+    }
+    let active = q.claim(Duration::from_secs(60)).await.expect("claim");
+    let active = active.expect("a pending job");
+    let expiring = q.claim(Duration::from_millis(50)).await.expect("claim");
+    assert!(expiring.is_some(), "a pending job");
+    let delayed = q.claim(Duration::from_secs(60)).await.expect("claim");
+    let delayed = delayed.expect("a pending job");
+    let (delayed_id, delayed_att) = (delayed.id(), delayed.attempts());
+    q.retry(delayed_id, delayed_att, Duration::from_millis(50))
+        .await
+        .expect("retry with a delay");
+    // One job left pending, one active, one whose lease ran out, one delayed and due.
+    sleep(Duration::from_millis(120)).await;
+
+    set_condition(&server, cond, true);
+    let before = snapshot(&server);
+
+    // Refused whatever the data: each needs memory (OOM), writes (MISCONF), or any command
+    // (NOPERM) before it writes anything.
+    refused(
+        &server,
+        &before,
+        "try_acquire of a free key",
+        locker.try_acquire("free", &opts(5_000)).await,
+    );
+    refused(
+        &server,
+        &before,
+        "try_acquire of a held key",
+        locker.try_acquire("held", &opts(5_000)).await,
+    );
+    let started = Instant::now();
+    refused(
+        &server,
+        &before,
+        "acquire with a wait",
+        locker
+            .acquire("free", &opts(5_000).wait(Duration::from_secs(3)))
+            .await,
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "acquire spent its wait on a refusal: {:?}",
+        started.elapsed()
+    );
+    refused(
+        &server,
+        &before,
+        "with_lock",
+        locker.with_lock("free", &opts(5_000), |_| async {}).await,
+    );
+    refused(
+        &server,
+        &before,
+        "fence gate admit",
+        gate.admit(leasehold::Fence(mine.fence().get() + 1)).await,
+    );
+    refused(&server, &before, "enqueue", q.enqueue(b"e").await);
+    refused(
+        &server,
+        &before,
+        "queue extend",
+        q.extend(active.id(), active.attempts(), Duration::from_secs(60))
+            .await,
+    );
+
+    // Under OOM these run: they free memory or need none (Redis lets a script that has written
+    // once write on). Otherwise they are refused.
+    let must_run = cond == Condition::Oom;
+    let mut completed = BTreeSet::new();
+    let before = snapshot(&server);
+    let r = q.complete(active.id(), active.attempts()).await;
+    if ran_or_refused(&server, &before, "queue complete", r) {
+        completed.insert(active.id());
+    }
+    let before = snapshot(&server);
+    ran_or_refused(&server, &before, "reap", q.reap().await);
+    let before = snapshot(&server);
+    let claimed = q.claim(Duration::from_secs(60)).await;
+    let claimed = match claimed {
+        Ok(c) => c,
+        Err(e) if is_refusal(&e) => {
+            assert_eq!(snapshot(&server), before, "a refused claim changed keys");
+            None
+        }
+        Err(e) => panic!("claim: want success or the server's refusal, got {e:?}"),
+    };
+    let before = snapshot(&server);
+    let counts = q.counts().await;
+    match cond {
+        // Reading needs neither memory nor writes.
+        Condition::Oom | Condition::Misconf => {
+            counts.expect("counts under a write refusal");
+        }
+        Condition::NoPerm => refused(&server, &before, "counts", counts),
+    }
+
+    let before = snapshot(&server);
+    let extended = mine.extend(Duration::from_secs(30)).await;
+    if must_run {
+        extended.expect("extend under OOM: PEXPIRE needs no memory");
+    } else {
+        refused(&server, &before, "lease extend", extended);
+    }
+    let released = mine.release().await;
+    if must_run {
+        assert_eq!(released.expect("release under OOM"), Release::Released);
+    } else {
+        refused(&server, &before, "release", released);
+    }
+    assert!(!held.is_lost(), "the other holder lost its lease");
+
+    // The condition clears: everything works again, nothing was lost.
+    set_condition(&server, cond, false);
+    let short = opts(5_000);
+    let fresh = retry_until_ok("acquire after recovery", || {
+        locker.try_acquire("free", &short)
+    })
+    .await;
+    assert!(
+        fresh.fence() > held.fence(),
+        "fences went back: {} after {}",
+        fresh.fence(),
+        held.fence()
+    );
+    retry_until_ok("admit after recovery", || gate.admit(fresh.fence())).await;
+    assert!(matches!(
+        gate.admit(held.fence()).await,
+        Err(Error::Stale { .. })
+    ));
+    match locker.try_acquire("held", &opts(5_000)).await {
+        Err(Error::Busy { .. }) => {}
+        other => panic!("the held key must still be held: {other:?}"),
+    }
+    assert_eq!(fresh.release().await.expect("release"), Release::Released);
+    assert_eq!(held.release().await.expect("release"), Release::Released);
+    if !must_run {
+        // `mine` was refused its release: it is still on the server.
+        let key = locker.lock_key("mine").expect("key").lock_key();
+        assert_eq!(server.cmd::<i64>(&["EXISTS", &key]), 1);
+    }
+
+    // Every job comes out exactly once: drain the queue, reaping the expired lease.
+    if let Some(c) = claimed {
+        q.complete(c.id(), c.attempts()).await.expect("complete");
+        completed.insert(c.id());
+    }
+    let extra = retry_until_ok("enqueue after recovery", || q.enqueue(b"e")).await;
+    let mut expected = jobs;
+    expected.insert(extra);
+    let give_up = Instant::now() + Duration::from_secs(10);
+    loop {
+        q.reap().await.expect("reap");
+        while let Some(c) = q.claim(Duration::from_secs(60)).await.expect("claim") {
+            q.complete(c.id(), c.attempts()).await.expect("complete");
+            assert!(completed.insert(c.id()), "job {:?} ran twice", c.id());
+        }
+        let n = q.counts().await.expect("counts");
+        if (n.pending, n.active, n.delayed, n.dead) == (0, 0, 0, 0) {
+            break;
+        }
+        // The active job's 60 s lease is still running unless it was completed above.
+        if n.active == 1 && n.pending + n.delayed + n.dead == 0 {
+            q.complete(active.id(), active.attempts())
+                .await
+                .expect("complete the active job");
+            completed.insert(active.id());
+            continue;
+        }
+        assert!(Instant::now() < give_up, "the queue never drained: {n:?}");
+        sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(completed, expected, "jobs lost or invented");
+}
+
+/// Retries an operation that may fail once while a connection settles after the condition.
+async fn retry_until_ok<T, F, Fut>(what: &str, mut op: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = leasehold::Result<T>>,
+{
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        match op().await {
+            Ok(v) => return v,
+            Err(e) if Instant::now() < give_up && e.is_transient() => {
+                sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("{what}: {e:?}"),
+        }
+    }
+}
+
+/// A renewing lease on a server that starts refusing: lost before its deadline when renewal is
+/// refused; kept when renewal still runs (OOM: PEXPIRE needs no memory).
+async fn renewal(flavor: Flavor, cond: Condition) {
+    let server = Server::start(flavor);
+    let (lock_url, _) = urls(&server, cond);
+    let locker = Locker::redis(&lock_url).await.expect("connect");
+    let ttl = Duration::from_millis(1_000);
+    let lease = locker
+        .try_acquire("renewed", &LockOptions::new().ttl(ttl))
+        .await
+        .expect("acquire");
+    let key = locker.lock_key("renewed").expect("key").lock_key();
+    let granted = Instant::now();
+    set_condition(&server, cond, true);
+    let fired = timeout(3 * ttl, lease.lost()).await.is_ok();
+    if cond == Condition::Oom {
+        assert!(!fired, "renewal under OOM failed: PEXPIRE needs no memory");
+        assert!(server.cmd::<i64>(&["PTTL", &key]) > 0, "the key lapsed");
+    } else {
+        assert!(fired, "lost() never fired while every renewal was refused");
+        let pttl: i64 = server.cmd(&["PTTL", &key]);
+        assert!(
+            pttl > 0,
+            "lost() fired after the server let the key expire (PTTL {pttl})"
+        );
+        assert!(
+            granted.elapsed() < ttl,
+            "lost() fired after the lease's deadline: {:?}",
+            granted.elapsed()
+        );
+    }
+    set_condition(&server, cond, false);
+    match lease.release().await {
+        Ok(r) if cond == Condition::Oom => assert_eq!(r, Release::Released),
+        // Lost, yet still on the server (its last renewal landed): the token still matches.
+        Ok(_) => {}
+        Err(e) => panic!("release after recovery: {e:?}"),
+    }
+    // A fresh lease renews again once the condition has cleared.
+    let again: Lease = locker
+        .try_acquire("renewed2", &LockOptions::new().ttl(ttl))
+        .await
+        .expect("acquire after recovery");
+    assert!(
+        timeout(2 * ttl, again.lost()).await.is_err(),
+        "renewal did not recover"
+    );
+    again.release().await.expect("release");
+}
+
+macro_rules! hostile {
+    ($($name:ident: $flavor:expr, $cond:expr;)*) => {
+        mod every_operation {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    every_operation($flavor, $cond).await;
+                }
+            )*
+        }
+        mod renewal {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    renewal($flavor, $cond).await;
+                }
+            )*
+        }
+    };
+}
+
+hostile! {
+    redis_oom: Flavor::Redis, Condition::Oom;
+    redis_noperm: Flavor::Redis, Condition::NoPerm;
+    redis_misconf: Flavor::Redis, Condition::Misconf;
+    valkey_oom: Flavor::Valkey, Condition::Oom;
+    valkey_noperm: Flavor::Valkey, Condition::NoPerm;
+    valkey_misconf: Flavor::Valkey, Condition::Misconf;
+}
