@@ -1,7 +1,8 @@
 //! Torture harness: many clients in several OS processes take leases on a few hot keys against
 //! a `redis-server` this program starts, while it injects faults (pauses, crashes, server
-//! restarts, `SCRIPT FLUSH`, `CLIENT KILL`); afterwards it checks what the grants and the fenced
-//! resource saw, prints a summary table and exits non-zero if an invariant failed.
+//! restarts, `SCRIPT FLUSH`, `CLIENT KILL`, and network latency, stalls and cuts through a TCP
+//! proxy of ours); afterwards it checks what the grants and the fenced resource saw, prints a
+//! summary table and exits non-zero if an invariant failed.
 //!
 //! ```text
 //! cargo run --release --example torture -- --seed 7 --secs 40 --clients 4 --keys 2
@@ -9,9 +10,14 @@
 //!
 //! Options (defaults in brackets): `--seed N` [1], `--secs N` [30], `--clients N` child
 //! processes [4], `--tasks N` client loops per process [2], `--keys N` hot keys [2],
-//! `--ttl-ms N` [300], `--faults pause,crash,restart,flush,clientkill` [all], `--persist`
+//! `--ttl-ms N` [300], `--faults pause,crash,restart,flush,clientkill,latency,stall,cut` [all],
+//! `--persist`
 //! (the lock server runs with `appendonly yes`, `appendfsync always`), `--break-resource` (a
 //! self-test: the resource accepts every write, and the checker must then FAIL the run).
+//!
+//! Each child reaches the lock server through its own TCP proxy (`tests/support/proxy.rs`),
+//! which runs in this parent process: the network faults hit one child, or all of them, by
+//! driving those proxies.
 //!
 //! Two servers: the *lock server*, which takes the faults, and the *resource server*, which
 //! plays the protected data store and is never faulted. The fenced resource is a script on the
@@ -35,7 +41,29 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use leasehold::{LockOptions, Locker, Release};
 use serde_json::{Value, json};
 
+// The test suite's proxy, shared rather than copied; the harness uses only its network faults.
+#[allow(dead_code)]
+#[path = "../tests/support/proxy.rs"]
+mod proxy;
+
+use proxy::Proxy;
+
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Every fault kind, the default `--faults`.
+const ALL_FAULTS: [&str; 8] = [
+    "pause",
+    "crash",
+    "restart",
+    "flush",
+    "clientkill",
+    "latency",
+    "stall",
+    "cut",
+];
+
+/// The faults that drive a child's proxy rather than the server or the process.
+const NET_FAULTS: [&str; 3] = ["latency", "stall", "cut"];
 
 /// The fenced resource. KEYS: highest accepted fence, acceptance list, refusal counter;
 /// ARGV[1]: the offered fence. Fences are wall-clock microseconds (below 2^53), so Lua's
@@ -115,9 +143,7 @@ fn parse_args() -> Result<Opts, BoxError> {
         tasks: 2,
         keys: 2,
         ttl_ms: 300,
-        faults: ["pause", "crash", "restart", "flush", "clientkill"]
-            .map(String::from)
-            .to_vec(),
+        faults: ALL_FAULTS.map(String::from).to_vec(),
         persist: false,
         break_resource: false,
         child: None,
@@ -159,7 +185,7 @@ fn parse_args() -> Result<Opts, BoxError> {
                     .map(String::from)
                     .collect();
                 for f in &o.faults {
-                    if !["pause", "crash", "restart", "flush", "clientkill"].contains(&f.as_str()) {
+                    if !ALL_FAULTS.contains(&f.as_str()) {
                         return Err(format!("unknown fault `{f}`").into());
                     }
                 }
@@ -307,7 +333,7 @@ async fn client(
                 let t = now_us();
                 emit(
                     json!({"ev": "lost", "c": wid, "key": wkey, "fence": fence, "t": t,
-                    "deadline": deadline, "in_time": t <= deadline}),
+                    "deadline": deadline}),
                 );
             }
         });
@@ -316,7 +342,14 @@ async fn client(
         let counter = format!("cnt:{key}");
         let read: Result<Option<i64>, _> =
             redis::cmd("GET").arg(&counter).query_async(&mut res).await;
-        tokio::time::sleep(Duration::from_millis(rng.range(10, 60))).await;
+        // Most holds are short; one in five lasts half the TTL to three TTLs, so the lease must
+        // be renewed while held and a network fault can make it lapse under its holder.
+        let hold = if rng.range(0, 5) == 0 {
+            rng.range(o.ttl_ms / 2, 3 * o.ttl_ms + 1)
+        } else {
+            rng.range(10, 60)
+        };
+        tokio::time::sleep(Duration::from_millis(hold)).await;
         // The fenced write. Deliberately made whether or not the lease is still held: the
         // fence, not the holder's own check, is what must stop a stale writer.
         let was_lost = lease.is_lost();
@@ -437,10 +470,33 @@ impl Drop for Server {
 /// One injected fault, for the summary and for explaining double grants.
 struct Fault {
     kind: &'static str,
-    /// The child index it hit, for pauses and crashes.
+    /// The child index it hit, for pauses, crashes and network faults on one child; a network
+    /// fault with `None` hit every child.
     child: Option<usize>,
+    /// Whether it was aimed at a child that held a lease (pauses and network faults).
+    on_holder: bool,
     t0: u64,
     t1: u64,
+}
+
+impl Fault {
+    fn new(kind: &'static str, child: Option<usize>, t0: u64) -> Fault {
+        Fault {
+            kind,
+            child,
+            on_holder: false,
+            t0,
+            t1: now_us(),
+        }
+    }
+
+    /// Whether this is a network fault that reached `child` at some time in `[from, to]`.
+    fn net_on(&self, child: usize, from: u64, to: u64) -> bool {
+        NET_FAULTS.contains(&self.kind)
+            && self.child.is_none_or(|c| c == child)
+            && self.t0 <= to
+            && self.t1 >= from
+    }
 }
 
 type Events = Arc<Mutex<Vec<Value>>>;
@@ -527,13 +583,26 @@ fn holding_children(events: &Events) -> Vec<usize> {
 fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
     let mut lock_server = Server::start(opts.persist)?;
     let res_server = Server::start(false)?;
-    let (url, res_url) = (lock_server.url(), res_server.url());
+    let res_url = res_server.url();
+    // The proxies run on this runtime's threads while the fault loop below sleeps and signals.
+    let net = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    // One proxy per child slot, kept across a crashed child's replacements, so a network
+    // fault can hit one client alone.
+    let proxies: Vec<Proxy> = (0..opts.clients)
+        .map(|_| net.block_on(Proxy::start(lock_server.port)))
+        .collect();
     let start = now_us();
     let until = start + opts.secs * 1_000_000;
     let events: Events = Arc::new(Mutex::new(Vec::new()));
     let mut children: Vec<(Child, usize)> = Vec::new();
-    for i in 0..opts.clients {
-        children.push((spawn_child(opts, i, 0, &url, &res_url, until, &events)?, 0));
+    for (i, p) in proxies.iter().enumerate() {
+        children.push((
+            spawn_child(opts, i, 0, &p.url(), &res_url, until, &events)?,
+            0,
+        ));
     }
     println!(
         "torture: seed {} secs {} clients {}x{} tasks keys {} ttl {} ms faults {} persist {}",
@@ -549,42 +618,101 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
 
     let mut rng = Rng::new(opts.seed);
     let mut faults: Vec<Fault> = Vec::new();
-    let mut pauses_on_holder = 0usize;
     let ttl = opts.ttl_ms;
-    // Leave the last two seconds fault-free so every child can finish its cycle cleanly.
+    let net_kinds: Vec<&str> = opts
+        .faults
+        .iter()
+        .map(String::as_str)
+        .filter(|f| NET_FAULTS.contains(f))
+        .collect();
+    // Leave the last two seconds fault-free so every child can finish its cycle cleanly; a
+    // fault that lasts a while is cut short 1.5 s before the end for the same reason.
+    let fault_end = until - 1_500_000;
+    let for_ms = |wanted: u64| wanted.min(fault_end.saturating_sub(now_us()) / 1000);
     while !opts.faults.is_empty() && now_us() + 2_000_000 < until {
         std::thread::sleep(Duration::from_millis(rng.range(700, 1_800)));
         if now_us() + 2_000_000 >= until {
             break;
         }
-        // Pauses are what the fence is for, so they get two faults in five when enabled.
+        // Pauses are what the fence is for, so they get two faults in six when enabled; the
+        // network faults, the other way a holder can lapse without being stopped, get two in
+        // six between them; the rest share what is left with them.
         let pause_on = opts.faults.iter().any(|f| f == "pause");
-        let kind = if pause_on && rng.range(0, 5) < 2 {
+        let pick = rng.range(0, 6);
+        let kind = if pause_on && pick < 2 {
             "pause"
+        } else if !net_kinds.is_empty() && (2..4).contains(&pick) {
+            net_kinds[rng.range(0, net_kinds.len() as u64) as usize]
         } else {
             opts.faults[rng.range(0, opts.faults.len() as u64) as usize].as_str()
         };
         let t0 = now_us();
+        // Pauses and network faults prefer a child that holds a lease: hitting an idle one
+        // exercises nothing.
+        let holding = holding_children(&events);
+        let aim = |rng: &mut Rng| {
+            if holding.is_empty() {
+                (rng.range(0, children.len() as u64) as usize, false)
+            } else {
+                (holding[rng.range(0, holding.len() as u64) as usize], true)
+            }
+        };
         match kind {
             "pause" => {
-                // Prefer a child that holds a lease: pausing an idle one exercises nothing.
-                let holding = holding_children(&events);
-                pauses_on_holder += !holding.is_empty() as usize;
-                let i = if holding.is_empty() {
-                    rng.range(0, children.len() as u64) as usize
-                } else {
-                    holding[rng.range(0, holding.len() as u64) as usize]
-                };
+                let (i, on_holder) = aim(&mut rng);
                 let pid = children[i].0.id();
                 signal(pid, "STOP")?;
                 std::thread::sleep(Duration::from_millis(rng.range(2 * ttl, 3 * ttl + 1)));
                 signal(pid, "CONT")?;
-                faults.push(Fault {
-                    kind: "pause",
-                    child: Some(i),
-                    t0,
-                    t1: now_us(),
-                });
+                let mut f = Fault::new("pause", Some(i), t0);
+                f.on_holder = on_holder;
+                faults.push(f);
+            }
+            "latency" | "stall" | "cut" => {
+                // One child in three of four faults (a client's own link), else every child.
+                let (target, on_holder) = if rng.range(0, 4) == 0 {
+                    (None, !holding.is_empty())
+                } else {
+                    let (i, h) = aim(&mut rng);
+                    (Some(i), h)
+                };
+                let hit: Vec<&Proxy> = match target {
+                    Some(i) => vec![&proxies[i]],
+                    None => proxies.iter().collect(),
+                };
+                // Latency: 20-150 ms each way, so a round trip (40-300 ms) is often above
+                // ttl/3 and renewals race their deadline. Stall: ttl/2 to 4x the TTL, so the
+                // held lease sometimes lapses. Cut: ttl/2 to 3x the TTL.
+                let (kind, ms) = match kind {
+                    "latency" => {
+                        let one_way = Duration::from_millis(rng.range(20, 151));
+                        for p in &hit {
+                            p.set_latency(one_way);
+                        }
+                        ("latency", for_ms(rng.range(1_000, 2_501)))
+                    }
+                    "stall" => {
+                        for p in &hit {
+                            p.stall(true);
+                        }
+                        ("stall", for_ms(rng.range(ttl / 2, 4 * ttl + 1)))
+                    }
+                    _ => {
+                        for p in &hit {
+                            p.cut(true);
+                        }
+                        ("cut", for_ms(rng.range(ttl / 2, 3 * ttl + 1)))
+                    }
+                };
+                std::thread::sleep(Duration::from_millis(ms));
+                for p in &hit {
+                    p.set_latency(Duration::ZERO);
+                    p.stall(false);
+                    p.cut(false);
+                }
+                let mut f = Fault::new(kind, target, t0);
+                f.on_holder = on_holder;
+                faults.push(f);
             }
             "crash" => {
                 let i = rng.range(0, children.len() as u64) as usize;
@@ -593,36 +721,23 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
                 let t1 = now_us();
                 let inc = children[i].1 + 1;
                 children[i] = (
-                    spawn_child(opts, i, inc, &url, &res_url, until, &events)?,
+                    spawn_child(opts, i, inc, &proxies[i].url(), &res_url, until, &events)?,
                     inc,
                 );
-                faults.push(Fault {
-                    kind: "crash",
-                    child: Some(i),
-                    t0,
-                    t1,
-                });
+                let mut f = Fault::new("crash", Some(i), t0);
+                f.t1 = t1;
+                faults.push(f);
             }
             "restart" => {
                 lock_server.kill();
                 lock_server.spawn()?;
-                faults.push(Fault {
-                    kind: "restart",
-                    child: None,
-                    t0,
-                    t1: now_us(),
-                });
+                faults.push(Fault::new("restart", None, t0));
             }
             "flush" => {
                 let _: () = redis::cmd("SCRIPT")
                     .arg("FLUSH")
                     .query(&mut lock_server.conn()?)?;
-                faults.push(Fault {
-                    kind: "script flush",
-                    child: None,
-                    t0,
-                    t1: now_us(),
-                });
+                faults.push(Fault::new("script flush", None, t0));
             }
             _ => {
                 let _: i64 = redis::cmd("CLIENT")
@@ -630,12 +745,7 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
                     .arg("TYPE")
                     .arg("normal")
                     .query(&mut lock_server.conn()?)?;
-                faults.push(Fault {
-                    kind: "client kill",
-                    child: None,
-                    t0,
-                    t1: now_us(),
-                });
+                faults.push(Fault::new("client kill", None, t0));
             }
         }
     }
@@ -682,7 +792,6 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
         resource,
         leftover_locks: leftover.len(),
         hung,
-        pauses_on_holder,
         elapsed_us: now_us() - start,
     };
     Ok(check(opts, &events, &run))
@@ -719,7 +828,6 @@ struct Run {
     resource: BTreeMap<String, (Vec<u64>, u64, u64)>,
     leftover_locks: usize,
     hung: usize,
-    pauses_on_holder: usize,
     elapsed_us: u64,
 }
 
@@ -729,18 +837,16 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
         resource,
         leftover_locks,
         hung,
-        pauses_on_holder,
         elapsed_us,
     } = run;
-    let (leftover_locks, hung, pauses_on_holder, elapsed_us) =
-        (*leftover_locks, *hung, *pauses_on_holder, *elapsed_us);
+    let (leftover_locks, hung, elapsed_us) = (*leftover_locks, *hung, *elapsed_us);
     let mut grants: Vec<Grant> = Vec::new();
     let mut by_id: HashMap<(String, u64), usize> = HashMap::new();
     let (mut acc, mut refused, mut acc_after_lost, mut refused_lost) = (0u64, 0u64, 0u64, 0u64);
     let (mut write_errs, mut acq_errs, mut torn) = (0u64, 0u64, 0u64);
     let mut incs: BTreeMap<String, u64> = BTreeMap::new();
-    let (mut lost_total, mut lost_in_time) = (0u64, 0u64);
-    let mut lost_late: Vec<(String, u64, u64)> = Vec::new();
+    // Each `lost` event: holder, when it fired, the holder's last local deadline.
+    let mut losts: Vec<(String, u64, u64)> = Vec::new();
     let (mut exits, mut alive_tasks) = (0u64, 0u64);
     for e in events {
         let c = e["c"].as_str().unwrap_or("").to_string();
@@ -773,12 +879,7 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
                 }
             }
             "lost" => {
-                lost_total += 1;
-                if e["in_time"].as_bool() == Some(true) {
-                    lost_in_time += 1;
-                } else {
-                    lost_late.push((c.clone(), t, e["deadline"].as_u64().unwrap_or(0)));
-                }
+                losts.push((c.clone(), t, e["deadline"].as_u64().unwrap_or(0)));
                 if let Some(&g) = by_id.get(&(c, fence)) {
                     grants[g].lost_t = Some(t);
                 }
@@ -818,6 +919,14 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
         m
     };
     let pauses = faults.iter().filter(|f| f.kind == "pause").count();
+    let pauses_on_holder = faults
+        .iter()
+        .filter(|f| f.kind == "pause" && f.on_holder)
+        .count();
+    let net_faults: Vec<&Fault> = faults
+        .iter()
+        .filter(|f| NET_FAULTS.contains(&f.kind))
+        .collect();
     let restarts: Vec<&Fault> = faults.iter().filter(|f| f.kind == "restart").collect();
     let paused = |child: usize, from: u64, to: u64| {
         faults
@@ -877,6 +986,10 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
         [g.t_rel, g.lost_t, killed_at].into_iter().flatten().min()
     };
     let mut doubles: BTreeMap<&'static str, u64> = BTreeMap::new();
+    // Of the lapsed-lease doubles: earlier holder told lost() before the later grant, told
+    // only after it, not told at all; and how many had a network fault on the holder.
+    let mut lapsed_told = [0u64; 3];
+    let mut lapsed_net = 0u64;
     let mut unexplained: Vec<String> = Vec::new();
     for gs in per_key.values() {
         let mut gs: Vec<&&Grant> = gs.iter().collect();
@@ -884,6 +997,7 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
         for (bi, b) in gs.iter().enumerate() {
             // Counted once per later grant; unexplained if any overlap with it is.
             let mut verdict: Option<&'static str> = None;
+            let mut lapsed: Option<&Grant> = None;
             for a in &gs[..bi] {
                 let Some(end) = end_of(a) else { continue };
                 if a.t_start >= b.t_start || end <= b.t_start {
@@ -900,6 +1014,7 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
                     || a.result.as_deref() == Some("not_held")
                     || a.deadline.is_some_and(|d| d <= b.t_start)
                 {
+                    lapsed = Some(a);
                     "lease lapsed, holder not paused"
                 } else {
                     unexplained.push(format!(
@@ -914,6 +1029,18 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
             }
             if let Some(why) = verdict {
                 *doubles.entry(why).or_default() += 1;
+                if let (Some(a), "lease lapsed, holder not paused") = (lapsed, why) {
+                    let told = match a.lost_t {
+                        Some(t) if t <= b.t_start => 0,
+                        Some(_) => 1,
+                        None => 2,
+                    };
+                    lapsed_told[told] += 1;
+                    lapsed_net += faults
+                        .iter()
+                        .any(|f| f.net_on(a.child, a.t_start, b.t_start))
+                        as u64;
+                }
             }
         }
     }
@@ -938,11 +1065,47 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
             None => unended += 1,
         }
     }
-    // Lost leases told late: was the holder's process paused at the time?
-    let late_paused = lost_late
-        .iter()
-        .filter(|(c, t, deadline)| paused(who(c).0, deadline.saturating_sub(1), *t))
-        .count();
+    // Lost leases: when was the holder told, and which fault made it lose the lease? The
+    // local deadline is the drift allowance (1% of the TTL + 2 ms) or more before the server's
+    // own expiry, so a holder told within that allowance after its deadline was still told
+    // before the server could grant the key to anyone else.
+    let drift_us = opts.ttl_ms * 1000 / 100 + 2_000;
+    let (mut in_time, mut in_drift, mut late_paused, mut late_other) = (0u64, 0u64, 0u64, 0u64);
+    let mut worst_late_us = 0u64;
+    // Per cause: told by the deadline, within the drift allowance, later.
+    let mut lost_by: BTreeMap<&str, [u64; 3]> = BTreeMap::new();
+    for (c, t, deadline) in &losts {
+        let (child, t, deadline) = (who(c).0, *t, *deadline);
+        let from = deadline.saturating_sub(opts.ttl_ms * 1000);
+        let cause = if paused(child, from, t) {
+            "pause"
+        } else if let Some(f) = faults.iter().find(|f| f.net_on(child, from, t)) {
+            f.kind
+        } else if let Some(f) = faults
+            .iter()
+            .find(|f| f.child.is_none() && f.t0 <= t && f.t1 >= from)
+        {
+            f.kind
+        } else {
+            "no fault"
+        };
+        let slot = if t <= deadline {
+            in_time += 1;
+            0
+        } else if t <= deadline + drift_us {
+            in_drift += 1;
+            1
+        } else {
+            if paused(child, deadline.saturating_sub(1), t) {
+                late_paused += 1;
+            } else {
+                late_other += 1;
+                worst_late_us = worst_late_us.max(t - deadline);
+            }
+            2
+        };
+        lost_by.entry(cause).or_default()[slot] += 1;
+    }
 
     // 5. Negative control.
     let total_incs: u64 = incs.values().sum();
@@ -1057,6 +1220,24 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
     );
     for (why, n) in &doubles {
         row(&format!("  {why}"), n.to_string());
+        if *why == "lease lapsed, holder not paused" {
+            row(
+                "    holder told lost() before the later grant",
+                lapsed_told[0].to_string(),
+            );
+            row(
+                "    holder told only after the later grant began",
+                lapsed_told[1].to_string(),
+            );
+            row(
+                "    not told (deadline passed or release not held)",
+                lapsed_told[2].to_string(),
+            );
+            row(
+                "    a network fault hit the holder's link",
+                lapsed_net.to_string(),
+            );
+        }
     }
     let faults_line = if fault_counts.is_empty() {
         "none".to_string()
@@ -1073,21 +1254,43 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
         format!("{pauses_on_holder} of {pauses}"),
     );
     row(
-        "leases lost (lost() fired while held)",
-        lost_total.to_string(),
+        "  network faults on all links / on one child's",
+        format!(
+            "{} / {} ({} of them a holder's)",
+            net_faults.iter().filter(|f| f.child.is_none()).count(),
+            net_faults.iter().filter(|f| f.child.is_some()).count(),
+            net_faults
+                .iter()
+                .filter(|f| f.child.is_some() && f.on_holder)
+                .count()
+        ),
     );
     row(
-        "  holder told before its local deadline",
-        lost_in_time.to_string(),
+        "leases lost (lost() fired while held)",
+        losts.len().to_string(),
+    );
+    row("  holder told by its local deadline", in_time.to_string());
+    row(
+        "  told after it, within the drift allowance",
+        in_drift.to_string(),
     );
     row(
         "  told late, holder's process was paused",
         late_paused.to_string(),
     );
     row(
-        "  told late, not paused (scheduling delay)",
-        (lost_late.len() - late_paused).to_string(),
+        "  told late, not paused",
+        format!(
+            "{late_other} (worst {:.1} ms after the deadline)",
+            worst_late_us as f64 / 1e3
+        ),
     );
+    for (cause, [a, b, c]) in &lost_by {
+        row(
+            &format!("  lost under {cause}"),
+            format!("{}: {a} by deadline, {b} within drift, {c} late", a + b + c),
+        );
+    }
     row("releases that found the lease gone", not_held.to_string());
     row("release errors", release_errors.to_string());
     for (kind, n) in &release_error_kinds {

@@ -1,12 +1,28 @@
 //! A TCP proxy of our own between a client and a real server, for faults a server cannot
-//! inject itself: replies lost after the command ran, and slow replies.
+//! inject itself: replies lost after the command ran, slow replies, and network faults
+//! (latency, stalls, cuts) for the torture harness.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+/// The network state every connection of one proxy follows.
+#[derive(Clone, Copy, Default)]
+struct NetState {
+    /// Nothing is forwarded either way; connections stay open.
+    stalled: bool,
+    /// The listener is closed (new connections refused).
+    cut: bool,
+    /// Bumped by each cut: a connection opened in an earlier epoch is closed.
+    epoch: u64,
+}
 
 /// Forwards loopback connections to the server; drops the next `to_drop` server replies that
 /// start with `pattern`, closing that connection instead of delivering them.
@@ -18,39 +34,33 @@ pub struct Proxy {
     pub dropped: Arc<AtomicUsize>,
     /// Delay added to every reply, in microseconds (0: none).
     delay_us: Arc<AtomicU64>,
+    /// One-way latency added to every chunk in both directions, in microseconds (0: none).
+    latency_us: Arc<AtomicU64>,
+    state: watch::Sender<NetState>,
 }
 
 impl Proxy {
     pub async fn start(upstream: u16) -> Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let port = listener.local_addr().expect("addr").port();
+        let (state, rx) = watch::channel(NetState::default());
         let proxy = Proxy {
             port,
             pattern: Arc::default(),
             to_drop: Arc::default(),
             dropped: Arc::default(),
             delay_us: Arc::default(),
+            latency_us: Arc::default(),
+            state,
         };
-        let (pattern, to_drop, dropped, delay) = (
-            proxy.pattern.clone(),
-            proxy.to_drop.clone(),
-            proxy.dropped.clone(),
-            proxy.delay_us.clone(),
-        );
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
-                    continue;
-                };
-                let faults = Faults {
-                    pattern: pattern.clone(),
-                    to_drop: to_drop.clone(),
-                    dropped: dropped.clone(),
-                    delay: delay.clone(),
-                };
-                tokio::spawn(pipe(client, server, faults));
-            }
-        });
+        let faults = Faults {
+            pattern: proxy.pattern.clone(),
+            to_drop: proxy.to_drop.clone(),
+            dropped: proxy.dropped.clone(),
+            delay: proxy.delay_us.clone(),
+            latency: proxy.latency_us.clone(),
+        };
+        tokio::spawn(serve(listener, port, upstream, faults, rx));
         proxy
     }
 
@@ -65,63 +75,180 @@ impl Proxy {
     }
 
     /// Delays every reply from now on by `delay` (zero: no delay), as a slow network would.
+    /// Replies wait one after another, so the delays of queued replies add up.
     pub fn delay_replies(&self, delay: Duration) {
         self.delay_us
             .store(delay.as_micros() as u64, Ordering::SeqCst);
     }
+
+    /// Adds `one_way` to every chunk read from now on, in both directions (zero: none). Unlike
+    /// [`delay_replies`](Self::delay_replies), chunks are delayed in parallel, as on a long
+    /// link: order and throughput are kept, a round trip takes twice `one_way` longer.
+    pub fn set_latency(&self, one_way: Duration) {
+        self.latency_us
+            .store(one_way.as_micros() as u64, Ordering::SeqCst);
+    }
+
+    /// While `on`, nothing is forwarded in either direction and connections stay open, as
+    /// when a link drops packets; what was sent meanwhile is delivered when the stall ends.
+    pub fn stall(&self, on: bool) {
+        self.state.send_modify(|s| s.stalled = on);
+    }
+
+    /// `on`: every open connection is closed at once and new ones are refused (the listener
+    /// is closed) until `cut(false)` opens it again on the same port.
+    pub fn cut(&self, on: bool) {
+        self.state.send_modify(|s| {
+            if on && !s.cut {
+                s.epoch += 1;
+            }
+            s.cut = on;
+        });
+    }
 }
 
 /// The faults one proxied connection applies, shared with the `Proxy` that arms them.
+#[derive(Clone)]
 struct Faults {
     pattern: Arc<std::sync::Mutex<Vec<u8>>>,
     to_drop: Arc<AtomicUsize>,
     dropped: Arc<AtomicUsize>,
     delay: Arc<AtomicU64>,
+    latency: Arc<AtomicU64>,
 }
 
-async fn pipe(client: TcpStream, server: TcpStream, faults: Faults) {
-    let Faults {
-        pattern,
-        to_drop,
-        dropped,
-        delay,
-    } = faults;
-    let (mut cr, mut cw) = client.into_split();
-    let (mut sr, mut sw) = server.into_split();
-    let upstream = tokio::spawn(async move {
+/// Aborts the task when dropped, so a connection's reader dies with it.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+async fn serve(
+    mut listener: TcpListener,
+    port: u16,
+    upstream: u16,
+    faults: Faults,
+    mut state: watch::Receiver<NetState>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => Some(a),
+            cut = state.wait_for(|s| s.cut) => {
+                if cut.is_err() {
+                    return;
+                }
+                None
+            }
+        };
+        let Some(accepted) = accepted else {
+            // Cut: refuse connections until the cut ends, then listen on the same port again.
+            drop(listener);
+            if state.wait_for(|s| !s.cut).await.is_err() {
+                return;
+            }
+            listener = match rebind(port).await {
+                Some(l) => l,
+                None => return,
+            };
+            continue;
+        };
+        let Ok((client, _)) = accepted else { break };
+        let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
+            continue;
+        };
+        tokio::spawn(pipe(client, server, faults.clone(), state.clone()));
+    }
+}
+
+/// Listens on `port` again after a cut; the port was ours a moment ago, so a few tries suffice
+/// unless another process took it.
+async fn rebind(port: u16) -> Option<TcpListener> {
+    for _ in 0..100 {
+        if let Ok(l) = TcpListener::bind(("127.0.0.1", port)).await {
+            return Some(l);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("proxy: cannot listen on port {port} again after a cut");
+    None
+}
+
+async fn pipe(
+    client: TcpStream,
+    server: TcpStream,
+    faults: Faults,
+    mut state: watch::Receiver<NetState>,
+) {
+    let epoch = state.borrow().epoch;
+    let (cr, cw) = client.into_split();
+    let (sr, sw) = server.into_split();
+    let latency = faults.latency.clone();
+    // Either direction ending (a peer closed, a reply dropped) or a cut closes both.
+    tokio::select! {
+        _ = forward(cr, sw, None, latency.clone(), state.clone()) => {}
+        _ = forward(sr, cw, Some(faults), latency, state.clone()) => {}
+        _ = state.wait_for(|s| s.epoch != epoch) => {}
+    }
+}
+
+/// Copies one direction. `replies`: this is the server-to-client direction, where reply
+/// dropping and the serial reply delay apply.
+async fn forward(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    replies: Option<Faults>,
+    latency: Arc<AtomicU64>,
+    mut state: watch::Receiver<NetState>,
+) {
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let serial_delay = replies.as_ref().map(|f| f.delay.clone());
+    // Reading goes on while the writer waits out latency or a stall; each chunk carries the
+    // time it is due.
+    let _reader = AbortOnDrop(tokio::spawn(async move {
         let mut buf = vec![0u8; 64 * 1024];
-        while let Ok(n) = cr.read(&mut buf).await {
-            if n == 0 || sw.write_all(&buf[..n]).await.is_err() {
+        while let Ok(n) = from.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            // The serial reply delay holds up reading too: replies that arrive meanwhile
+            // are read, and delayed, together with this one.
+            let wait = serial_delay
+                .as_ref()
+                .map_or(0, |d| d.load(Ordering::SeqCst));
+            if wait > 0 {
+                tokio::time::sleep(Duration::from_micros(wait)).await;
+            }
+            let due = Instant::now() + Duration::from_micros(latency.load(Ordering::SeqCst));
+            if tx.send((due, buf[..n].to_vec())).is_err() {
                 break;
             }
         }
-    });
-    let mut buf = vec![0u8; 64 * 1024];
-    while let Ok(n) = sr.read(&mut buf).await {
-        if n == 0 {
-            break;
+    }));
+    while let Some((due, chunk)) = rx.recv().await {
+        tokio::time::sleep_until(due).await;
+        if state.wait_for(|s| !s.stalled).await.is_err() {
+            return;
         }
-        let chunk = &buf[..n];
-        let wait = delay.load(Ordering::SeqCst);
-        if wait > 0 {
-            tokio::time::sleep(Duration::from_micros(wait)).await;
+        if let Some(f) = &replies {
+            let matches = {
+                let p = f.pattern.lock().expect("pattern");
+                !p.is_empty() && chunk.starts_with(&p)
+            };
+            if matches
+                && f.to_drop
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
+                    .is_ok()
+            {
+                f.dropped.fetch_add(1, Ordering::SeqCst);
+                // Both halves dropped: the client sees its connection die with the reply unsent.
+                return;
+            }
         }
-        let matches = {
-            let p = pattern.lock().expect("pattern");
-            !p.is_empty() && chunk.starts_with(&p)
-        };
-        if matches
-            && to_drop
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
-                .is_ok()
-        {
-            dropped.fetch_add(1, Ordering::SeqCst);
-            // Both halves dropped: the client sees its connection die with the reply unsent.
-            break;
-        }
-        if cw.write_all(chunk).await.is_err() {
-            break;
+        if to.write_all(&chunk).await.is_err() {
+            return;
         }
     }
-    upstream.abort();
 }
