@@ -188,8 +188,12 @@ fn ran_or_refused<T: std::fmt::Debug>(
     r: leasehold::Result<T>,
 ) -> bool {
     match r {
-        Ok(_) => true,
+        Ok(_) => {
+            eprintln!("{what}: ran");
+            true
+        }
         Err(e) if is_refusal(&e) => {
+            eprintln!("{what}: refused ({e})");
             assert_eq!(
                 &snapshot(server),
                 before,
@@ -222,7 +226,7 @@ async fn every_operation(flavor: Flavor, cond: Condition) {
 
     let q = Queue::redis(&queue_url, "jobs").await.expect("queue");
     let mut jobs = BTreeSet::new();
-    for p in [b"a", b"b", b"c", b"d"] {
+    for p in [b"a", b"b", b"c", b"d", b"e", b"f"] {
         jobs.insert(q.enqueue(p).await.expect("enqueue"));
     }
     let active = q.claim(Duration::from_secs(60)).await.expect("claim");
@@ -235,7 +239,11 @@ async fn every_operation(flavor: Flavor, cond: Condition) {
     q.retry(delayed_id, delayed_att, Duration::from_millis(50))
         .await
         .expect("retry with a delay");
-    // One job left pending, one active, one whose lease ran out, one delayed and due.
+    let to_retry = q.claim(Duration::from_secs(60)).await.expect("claim");
+    let to_retry = to_retry.expect("a pending job");
+    let to_fail = q.claim(Duration::from_secs(60)).await.expect("claim");
+    let to_fail = to_fail.expect("a pending job");
+    // One job left pending, three active, one whose lease ran out, one delayed and due.
     sleep(Duration::from_millis(120)).await;
 
     set_condition(&server, cond, true);
@@ -298,6 +306,17 @@ async fn every_operation(flavor: Flavor, cond: Condition) {
     let r = q.complete(active.id(), active.attempts()).await;
     if ran_or_refused(&server, &before, "queue complete", r) {
         completed.insert(active.id());
+    }
+    let before = snapshot(&server);
+    let r = q
+        .retry(to_retry.id(), to_retry.attempts(), Duration::ZERO)
+        .await;
+    let retried = ran_or_refused(&server, &before, "queue retry", r);
+    let before = snapshot(&server);
+    let r = q.fail(to_fail.id(), to_fail.attempts(), "hostile").await;
+    let mut failed = BTreeSet::new();
+    if ran_or_refused(&server, &before, "queue fail", r) {
+        failed.insert(to_fail.id());
     }
     let before = snapshot(&server);
     ran_or_refused(&server, &before, "reap", q.reap().await);
@@ -371,6 +390,18 @@ async fn every_operation(flavor: Flavor, cond: Condition) {
         q.complete(c.id(), c.attempts()).await.expect("complete");
         completed.insert(c.id());
     }
+    // Settle by hand what was refused under the condition: each job still active as before.
+    if !retried {
+        q.retry(to_retry.id(), to_retry.attempts(), Duration::ZERO)
+            .await
+            .expect("retry after recovery");
+    }
+    if failed.is_empty() {
+        q.fail(to_fail.id(), to_fail.attempts(), "after recovery")
+            .await
+            .expect("fail after recovery");
+        failed.insert(to_fail.id());
+    }
     let extra = retry_until_ok("enqueue after recovery", || q.enqueue(b"e")).await;
     let mut expected = jobs;
     expected.insert(extra);
@@ -382,11 +413,11 @@ async fn every_operation(flavor: Flavor, cond: Condition) {
             assert!(completed.insert(c.id()), "job {:?} ran twice", c.id());
         }
         let n = q.counts().await.expect("counts");
-        if (n.pending, n.active, n.delayed, n.dead) == (0, 0, 0, 0) {
+        if (n.pending, n.active, n.delayed, n.dead) == (0, 0, 0, 1) {
             break;
         }
         // The active job's 60 s lease is still running unless it was completed above.
-        if n.active == 1 && n.pending + n.delayed + n.dead == 0 {
+        if n.active == 1 && n.pending + n.delayed == 0 {
             q.complete(active.id(), active.attempts())
                 .await
                 .expect("complete the active job");
@@ -396,6 +427,9 @@ async fn every_operation(flavor: Flavor, cond: Condition) {
         assert!(Instant::now() < give_up, "the queue never drained: {n:?}");
         sleep(Duration::from_millis(20)).await;
     }
+    let info = q.job(to_fail.id()).await.expect("the failed job");
+    assert_eq!(info.state, leasehold::queue::JobState::Dead);
+    completed.extend(failed);
     assert_eq!(completed, expected, "jobs lost or invented");
 }
 
