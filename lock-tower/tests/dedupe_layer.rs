@@ -9,13 +9,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
+use axum::body::Body;
 use axum::routing::post;
 use bytes::Bytes;
-use common::{Harness, Reply, send, serve};
-use http::{Method, StatusCode};
+use common::{Drip, Harness, Reply, eventually, send, serve};
+use http::{Method, Response, StatusCode};
 use lock_tower::{DedupeLayer, Fence, KeyExtractor, Reason};
 use sha2::{Digest, Sha256};
-use tokio::sync::mpsc;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::sync::{Semaphore, mpsc};
 
 on_every_backend!(
     concurrent_duplicates_run_the_handler_once,
@@ -28,6 +31,7 @@ on_every_backend!(
     json_id_key_and_body_handed_on,
     claim_loss_cancels_and_stores_nothing,
     result_is_not_stored_when_the_claim_changed_hands,
+    client_hangs_up_while_the_result_is_collected,
 );
 
 /// A webhook endpoint that counts its runs and answers something unique per run.
@@ -588,5 +592,284 @@ mod redis_cluster {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn survives_a_service_restart() {
         common::bounded(super::survives_a_service_restart(Harness::redis_cluster())).await
+    }
+}
+
+/// Writes a keyed delivery on a raw connection and returns the connection, for tests that
+/// hang up before the answer.
+async fn raw_deliver(addr: std::net::SocketAddr, path: &str, key: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\ncontent-length: 2\r\n\r\n{{}}"
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    s
+}
+
+/// The client hangs up after the handler answered, while the layer still reads the answer's
+/// body to store it. The handler's work is done, so its result is still stored and the claim
+/// released: the sender's retry gets the replay instead of a second run (or a 409 until the
+/// claim's TTL ran out).
+async fn client_hangs_up_while_the_result_is_collected(h: Harness) {
+    let locker = h.locker().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let r2 = runs.clone();
+    let app = Router::new()
+        .route(
+            "/hooks/drip",
+            post(move || {
+                let (runs, tx) = (r2.clone(), tx.clone());
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    let _ = tx.send(());
+                    // Five chunks, 100 ms apart: the layer reads them all before it answers.
+                    Response::new(Body::new(Drip::new(Duration::from_millis(100), 5)))
+                }
+            }),
+        )
+        // A long TTL: only a release can free the claim within the test.
+        .layer(DedupeLayer::new(locker).claim_ttl(Duration::from_secs(60)));
+    let addr = serve(app).await;
+    let conn = raw_deliver(addr, "/hooks/drip", r#""gone""#).await;
+    entered.recv().await.expect("entered");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    drop(conn);
+    let mut last = None;
+    let answered = eventually(Duration::from_secs(10), async || {
+        let r = deliver_to(addr, "/hooks/drip", r#""gone""#).await;
+        let done = r.status != StatusCode::CONFLICT;
+        last = Some(r);
+        done
+    })
+    .await;
+    let last = last.expect("at least one retry");
+    assert!(answered, "the claim stayed held: {}", last.text());
+    assert_eq!(last.status, StatusCode::OK, "{}", last.text());
+    assert_eq!(
+        last.header("idempotent-replayed"),
+        Some("true"),
+        "the result was not stored after the client hung up"
+    );
+    assert_eq!(last.text(), "chunk\n".repeat(5));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran again");
+}
+
+async fn deliver_to(addr: std::net::SocketAddr, path: &str, key: &str) -> Reply {
+    send(addr, Method::POST, path, &[("idempotency-key", key)], "{}").await
+}
+
+/// Runs `args` on the test's server (standalone Redis or Valkey).
+fn server_cmd<T: ::redis::FromRedisValue>(h: &Harness, args: &[&str]) -> T {
+    match h {
+        Harness::Server(s) => s.cmd(args),
+        _ => panic!("this scenario needs a standalone server"),
+    }
+}
+
+/// The store write fails for real after the handler ran: the layer's locker logs in as an ACL
+/// user limited to the lock prefix, and the handler narrows that user's keys to the claim's
+/// `:lock` and `:fence` keys, so the server refuses the store script (`NOPERM` on the result
+/// key) while claims can still be taken and released. The first caller still gets the
+/// handler's answer, nothing is stored, and the claim is released at once rather than left to
+/// its TTL. While the store is refused a retry gets 503 (the result cannot be looked up, so
+/// the handler is not run blind); once the rule is back the retry runs the handler, and its
+/// result is stored and replayed.
+///
+/// (Out of memory is not such a fault: with `maxmemory 1` and `noeviction` the store script
+/// still writes, since Redis lets a script that already wrote, here its `DEL`, finish.)
+async fn store_write_failure_still_answers_and_frees_the_claim(h: Harness) {
+    let port = match &h {
+        Harness::Server(s) => s.port,
+        _ => panic!("this scenario needs a standalone server"),
+    };
+    let user = |keys: &[&str]| {
+        let mut args = vec!["ACL", "SETUSER", "dedupe", "on", ">pw", "resetkeys"];
+        args.extend_from_slice(keys);
+        args.extend_from_slice(&["resetchannels", "&{leasehold:*", "+@all"]);
+        let _: () = server_cmd(&h, &args);
+    };
+    user(&["~{leasehold:*"]);
+    let url = format!("redis://dedupe:pw@127.0.0.1:{port}/");
+    let locker = lock_core::Locker::redis(&url)
+        .await
+        .expect("connect as the ACL user");
+    let h = Arc::new(h);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (h2, r2) = (h.clone(), runs.clone());
+    let app = Router::new()
+        .route(
+            "/hooks/refused",
+            post(move || {
+                let (h, runs) = (h2.clone(), r2.clone());
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst);
+                    if n == 0 {
+                        let _: () = server_cmd(
+                            &h,
+                            &[
+                                "ACL",
+                                "SETUSER",
+                                "dedupe",
+                                "resetkeys",
+                                "~{leasehold:*}:lock",
+                                "~{leasehold:*}:fence",
+                            ],
+                        );
+                    }
+                    (StatusCode::CREATED, format!("run {n}"))
+                }
+            }),
+        )
+        .layer(
+            DedupeLayer::new(locker.clone())
+                .scope("refused")
+                .claim_ttl(Duration::from_secs(60)),
+        );
+    let addr = serve(app).await;
+    let lock_key = locker
+        .lock_key(&claim_name("refused", "k"))
+        .expect("key")
+        .lock_key();
+    let result_key = format!("{}:result", lock_key.strip_suffix(":lock").expect("suffix"));
+
+    let first = deliver_to(addr, "/hooks/refused", r#""k""#).await;
+    assert_eq!(
+        (first.status, first.text().as_str()),
+        (StatusCode::CREATED, "run 0")
+    );
+    assert_eq!(first.header("idempotent-replayed"), None);
+    let stored: i64 = server_cmd(&h, &["EXISTS", &result_key]);
+    assert_eq!(
+        stored, 0,
+        "the store write was not refused; the fault did not happen"
+    );
+    let held: i64 = server_cmd(&h, &["EXISTS", &lock_key]);
+    assert_eq!(held, 0, "the claim was left held after the store failed");
+
+    let during = deliver_to(addr, "/hooks/refused", r#""k""#).await;
+    assert_eq!(
+        during.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        during.text()
+    );
+    assert!(during.header("retry-after").is_some());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let _: () = server_cmd(
+        &h,
+        &["ACL", "SETUSER", "dedupe", "resetkeys", "~{leasehold:*"],
+    );
+    let retry = deliver_to(addr, "/hooks/refused", r#""k""#).await;
+    assert_eq!(
+        (retry.status, retry.text().as_str()),
+        (StatusCode::CREATED, "run 1")
+    );
+    assert_eq!(retry.header("idempotent-replayed"), None);
+    let dup = deliver_to(addr, "/hooks/refused", r#""k""#).await;
+    assert_eq!(
+        (
+            dup.status,
+            dup.text().as_str(),
+            dup.header("idempotent-replayed")
+        ),
+        (StatusCode::CREATED, "run 1", Some("true"))
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// The client hangs up while the store write is on its way to the server: replies are held
+/// back by a proxy, so the layer is still awaiting the store script when the connection
+/// closes. The write and the release complete anyway; the retry gets the replay.
+async fn client_hangs_up_while_the_result_is_stored(h: Harness) {
+    let port = match &h {
+        Harness::Server(s) => s.port,
+        _ => panic!("this scenario needs a standalone server"),
+    };
+    let proxy = support::proxy::Proxy::start(port).await;
+    let locker = lock_core::Locker::redis(&proxy.url())
+        .await
+        .expect("connect through the proxy");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let go = Arc::new(Semaphore::new(0));
+    let (r2, g2) = (runs.clone(), go.clone());
+    let app = Router::new()
+        .route(
+            "/hooks/slowstore",
+            post(move || {
+                let (runs, tx, go) = (r2.clone(), tx.clone(), g2.clone());
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst);
+                    let _ = tx.send(());
+                    if n == 0 {
+                        go.acquire().await.expect("gate").forget();
+                    }
+                    format!("run {n}")
+                }
+            }),
+        )
+        .layer(DedupeLayer::new(locker.clone()).claim_ttl(Duration::from_secs(60)));
+    let addr = serve(app).await;
+    let conn = raw_deliver(addr, "/hooks/slowstore", r#""slow""#).await;
+    entered.recv().await.expect("entered");
+    // From here every reply takes 600 ms: the store script's answer is still on its way when
+    // the client leaves 200 ms after the handler returned.
+    proxy.delay_replies(Duration::from_millis(600));
+    go.add_permits(1);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(conn);
+    let lock_key = locker
+        .lock_key(&claim_name("", "slow"))
+        .expect("key")
+        .lock_key();
+    let released = eventually(Duration::from_secs(10), async || {
+        server_cmd::<i64>(&h, &["EXISTS", &lock_key]) == 0
+    })
+    .await;
+    assert!(released, "the claim stayed held after the client hung up");
+    proxy.delay_replies(Duration::ZERO);
+    let retry = deliver_to(addr, "/hooks/slowstore", r#""slow""#).await;
+    assert_eq!(
+        (
+            retry.status,
+            retry.text().as_str(),
+            retry.header("idempotent-replayed")
+        ),
+        (StatusCode::OK, "run 0", Some("true")),
+        "the result was not stored after the client hung up"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Faults only a real server can show (a refused write, slow replies).
+mod server_faults {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn store_write_failure_on_redis() {
+        common::bounded(store_write_failure_still_answers_and_frees_the_claim(
+            Harness::redis(),
+        ))
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn store_write_failure_on_valkey() {
+        common::bounded(store_write_failure_still_answers_and_frees_the_claim(
+            Harness::valkey(),
+        ))
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn client_hangs_up_while_the_result_is_stored_on_redis() {
+        common::bounded(client_hangs_up_while_the_result_is_stored(Harness::redis())).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn client_hangs_up_while_the_result_is_stored_on_valkey() {
+        common::bounded(client_hangs_up_while_the_result_is_stored(Harness::valkey())).await
     }
 }

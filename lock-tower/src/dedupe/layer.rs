@@ -72,6 +72,10 @@ impl DedupeConfig {
 /// | same key, different method, path or body | 422 ([`Reason::KeyReused`], configurable, e.g. 409) |
 /// | first attempt answered 5xx or 429 | not stored; the claim is released, so a retry runs the handler again |
 /// | claim lost while the handler ran | handler cancelled, 503, nothing stored |
+/// | client hangs up while the handler runs | handler cancelled (as axum does), claim released, nothing stored |
+/// | client hangs up after the handler answered | the result is still stored and the claim released (a task of its own finishes them), so the retry gets the replay |
+/// | result store write fails (backend refuses it or is down) | the first caller still gets the handler's answer; nothing is stored; the claim is released (with the backend down, it expires with its TTL), so a retry runs the handler again |
+/// | result store unreachable when a request arrives | 503 with `Retry-After: 1`; the handler does not run |
 /// | request body above the cap (1 MiB) | 413 |
 /// | response body above the stored cap (256 KiB) | the first caller gets the full body; the stored result keeps status and headers only, and replays carry an empty body with `Idempotent-Body-Omitted: true` |
 ///

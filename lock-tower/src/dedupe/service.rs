@@ -6,6 +6,7 @@ use bytes::{Bytes, BytesMut};
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full};
+use lock_core::{AnyBackend, Lease};
 use sha2::{Digest, Sha256};
 use tower_service::Service;
 use tracing::Instrument;
@@ -15,7 +16,7 @@ use super::store::Record;
 use crate::body::{BoxError, LockBody};
 use crate::extract::Held;
 use crate::future::ResponseFuture;
-use crate::lock::service::refuse;
+use crate::lock::service::{refuse, release};
 use crate::reject::Reason;
 use crate::util::{RequestBody, read_capped, reject};
 
@@ -94,7 +95,7 @@ where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     ReqBody: Body<Data = Bytes>,
     ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes> + Unpin,
+    ResBody: Body<Data = Bytes> + Send + Unpin + 'static,
     ResBody::Error: Into<BoxError>,
 {
     if !cfg.applies_to(req.method()) {
@@ -160,11 +161,12 @@ where
         Ok(l) => l,
         Err(e) => return Ok(refuse(rejections, &e)),
     };
+    let in_process = matches!(cfg.locker.backend(), AnyBackend::Memory(_));
     // A first run may have stored its result and released between our look-up and our claim;
     // the claim orders us after it, so looking again now cannot miss it.
     match cfg.store.get(&result_key).await {
         Ok(Some(rec)) => {
-            let _ = claim.release().await;
+            release(claim, in_process).await;
             return Ok(replay(&cfg, &rec, &fingerprint));
         }
         Ok(None) => {}
@@ -188,79 +190,118 @@ where
     let status = res.status();
     if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS {
         // Not an answer to keep: free the claim so the sender's retry runs the handler again.
-        let _ = claim.release().await;
+        release(claim, in_process).await;
         return Ok(res.map(LockBody::pass));
     }
+    // The handler's work is done. Reading its body, storing the result and releasing the claim
+    // run in a task of their own: a client that hangs up now drops this future, and if that cut
+    // the store short the sender's retry would run the handler a second time.
+    let job = Completion {
+        cfg: cfg.clone(),
+        claim,
+        lock_key,
+        result_key,
+        fingerprint,
+        in_process,
+    };
+    let (head, body) = res.into_parts();
+    match tokio::spawn(job.run(head, body).in_current_span()).await {
+        Ok(res) => Ok(res),
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // Only a runtime shutting down cancels the task; the claim expires with its TTL.
+        Err(_) => Ok(unavailable("the runtime is shutting down".to_owned())),
+    }
+}
 
-    let (head, mut body) = res.into_parts();
-    let mut buf = BytesMut::new();
-    let mut overflow = false;
-    loop {
-        let frame = body
-            .frame()
-            .await
-            .map(|r| r.map_err(Into::<BoxError>::into));
-        match frame {
-            None => break,
-            Some(Ok(frame)) => {
-                // Trailers are not stored or replayed; data frames are.
-                if let Ok(data) = frame.into_data() {
-                    buf.extend_from_slice(&data);
-                    if buf.len() > cfg.stored_limit {
-                        overflow = true;
-                        break;
+/// What is left to do once the handler answered: store its result under the claim, then
+/// release the claim.
+struct Completion {
+    cfg: Arc<DedupeConfig>,
+    claim: Lease,
+    lock_key: String,
+    result_key: String,
+    fingerprint: String,
+    in_process: bool,
+}
+
+impl Completion {
+    async fn run<B>(self, head: http::response::Parts, mut body: B) -> Response<LockBody<B>>
+    where
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: Into<BoxError>,
+    {
+        let cfg = &self.cfg;
+        let mut buf = BytesMut::new();
+        let mut overflow = false;
+        loop {
+            let frame = body
+                .frame()
+                .await
+                .map(|r| r.map_err(Into::<BoxError>::into));
+            match frame {
+                None => break,
+                Some(Ok(frame)) => {
+                    // Trailers are not stored or replayed; data frames are.
+                    if let Ok(data) = frame.into_data() {
+                        buf.extend_from_slice(&data);
+                        if buf.len() > cfg.stored_limit {
+                            overflow = true;
+                            break;
+                        }
                     }
                 }
-            }
-            Some(Err(e)) => {
-                tracing::warn!(error = %e, "response body failed; nothing stored");
-                let _ = claim.release().await;
-                let mut res = Response::new(LockBody::local(Full::new(Bytes::new())));
-                *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
-                return Ok(res);
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "response body failed; nothing stored");
+                    release(self.claim, self.in_process).await;
+                    let mut res = Response::new(LockBody::local(Full::new(Bytes::new())));
+                    *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+                    return res;
+                }
             }
         }
+        let buf = buf.freeze();
+        let rec = Record {
+            fingerprint: self.fingerprint,
+            status: head.status.as_u16(),
+            headers: cfg
+                .replay_headers
+                .iter()
+                .flat_map(|n| {
+                    head.headers
+                        .get_all(n)
+                        .iter()
+                        .map(|v| (n.clone(), v.clone()))
+                })
+                .collect(),
+            body: if overflow { Bytes::new() } else { buf.clone() },
+            body_omitted: overflow,
+        };
+        match cfg
+            .store
+            .put(
+                &self.claim,
+                cfg.claim.ttl_value(),
+                &self.lock_key,
+                &self.result_key,
+                &rec,
+                cfg.retention,
+            )
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!("claim lapsed before the result was stored; not stored"),
+            // The answer still goes out; the claim is released below, so a retry runs the
+            // handler again rather than waiting out the claim's TTL.
+            Err(e) => tracing::warn!(error = %e, "result not stored"),
+        }
+        release(self.claim, self.in_process).await;
+        let body = if overflow {
+            LockBody::prefixed(buf, body)
+        } else {
+            LockBody::local(Full::new(buf))
+        };
+        Response::from_parts(head, body)
     }
-    let buf = buf.freeze();
-    let rec = Record {
-        fingerprint,
-        status: head.status.as_u16(),
-        headers: cfg
-            .replay_headers
-            .iter()
-            .flat_map(|n| {
-                head.headers
-                    .get_all(n)
-                    .iter()
-                    .map(|v| (n.clone(), v.clone()))
-            })
-            .collect(),
-        body: if overflow { Bytes::new() } else { buf.clone() },
-        body_omitted: overflow,
-    };
-    match cfg
-        .store
-        .put(
-            &claim,
-            cfg.claim.ttl_value(),
-            &lock_key,
-            &result_key,
-            &rec,
-            cfg.retention,
-        )
-        .await
-    {
-        Ok(true) => {}
-        Ok(false) => tracing::warn!("claim lapsed before the result was stored; not stored"),
-        Err(e) => tracing::warn!(error = %e, "result not stored"),
-    }
-    let _ = claim.release().await;
-    let body = if overflow {
-        LockBody::prefixed(buf, body)
-    } else {
-        LockBody::local(Full::new(buf))
-    };
-    Ok(Response::from_parts(head, body))
 }
 
 /// The stored answer for a duplicate, or the mismatch rejection.

@@ -159,7 +159,7 @@ where
 }
 
 /// Releases `lease`, surviving the caller being dropped mid-way.
-async fn release(lease: Lease, in_process: bool) {
+pub(crate) async fn release(lease: Lease, in_process: bool) {
     if in_process {
         // In process the release completes on its first poll; nothing can cut it short.
         log_release(lease.release().await);
