@@ -109,16 +109,32 @@ impl ClusterBackend {
         ClusterBackend::connect_with(nodes, RedisConfig::default()).await
     }
 
-    /// Connects to a cluster with explicit settings.
+    /// Connects to a cluster with explicit settings. With the `tls` feature, `rediss://` node
+    /// URLs connect over TLS, trusting `config.tls_root_pem` when given (the nodes need
+    /// `tls-cluster yes`, so that the slot map names their TLS ports).
     pub async fn connect_with(nodes: &[&str], config: RedisConfig) -> Result<ClusterBackend> {
         let (push_tx, push_rx) = mpsc::unbounded_channel::<PushInfo>();
-        let client = ClusterClientBuilder::new(nodes.to_vec())
+        let builder = ClusterClientBuilder::new(nodes.to_vec())
             .use_protocol(ProtocolVersion::RESP3)
             .push_sender(push_tx)
             .response_timeout(config.response_timeout)
-            .connection_timeout(config.connection_timeout)
-            .build()
-            .map_err(Error::Unavailable)?;
+            .connection_timeout(config.connection_timeout);
+        #[cfg(feature = "tls")]
+        let builder = {
+            // As for one server: ring is the process's crypto provider unless the application
+            // installed another.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            match &config.tls_root_pem {
+                // `certs` turns TLS on: only for clusters reached by `rediss://`.
+                Some(root) if nodes.first().is_some_and(|n| n.starts_with("rediss://")) => builder
+                    .certs(redis::TlsCertificates {
+                        client_tls: None,
+                        root_cert: Some(root.clone()),
+                    }),
+                _ => builder,
+            }
+        };
+        let client = builder.build().map_err(Error::Unavailable)?;
         let conn = client
             .get_async_connection()
             .await
