@@ -13,7 +13,8 @@
 //! `--ttl-ms N` [300], `--faults pause,crash,restart,flush,clientkill,latency,stall,cut` [all],
 //! `--persist`
 //! (the lock server runs with `appendonly yes`, `appendfsync always`), `--break-resource` (a
-//! self-test: the resource accepts every write, and the checker must then FAIL the run).
+//! self-test: the resource accepts every write, and the checker must then FAIL the run),
+//! `--events FILE` (every fault and event as JSON lines).
 //!
 //! Each child reaches the lock server through its own TCP proxy (`tests/support/proxy.rs`),
 //! which runs in this parent process: the network faults hit one child, or all of them, by
@@ -129,6 +130,8 @@ struct Opts {
     faults: Vec<String>,
     persist: bool,
     break_resource: bool,
+    /// Where to write every event and fault as JSON lines, for a closer look after a run.
+    events_file: Option<String>,
     child: Option<(usize, usize)>,
     url: String,
     res_url: String,
@@ -146,6 +149,7 @@ fn parse_args() -> Result<Opts, BoxError> {
         faults: ALL_FAULTS.map(String::from).to_vec(),
         persist: false,
         break_resource: false,
+        events_file: None,
         child: None,
         url: String::new(),
         res_url: String::new(),
@@ -178,6 +182,7 @@ fn parse_args() -> Result<Opts, BoxError> {
             "--until" => o.until = num()?,
             "--url" => o.url = v.clone(),
             "--res-url" => o.res_url = v.clone(),
+            "--events" => o.events_file = Some(v.clone()),
             "--faults" => {
                 o.faults = v
                     .split(',')
@@ -475,6 +480,8 @@ struct Fault {
     child: Option<usize>,
     /// Whether it was aimed at a child that held a lease (pauses and network faults).
     on_holder: bool,
+    /// The one-way delay of a latency fault, in ms.
+    latency_ms: u64,
     t0: u64,
     t1: u64,
 }
@@ -485,6 +492,7 @@ impl Fault {
             kind,
             child,
             on_holder: false,
+            latency_ms: 0,
             t0,
             t1: now_us(),
         }
@@ -683,11 +691,12 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
                 // Latency: 20-150 ms each way, so a round trip (40-300 ms) is often above
                 // ttl/3 and renewals race their deadline. Stall: ttl/2 to 4x the TTL, so the
                 // held lease sometimes lapses. Cut: ttl/2 to 3x the TTL.
+                let mut latency_ms = 0;
                 let (kind, ms) = match kind {
                     "latency" => {
-                        let one_way = Duration::from_millis(rng.range(20, 151));
+                        latency_ms = rng.range(20, 151);
                         for p in &hit {
-                            p.set_latency(one_way);
+                            p.set_latency(Duration::from_millis(latency_ms));
                         }
                         ("latency", for_ms(rng.range(1_000, 2_501)))
                     }
@@ -712,6 +721,7 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
                 }
                 let mut f = Fault::new(kind, target, t0);
                 f.on_holder = on_holder;
+                f.latency_ms = latency_ms;
                 faults.push(f);
             }
             "crash" => {
@@ -787,6 +797,20 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
         resource.insert(key, (list, refused.unwrap_or(0), counter.unwrap_or(0)));
     }
     let events = std::mem::take(&mut *lock(&events));
+    if let Some(path) = &opts.events_file {
+        let mut out = String::new();
+        for f in &faults {
+            out += &json!({"ev": "fault", "kind": f.kind, "child": f.child,
+                "on_holder": f.on_holder, "latency_ms": f.latency_ms, "t0": f.t0, "t1": f.t1})
+            .to_string();
+            out.push('\n');
+        }
+        for e in &events {
+            out += &e.to_string();
+            out.push('\n');
+        }
+        std::fs::write(path, out).map_err(|e| format!("--events {path}: {e}"))?;
+    }
     let run = Run {
         faults,
         resource,
@@ -1071,7 +1095,7 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
     // before the server could grant the key to anyone else.
     let drift_us = opts.ttl_ms * 1000 / 100 + 2_000;
     let (mut in_time, mut in_drift, mut late_paused, mut late_other) = (0u64, 0u64, 0u64, 0u64);
-    let mut worst_late_us = 0u64;
+    let (mut worst_late_us, mut worst_drift_us) = (0u64, 0u64);
     // Per cause: told by the deadline, within the drift allowance, later.
     let mut lost_by: BTreeMap<&str, [u64; 3]> = BTreeMap::new();
     for (c, t, deadline) in &losts {
@@ -1094,6 +1118,7 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
             0
         } else if t <= deadline + drift_us {
             in_drift += 1;
+            worst_drift_us = worst_drift_us.max(t - deadline);
             1
         } else {
             if paused(child, deadline.saturating_sub(1), t) {
@@ -1272,7 +1297,11 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
     row("  holder told by its local deadline", in_time.to_string());
     row(
         "  told after it, within the drift allowance",
-        in_drift.to_string(),
+        format!(
+            "{in_drift} (worst {:.1} ms after, allowance {:.1} ms)",
+            worst_drift_us as f64 / 1e3,
+            drift_us as f64 / 1e3
+        ),
     );
     row(
         "  told late, holder's process was paused",
