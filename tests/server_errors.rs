@@ -619,6 +619,57 @@ fn server_now_ms(server: &Server) -> u64 {
     t[0] * 1_000 + t[1] / 1_000
 }
 
+/// A Redlock quorum whose members run out of memory: one refusing member still leaves a
+/// majority that grants; two make the acquire fail for want of a quorum (not for a foreign type
+/// the keys do not hold), with no lock key left behind; after recovery the fence keeps rising.
+async fn quorum_members_out_of_memory(flavor: Flavor) {
+    let members: Vec<Server> = (0..3).map(|_| Server::start(flavor)).collect();
+    let urls: Vec<String> = members.iter().map(Server::url).collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = Locker::redlock(&urls).await.expect("connect");
+    let key = locker.lock_key("q").expect("key").lock_key().to_owned();
+
+    set_condition(&members[0], Condition::Oom, true);
+    let first = locker
+        .try_acquire("q", &opts(5_000))
+        .await
+        .expect("two of three members still grant");
+    let fence = first.fence();
+    assert_eq!(first.release().await.expect("release"), Release::Released);
+
+    set_condition(&members[1], Condition::Oom, true);
+    match locker.try_acquire("q", &opts(5_000)).await {
+        Err(Error::NoQuorum { .. }) => {}
+        other => panic!("want NoQuorum with two members out of memory, got {other:?}"),
+    }
+    for m in &members {
+        assert_eq!(
+            m.cmd::<i64>(&["EXISTS", &key]),
+            0,
+            "a failed acquire left a key"
+        );
+    }
+
+    set_condition(&members[0], Condition::Oom, false);
+    set_condition(&members[1], Condition::Oom, false);
+    let again = locker
+        .try_acquire("q", &opts(5_000))
+        .await
+        .expect("acquire after recovery");
+    assert!(again.fence() > fence, "{} after {fence}", again.fence());
+    again.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_quorum_members_out_of_memory() {
+    quorum_members_out_of_memory(Flavor::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_quorum_members_out_of_memory() {
+    quorum_members_out_of_memory(Flavor::Valkey).await;
+}
+
 macro_rules! hostile {
     ($($name:ident: $flavor:expr, $cond:expr;)*) => {
         mod every_operation {
