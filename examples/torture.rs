@@ -251,9 +251,25 @@ async fn child_main(opts: Opts, index: usize, incarnation: usize) -> Result<(), 
         let seed = opts.seed ^ ((index as u64) << 32) ^ ((incarnation as u64) << 16) ^ t as u64;
         tasks.push(tokio::spawn(client(locker, res, o, id, seed)));
     }
+    // The lag probe: a timer that should wake every 5 ms. When it wakes much later, this
+    // process was not running (a loaded machine), which is what a late `lost()` of a holder
+    // nobody paused is checked against.
+    let c = format!("{index}.{incarnation}");
+    let probe = tokio::spawn(async move {
+        loop {
+            let t = now_us();
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            let lag = now_us().saturating_sub(t + 5_000);
+            if lag > 10_000 {
+                emit(json!({"ev": "lag", "c": c, "t0": t, "t": now_us(), "lag_us": lag}));
+            }
+        }
+    });
     for task in tasks {
         task.await?;
     }
+    probe.abort();
+    let _ = probe.await;
     drop(locker);
     drop(res);
     // Whatever is still alive now (renewal driver, watchers, release tasks) is work left
@@ -871,6 +887,8 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
     let mut incs: BTreeMap<String, u64> = BTreeMap::new();
     // Each `lost` event: holder, when it fired, the holder's last local deadline.
     let mut losts: Vec<(String, u64, u64)> = Vec::new();
+    // Lag probe events: (child, incarnation), when the 5 ms timer was set, when it woke.
+    let mut lags: Vec<((usize, usize), u64, u64)> = Vec::new();
     let (mut exits, mut alive_tasks) = (0u64, 0u64);
     for e in events {
         let c = e["c"].as_str().unwrap_or("").to_string();
@@ -926,6 +944,7 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
                 alive_tasks += e["alive_tasks"].as_u64().unwrap_or(0);
             }
             "torn" => torn += 1,
+            "lag" => lags.push((who(&c), e["t0"].as_u64().unwrap_or(0), t)),
             _ => {}
         }
     }
@@ -1027,9 +1046,12 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
                 if a.t_start >= b.t_start || end <= b.t_start {
                     continue;
                 }
-                let why = if restarts
-                    .iter()
-                    .any(|f| f.t0 >= a.t_start && f.t0 <= b.t_start)
+                // With `--persist` (appendfsync always) a restart keeps every acknowledged
+                // grant, so it explains no overlap.
+                let why = if !opts.persist
+                    && restarts
+                        .iter()
+                        .any(|f| f.t0 >= a.t_start && f.t0 <= b.t_start)
                 {
                     "server restart lost the key"
                 } else if paused(a.child, a.t_start, b.t_start) {
@@ -1095,6 +1117,7 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
     // before the server could grant the key to anyone else.
     let drift_us = opts.ttl_ms * 1000 / 100 + 2_000;
     let (mut in_time, mut in_drift, mut late_paused, mut late_other) = (0u64, 0u64, 0u64, 0u64);
+    let mut late_lagged = 0u64;
     let (mut worst_late_us, mut worst_drift_us) = (0u64, 0u64);
     // Per cause: told by the deadline, within the drift allowance, later.
     let mut lost_by: BTreeMap<&str, [u64; 3]> = BTreeMap::new();
@@ -1126,6 +1149,11 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
             } else {
                 late_other += 1;
                 worst_late_us = worst_late_us.max(t - deadline);
+                let holder = who(c);
+                late_lagged += lags
+                    .iter()
+                    .any(|(p, t0, t1)| *p == holder && *t0 <= t && *t1 >= deadline)
+                    as u64;
             }
             2
         };
@@ -1312,6 +1340,24 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
         format!(
             "{late_other} (worst {:.1} ms after the deadline)",
             worst_late_us as f64 / 1e3
+        ),
+    );
+    row(
+        "    its process's 5 ms probe timer woke >10 ms late then",
+        late_lagged.to_string(),
+    );
+    // A paused child's probe lags too; only the others tell of a loaded machine.
+    let unpaused_lags: Vec<u64> = lags
+        .iter()
+        .filter(|((child, _), t0, t1)| !paused(*child, *t0, *t1))
+        .map(|(_, t0, t1)| (t1 - t0).saturating_sub(5_000))
+        .collect();
+    row(
+        "  probe timer lags over 10 ms, not paused / worst",
+        format!(
+            "{} / {:.1} ms",
+            unpaused_lags.len(),
+            unpaused_lags.iter().max().copied().unwrap_or(0) as f64 / 1e3
         ),
     );
     for (cause, [a, b, c]) in &lost_by {
