@@ -116,7 +116,7 @@ async fn main() -> Result<(), BoxError> {
     let never = format!("{key}:no-px");
     let stuck = match &redis_url {
         Some(url) => {
-            let server_key = locker.lock_key(&never)?.lock_key();
+            let server_key = locker.lock_key(&never)?.lock_key().to_owned();
             let mut conn = redis::Client::open(url.as_str())?
                 .get_multiplexed_async_connection()
                 .await?;

@@ -83,18 +83,18 @@ impl Harness {
                 m.force_delete(&k);
             }
             Harness::Server(s) | Harness::Acl(s) => {
-                let _: i64 = s.cmd(&["DEL", &k.lock_key()]);
+                let _: i64 = s.cmd(&["DEL", k.lock_key()]);
             }
             #[cfg(feature = "tls")]
             Harness::Tls(s) => {
-                let _: i64 = s.cmd(&["DEL", &k.lock_key()]);
+                let _: i64 = s.cmd(&["DEL", k.lock_key()]);
             }
             Harness::Cluster(c) => {
-                let _: i64 = c.cmd(&["DEL", &k.lock_key()]);
+                let _: i64 = c.cmd(&["DEL", k.lock_key()]);
             }
             Harness::Quorum(members) => {
                 for s in members {
-                    let _: i64 = s.cmd(&["DEL", &k.lock_key()]);
+                    let _: i64 = s.cmd(&["DEL", k.lock_key()]);
                 }
             }
         }
@@ -105,13 +105,13 @@ impl Harness {
         match self {
             // The memory backend has no stray keys to look at: a free key is one we can take.
             Harness::Memory(_) => false,
-            Harness::Server(s) | Harness::Acl(s) => s.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1,
+            Harness::Server(s) | Harness::Acl(s) => s.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1,
             #[cfg(feature = "tls")]
-            Harness::Tls(s) => s.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1,
-            Harness::Cluster(c) => c.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1,
+            Harness::Tls(s) => s.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1,
+            Harness::Cluster(c) => c.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1,
             Harness::Quorum(members) => members
                 .iter()
-                .any(|s| s.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1),
+                .any(|s| s.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1),
         }
     }
 }

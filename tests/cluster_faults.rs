@@ -213,7 +213,7 @@ async fn waiter_woken_after_resubscribe(flavor: Flavor) {
     let channel = k.channel();
     let started = Instant::now();
     while cluster
-        .cmd::<Vec<(String, i64)>>(&["PUBSUB", "SHARDNUMSUB", &channel])
+        .cmd::<Vec<(String, i64)>>(&["PUBSUB", "SHARDNUMSUB", channel])
         .first()
         .is_none_or(|(_, n)| *n == 0)
     {
@@ -223,7 +223,7 @@ async fn waiter_woken_after_resubscribe(flavor: Flavor) {
         );
         sleep(Duration::from_millis(10)).await;
     }
-    let _: i64 = cluster.cmd(&["DEL", &k.lock_key()]);
+    let _: i64 = cluster.cmd(&["DEL", k.lock_key()]);
     // Every client connection of every node: the client reconnects and resubscribes.
     for node in &cluster.nodes {
         let _: i64 = node.cmd(&["CLIENT", "KILL", "TYPE", "normal"]);

@@ -49,7 +49,11 @@ async fn locks_and_queue_over_tls(flavor: Flavor) {
     }
     let owners: std::collections::BTreeSet<u16> = (0..30)
         .map(|i| {
-            let key = locker.lock_key(&format!("k{i}")).expect("key").lock_key();
+            let key = locker
+                .lock_key(&format!("k{i}"))
+                .expect("key")
+                .lock_key()
+                .to_owned();
             cluster
                 .nodes
                 .iter()

@@ -39,7 +39,7 @@ impl Harness {
                 assert!(m.force_delete(&k), "nothing to delete at {key}");
             }
             Harness::Server(s) => {
-                let n: i64 = s.cmd(&["DEL", &k.lock_key()]);
+                let n: i64 = s.cmd(&["DEL", k.lock_key()]);
                 assert_eq!(n, 1, "nothing to delete at {key}");
             }
         }

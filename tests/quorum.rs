@@ -31,7 +31,7 @@ fn opts(ttl_ms: u64) -> LockOptions {
 /// Whether `server` holds the lock key of `key` (read directly, never through a proxy).
 fn holds(server: &Server, locker: &Locker, key: &str) -> bool {
     let k = locker.lock_key(key).expect("key");
-    server.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1
+    server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1
 }
 
 /// One grant and release on every member, so that the scripts are loaded before replies are
@@ -47,7 +47,7 @@ async fn warm_up(locker: &Locker) {
 fn stored_fence(server: &Server, locker: &Locker, key: &str) -> Option<u64> {
     let k = locker.lock_key(key).expect("key");
     server
-        .cmd::<Option<String>>(&["GET", &k.fence_key()])
+        .cmd::<Option<String>>(&["GET", k.fence_key()])
         .map(|s| s.parse().expect("numeric fence"))
 }
 
@@ -164,7 +164,7 @@ async fn fences_follow_the_majority(flavor: Flavor) {
     let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
     let k = locker.lock_key("moving").expect("key");
     let high: u64 = 1_000_000_000_000_000_000;
-    let _: () = servers[0].cmd(&["SET", &k.fence_key(), &high.to_string()]);
+    let _: () = servers[0].cmd(&["SET", k.fence_key(), &high.to_string()]);
 
     let l1 = locker
         .try_acquire("moving", &opts(2_000))
@@ -663,7 +663,7 @@ async fn split_votes_retry_then_busy(flavor: Flavor) {
     let locker = redlock(&urls(&servers), config).await;
     let k = locker.lock_key("split").expect("key");
     for s in &servers[..2] {
-        let _: () = s.cmd(&["SET", &k.lock_key(), "someone-else", "PX", "1500"]);
+        let _: () = s.cmd(&["SET", k.lock_key(), "someone-else", "PX", "1500"]);
     }
     servers[4].kill();
     let t = Instant::now();

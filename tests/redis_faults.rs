@@ -24,7 +24,11 @@ async fn fence_survives_restart(flavor: Flavor) {
     let f1 = before.fence();
     before.release().await.expect("release");
     server.restart();
-    let fence_key = locker.lock_key("restart").expect("key").fence_key();
+    let fence_key = locker
+        .lock_key("restart")
+        .expect("key")
+        .fence_key()
+        .to_owned();
     assert_eq!(
         server.cmd::<i64>(&["EXISTS", &fence_key]),
         0,
@@ -95,7 +99,7 @@ async fn wrong_type(flavor: Flavor) {
     let server = Server::start(flavor);
     let locker = Locker::redis(&server.url()).await.expect("connect");
     let k = locker.lock_key("typed").expect("key");
-    let _: i64 = server.cmd(&["RPUSH", &k.lock_key(), "precious"]);
+    let _: i64 = server.cmd(&["RPUSH", k.lock_key(), "precious"]);
     match locker.try_acquire("typed", &opts(1_000)).await {
         Err(Error::WrongType { found, key }) => {
             assert_eq!(found, "list");
@@ -103,10 +107,10 @@ async fn wrong_type(flavor: Flavor) {
         }
         other => panic!("expected WrongType, got {other:?}"),
     }
-    let kept: Vec<String> = server.cmd(&["LRANGE", &k.lock_key(), "0", "-1"]);
+    let kept: Vec<String> = server.cmd(&["LRANGE", k.lock_key(), "0", "-1"]);
     assert_eq!(kept, vec!["precious".to_owned()]);
-    let _: i64 = server.cmd(&["DEL", &k.lock_key()]);
-    let _: i64 = server.cmd(&["HSET", &k.fence_key(), "f", "v"]);
+    let _: i64 = server.cmd(&["DEL", k.lock_key()]);
+    let _: i64 = server.cmd(&["HSET", k.fence_key(), "f", "v"]);
     match locker.try_acquire("typed", &opts(1_000)).await {
         Err(Error::WrongType { found, key }) => {
             assert_eq!(found, "hash");
@@ -118,10 +122,10 @@ async fn wrong_type(flavor: Flavor) {
         }
         other => panic!("expected WrongType, got {other:?}"),
     }
-    let kept: Vec<String> = server.cmd(&["HGETALL", &k.fence_key()]);
+    let kept: Vec<String> = server.cmd(&["HGETALL", k.fence_key()]);
     assert_eq!(kept, vec!["f".to_owned(), "v".to_owned()]);
     assert_eq!(
-        server.cmd::<i64>(&["EXISTS", &k.lock_key()]),
+        server.cmd::<i64>(&["EXISTS", k.lock_key()]),
         0,
         "nothing was written"
     );
@@ -187,7 +191,11 @@ async fn waiters_woken_after_resubscribe(flavor: Flavor) {
         (lease.map(|l| l.fence()), started.elapsed())
     });
     // Wait until the waiter's subscription is in place.
-    let channel = holder_side.lock_key("gap").expect("key").channel();
+    let channel = holder_side
+        .lock_key("gap")
+        .expect("key")
+        .channel()
+        .to_owned();
     let subscribed = Instant::now();
     loop {
         let (_, n): (String, i64) = server.cmd(&["PUBSUB", "NUMSUB", &channel]);
@@ -200,7 +208,11 @@ async fn waiters_woken_after_resubscribe(flavor: Flavor) {
         );
         sleep(Duration::from_millis(10)).await;
     }
-    let lock_key = holder_side.lock_key("gap").expect("key").lock_key();
+    let lock_key = holder_side
+        .lock_key("gap")
+        .expect("key")
+        .lock_key()
+        .to_owned();
     let _: i64 = server.cmd(&["DEL", &lock_key]);
     // Kill the subscription connection. Seen once in CI: a kill that found no pub/sub client
     // right after NUMSUB counted one, so try again briefly and show the clients if it never does.

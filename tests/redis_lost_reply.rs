@@ -44,9 +44,9 @@ async fn lost_grant_reply_is_resolved(flavor: Flavor) {
         "the reply was lost"
     );
     let k = locker.lock_key("lost-reply").expect("key");
-    let holder: String = server.cmd(&["GET", &k.lock_key()]);
+    let holder: String = server.cmd(&["GET", k.lock_key()]);
     assert_eq!(holder, lease.token().as_str(), "the lock holds our token");
-    let stored: String = server.cmd(&["GET", &k.fence_key()]);
+    let stored: String = server.cmd(&["GET", k.fence_key()]);
     assert_eq!(
         stored.parse::<u64>().expect("fence"),
         lease.fence().get(),
@@ -76,7 +76,7 @@ async fn unresolved_grant_is_released(flavor: Flavor) {
     assert_eq!(proxy.dropped.load(Ordering::SeqCst), 2);
     let k = locker.lock_key("twice-lost").expect("key");
     let started = Instant::now();
-    while server.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1 {
+    while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1 {
         assert!(
             started.elapsed() < Duration::from_secs(3),
             "the granted lock was left held for its whole TTL"
@@ -108,7 +108,7 @@ async fn lost_release_reply(flavor: Flavor) {
     }
     assert_eq!(proxy.dropped.load(Ordering::SeqCst), 1);
     let k = locker.lock_key("rel").expect("key");
-    assert_eq!(server.cmd::<i64>(&["EXISTS", &k.lock_key()]), 0);
+    assert_eq!(server.cmd::<i64>(&["EXISTS", k.lock_key()]), 0);
 }
 
 /// Scenario 4: replies slowed to a large part of the TTL. A lease handed out still has validity
@@ -138,7 +138,7 @@ async fn slow_replies_never_give_expired_leases(flavor: Flavor) {
         match result {
             Ok(lease) => {
                 // Read the server's TTL first: our estimate, taken after, must not exceed it.
-                let pttl: i64 = server.cmd(&["PTTL", &k.lock_key()]);
+                let pttl: i64 = server.cmd(&["PTTL", k.lock_key()]);
                 let remaining = lease.remaining();
                 assert!(
                     remaining > Duration::ZERO,
@@ -161,7 +161,7 @@ async fn slow_replies_never_give_expired_leases(flavor: Flavor) {
                 refused += 1;
                 // The refused grant does not linger: released (or, at worst, expired) at once.
                 let started = Instant::now();
-                while server.cmd::<i64>(&["EXISTS", &k.lock_key()]) == 1 {
+                while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1 {
                     assert!(
                         started.elapsed() < ttl,
                         "delay {factor}: the refused grant was left held"

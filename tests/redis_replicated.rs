@@ -25,9 +25,9 @@ async fn grant_reaches_the_replica(flavor: Flavor) {
         .await
         .expect("replicated grant");
     let k = locker.lock_key("repl").expect("key");
-    let on_replica: String = replica.cmd(&["GET", &k.lock_key()]);
+    let on_replica: String = replica.cmd(&["GET", k.lock_key()]);
     assert_eq!(on_replica, lease.token().as_str());
-    let fence: String = replica.cmd(&["GET", &k.fence_key()]);
+    let fence: String = replica.cmd(&["GET", k.fence_key()]);
     assert_eq!(fence.parse::<u64>().expect("fence"), lease.fence().get());
     lease.release().await.expect("release");
 }
@@ -72,7 +72,7 @@ async fn missing_replica_refuses_without_stalling(flavor: Flavor) {
     );
     let k = locker.lock_key("repl").expect("key");
     assert_eq!(
-        master.cmd::<i64>(&["EXISTS", &k.lock_key()]),
+        master.cmd::<i64>(&["EXISTS", k.lock_key()]),
         0,
         "the refused grant was released"
     );

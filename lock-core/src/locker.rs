@@ -242,7 +242,7 @@ impl<B: Backend + Clone> Locker<B> {
         match self.attempt(&key, &token, opts).await? {
             Ok(lease) => Ok(lease),
             Err(remaining) => Err(Error::Busy {
-                key: key.user,
+                key: key.user().to_owned(),
                 remaining,
             }),
         }
@@ -264,10 +264,10 @@ impl<B: Backend + Clone> Locker<B> {
         let token = Token::generate();
         let started = Instant::now();
         let give_up = started + opts.wait;
-        let turn = self.core.turnstiles.enter(&key.user);
+        let turn = self.core.turnstiles.enter(key.user());
         let Some(permit) = turn.wait_turn(give_up).await else {
             return Err(Error::WaitTimeout {
-                key: key.user,
+                key: key.user().to_owned(),
                 waited: started.elapsed(),
             });
         };
@@ -295,7 +295,7 @@ impl<B: Backend + Clone> Locker<B> {
             let now = Instant::now();
             if now >= give_up {
                 return Err(Error::WaitTimeout {
-                    key: key.user,
+                    key: key.user().to_owned(),
                     waited: now - started,
                 });
             }
@@ -324,15 +324,17 @@ impl<B: Backend + Clone> Locker<B> {
     ) -> Result<std::result::Result<Lease<B>, Option<Duration>>> {
         // Validity counts from before the request leaves, so a slow reply can only shorten it.
         let start = Instant::now();
+        // The rare paths are boxed: their futures would otherwise inflate every acquire's state
+        // machine, which is moved on each await of the common path.
         let reply = if opts.replicas > 0 {
-            self.attempt_replicated(key, token, opts).await?
+            Box::pin(self.attempt_replicated(key, token, opts)).await?
         } else {
             match self.core.backend.acquire(key, token, opts.ttl).await {
                 Err(Error::OutcomeUnknown { .. }) => {
                     // The script is idempotent per token: asking again tells us whether the
                     // first one landed. If even that fails, free whatever we may have been
                     // granted.
-                    match self.core.backend.acquire(key, token, opts.ttl).await {
+                    match Box::pin(self.core.backend.acquire(key, token, opts.ttl)).await {
                         Ok(r) => r,
                         Err(e) => {
                             self.release_in_background(key, token);
@@ -354,7 +356,7 @@ impl<B: Backend + Clone> Locker<B> {
                     debug!(fence, "grant arrived after its validity; releasing it");
                     self.release_in_background(key, token);
                     return Err(Error::LeaseLost {
-                        key: key.user.clone(),
+                        key: key.user().to_owned(),
                     });
                 }
                 let state = LeaseState::new(deadline);
@@ -400,7 +402,7 @@ impl<B: Backend + Clone> Locker<B> {
                 // A grant the replicas lack could vanish in a failover: not a lease.
                 let _ = self.core.backend.release(key, token).await;
                 Err(Error::NotReplicated {
-                    key: key.user.clone(),
+                    key: key.user().to_owned(),
                     acked,
                     wanted: opts.replicas,
                 })

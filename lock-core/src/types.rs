@@ -1,4 +1,5 @@
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -34,27 +35,62 @@ impl fmt::Display for Fence {
 ///
 /// Its `Debug` form is redacted, so logging a lease never reveals the token.
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Token(String);
+pub struct Token([u8; 32]);
+
+/// OS randomness for tokens, read a page at a time: one `getrandom` call costs about as much as
+/// the rest of an in-memory acquire and release together, and reading 4 KiB costs barely more
+/// than reading 16 bytes. Every token still consists of bytes straight from the OS, each handed
+/// out once.
+struct Entropy {
+    bytes: [u8; 4096],
+    next: usize,
+    /// The process the bytes were read in: a forked child must not replay its parent's bytes
+    /// (both would then issue the same tokens).
+    pid: u32,
+}
+
+thread_local! {
+    static ENTROPY: std::cell::RefCell<Entropy> = const {
+        std::cell::RefCell::new(Entropy { bytes: [0; 4096], next: 4096, pid: 0 })
+    };
+}
+
+fn os_random_16() -> [u8; 16] {
+    ENTROPY.with_borrow_mut(|e| {
+        let pid = std::process::id();
+        if e.next + 16 > e.bytes.len() || e.pid != pid {
+            // The OS RNG failing is not a condition a lock library can recover from sensibly;
+            // a predictable token would silently break release safety, so refusing is the only
+            // option.
+            getrandom::fill(&mut e.bytes).expect("the operating system's random source failed");
+            e.next = 0;
+            e.pid = pid;
+        }
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&e.bytes[e.next..e.next + 16]);
+        // Issued bytes do not stay behind in the buffer.
+        e.bytes[e.next..e.next + 16].fill(0);
+        e.next += 16;
+        out
+    })
+}
 
 impl Token {
     /// Draws a fresh token from the OS random source.
     pub fn generate() -> Token {
-        let mut bytes = [0u8; 16];
-        // The OS RNG failing is not a condition a lock library can recover from sensibly; a
-        // predictable token would silently break release safety, so refusing is the only option.
-        getrandom::fill(&mut bytes).expect("the operating system's random source failed");
         const HEX: &[u8; 16] = b"0123456789abcdef";
-        let mut s = String::with_capacity(32);
-        for b in bytes {
-            s.push(HEX[usize::from(b >> 4)] as char);
-            s.push(HEX[usize::from(b & 0xf)] as char);
+        let mut hex = [0u8; 32];
+        for (i, b) in os_random_16().into_iter().enumerate() {
+            hex[2 * i] = HEX[usize::from(b >> 4)];
+            hex[2 * i + 1] = HEX[usize::from(b & 0xf)];
         }
-        Token(s)
+        Token(hex)
     }
 
     /// The token as stored on the server (32 lowercase hex digits).
     pub fn as_str(&self) -> &str {
-        &self.0
+        // Only `generate` builds a token, from hex digits.
+        std::str::from_utf8(&self.0).expect("a token is ASCII hex")
     }
 }
 
@@ -120,38 +156,86 @@ pub(crate) fn drift(ttl: Duration) -> Duration {
 
 /// Names one lock on the server: the lock key and its fence key share the hash tag
 /// `{prefix:key}`, so both live in one cluster slot.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct LockKey {
-    pub(crate) user: String,
-    pub(crate) tag: String,
+///
+/// The server-side names are built once, when the key is checked; clones share them, so the
+/// hot path (acquire, renew, release) neither formats nor allocates key names.
+#[derive(Clone)]
+pub struct LockKey(Arc<Names>);
+
+/// All of a key's names in one buffer: `user`, then `{prefix:user}:lock`, `{prefix:user}:fence`
+/// and `{prefix:user}:released`, delimited by the end offsets below.
+struct Names {
+    buf: String,
+    user_end: usize,
+    lock_end: usize,
+    fence_end: usize,
 }
 
 impl LockKey {
     pub(crate) fn new(prefix: &str, user: &str) -> LockKey {
-        LockKey {
-            user: user.to_owned(),
-            tag: format!("{{{prefix}:{user}}}"),
-        }
+        use std::fmt::Write;
+        let tag_len = prefix.len() + user.len() + 3;
+        let mut buf = String::with_capacity(user.len() + 3 * tag_len + 20);
+        buf.push_str(user);
+        let user_end = buf.len();
+        let mut add = |suffix: &str| {
+            // Writing to a String cannot fail.
+            let _ = write!(buf, "{{{prefix}:{user}}}:{suffix}");
+            buf.len()
+        };
+        let lock_end = add("lock");
+        let fence_end = add("fence");
+        add("released");
+        LockKey(Arc::new(Names {
+            buf,
+            user_end,
+            lock_end,
+            fence_end,
+        }))
     }
 
     /// The key as the caller named it.
     pub fn user(&self) -> &str {
-        &self.user
+        &self.0.buf[..self.0.user_end]
     }
 
     /// The server key holding the holder's token.
-    pub fn lock_key(&self) -> String {
-        format!("{}:lock", self.tag)
+    pub fn lock_key(&self) -> &str {
+        &self.0.buf[self.0.user_end..self.0.lock_end]
     }
 
     /// The server key holding the last fence issued.
-    pub fn fence_key(&self) -> String {
-        format!("{}:fence", self.tag)
+    pub fn fence_key(&self) -> &str {
+        &self.0.buf[self.0.lock_end..self.0.fence_end]
     }
 
     /// The channel a release publishes on, to wake waiters.
-    pub fn channel(&self) -> String {
-        format!("{}:released", self.tag)
+    pub fn channel(&self) -> &str {
+        &self.0.buf[self.0.fence_end..]
+    }
+}
+
+// Identity is the server-side lock key: it names the prefix and the user key together.
+impl PartialEq for LockKey {
+    fn eq(&self, other: &LockKey) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.lock_key() == other.lock_key()
+    }
+}
+
+impl Eq for LockKey {}
+
+impl std::hash::Hash for LockKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.lock_key().hash(state);
+    }
+}
+
+impl fmt::Debug for LockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockKey")
+            .field("user", &self.user())
+            .field("lock_key", &self.lock_key())
+            .finish()
     }
 }
 
@@ -216,5 +300,18 @@ mod tests {
         let k = LockKey::new("lh", "job:7");
         assert_eq!(k.lock_key(), "{lh:job:7}:lock");
         assert_eq!(k.fence_key(), "{lh:job:7}:fence");
+        assert_eq!(k.channel(), "{lh:job:7}:released");
+        assert_eq!(k.user(), "job:7");
+        assert_eq!(k, LockKey::new("lh", "job:7"));
+        assert_ne!(k, LockKey::new("other", "job:7"));
+    }
+
+    #[test]
+    fn tokens_stay_distinct_across_many_draws() {
+        // Crosses several refills of the per-thread buffer.
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..2_000 {
+            assert!(seen.insert(Token::generate()));
+        }
     }
 }

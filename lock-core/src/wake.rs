@@ -98,7 +98,7 @@ pub(crate) async fn watch_through(
     sub_tx: &mpsc::UnboundedSender<SubCmd>,
     key: &LockKey,
 ) -> Watch {
-    let channel = key.channel();
+    let channel = key.channel().to_owned();
     let (rx, reg) = wakeups.register(&channel);
     let tx = sub_tx.clone();
     let watch = Watch {

@@ -730,7 +730,8 @@ async fn store_write_failure_still_answers_and_frees_the_claim(h: Harness) {
     let lock_key = locker
         .lock_key(&claim_name("refused", "k"))
         .expect("key")
-        .lock_key();
+        .lock_key()
+        .to_owned();
     let result_key = format!("{}:result", lock_key.strip_suffix(":lock").expect("suffix"));
 
     let first = deliver_to(addr, "/hooks/refused", r#""k""#).await;
@@ -823,7 +824,8 @@ async fn client_hangs_up_while_the_result_is_stored(h: Harness) {
     let lock_key = locker
         .lock_key(&claim_name("", "slow"))
         .expect("key")
-        .lock_key();
+        .lock_key()
+        .to_owned();
     let released = eventually(Duration::from_secs(10), async || {
         server_cmd::<i64>(&h, &["EXISTS", &lock_key]) == 0
     })

@@ -261,7 +261,7 @@ impl ClusterBackend {
                 }
             }
         }
-        let groups = group_by(chunk, |item| slot(&item.0.lock_key()));
+        let groups = group_by(chunk, |item| slot(item.0.lock_key()));
         let calls = groups.values().map(|g| async move {
             let answers = ops::extend(self.conn.clone(), &self.scripts, &g.items, ttl).await?;
             Ok::<_, Error>(g.places.iter().copied().zip(answers).collect())
@@ -375,7 +375,7 @@ impl Backend for ClusterBackend {
         let map = self.slot_map().await;
         // Without a map every slot is its own group; slots sort after any node index.
         let groups = group_by(items, |item| {
-            let s = slot(&item.0.lock_key());
+            let s = slot(item.0.lock_key());
             match map.as_ref().map(|m| m.owner[usize::from(s)]) {
                 Some(node) if node != usize::MAX => (0, node),
                 _ => (1, usize::from(s)),
@@ -483,7 +483,7 @@ mod tests {
             crc16::State::<crc16::XMODEM>::calculate(b"{}foo") % SLOTS
         );
         let k = LockKey::new("leasehold", "orders:1");
-        assert_eq!(slot(&k.lock_key()), slot(&k.fence_key()));
-        assert_eq!(slot(&k.lock_key()), slot(&k.channel()));
+        assert_eq!(slot(k.lock_key()), slot(k.fence_key()));
+        assert_eq!(slot(k.lock_key()), slot(k.channel()));
     }
 }

@@ -118,7 +118,7 @@ impl Backend for MemoryBackend {
             }
         };
         if released {
-            self.inner.wakeups.wake(&key.channel());
+            self.inner.wakeups.wake(key.channel());
         }
         Ok(released)
     }
@@ -149,7 +149,7 @@ impl Backend for MemoryBackend {
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Watch> {
-        let channel = key.channel();
+        let channel = key.channel().to_owned();
         let (rx, _) = self.inner.wakeups.register(&channel);
         Ok(Watch {
             rx,

@@ -388,9 +388,9 @@ impl QuorumBackend {
             }
             (Some(-1), 3) => Err(Error::WrongType {
                 key: if int(&items[2]) == Some(2) {
-                    key.fence_key()
+                    key.fence_key().to_owned()
                 } else {
-                    key.lock_key()
+                    key.lock_key().to_owned()
                 },
                 found: text(&items[1]),
             }),

@@ -209,9 +209,9 @@ pub(super) mod ops {
                 Value::Array(items) if items.len() == 3 && int(&items[0]) == Some(-1) => {
                     Err(Error::WrongType {
                         key: if int(&items[2]) == Some(2) {
-                            key.fence_key()
+                            key.fence_key().to_owned()
                         } else {
-                            key.lock_key()
+                            key.lock_key().to_owned()
                         },
                         found: text(&items[1]),
                     })

@@ -111,7 +111,7 @@ impl MemoryQueue {
         MemoryQueue {
             state: Arc::default(),
             wakeups: Arc::default(),
-            channel: LockKey::new(prefix, name).channel(),
+            channel: LockKey::new(prefix, name).channel().to_owned(),
         }
     }
 

@@ -138,7 +138,7 @@ where
     };
     let claim_name = format!("dedupe:{id}");
     let lock_key = match cfg.locker.lock_key(&claim_name) {
-        Ok(k) => k.lock_key(),
+        Ok(k) => k.lock_key().to_owned(),
         Err(e) => return Ok(refuse(rejections, &e)),
     };
     // `{prefix:dedupe:<id>}:lock` → `{prefix:dedupe:<id>}:result`: one hash tag, one slot.

@@ -66,11 +66,11 @@ impl Harness {
                 assert!(m.force_delete(&k), "no lease on {key} to delete");
             }
             Harness::Server(s) => {
-                let n: i64 = s.cmd(&["DEL", &k.lock_key()]);
+                let n: i64 = s.cmd(&["DEL", k.lock_key()]);
                 assert_eq!(n, 1, "no lease on {key} to delete");
             }
             Harness::Cluster(c) => {
-                let n: i64 = c.cmd(&["DEL", &k.lock_key()]);
+                let n: i64 = c.cmd(&["DEL", k.lock_key()]);
                 assert_eq!(n, 1, "no lease on {key} to delete");
             }
         }
