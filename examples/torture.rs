@@ -14,7 +14,8 @@
 //! `--persist`
 //! (the lock server runs with `appendonly yes`, `appendfsync always`), `--break-resource` (a
 //! self-test: the resource accepts every write, and the checker must then FAIL the run),
-//! `--events FILE` (every fault and event as JSON lines).
+//! `--events FILE` (every fault and event as JSON lines), `--deploy quorum` (three lock
+//! servers and `Locker::redlock`; server faults hit one member at random; default `single`).
 //!
 //! Each child reaches the lock server through its own TCP proxy (`tests/support/proxy.rs`),
 //! which runs in this parent process: the network faults hit one child, or all of them, by
@@ -130,6 +131,8 @@ struct Opts {
     faults: Vec<String>,
     persist: bool,
     break_resource: bool,
+    /// `--deploy quorum`: three lock servers and `Locker::redlock` instead of one server.
+    quorum: bool,
     /// Where to write every event and fault as JSON lines, for a closer look after a run.
     events_file: Option<String>,
     child: Option<(usize, usize)>,
@@ -149,6 +152,7 @@ fn parse_args() -> Result<Opts, BoxError> {
         faults: ALL_FAULTS.map(String::from).to_vec(),
         persist: false,
         break_resource: false,
+        quorum: false,
         events_file: None,
         child: None,
         url: String::new(),
@@ -183,6 +187,13 @@ fn parse_args() -> Result<Opts, BoxError> {
             "--url" => o.url = v.clone(),
             "--res-url" => o.res_url = v.clone(),
             "--events" => o.events_file = Some(v.clone()),
+            "--deploy" => {
+                o.quorum = match v.as_str() {
+                    "single" => false,
+                    "quorum" => true,
+                    _ => return Err(format!("--deploy: `{v}` is not single or quorum").into()),
+                }
+            }
             "--faults" => {
                 o.faults = v
                     .split(',')
@@ -235,7 +246,13 @@ fn emit(v: Value) {
 async fn child_main(opts: Opts, index: usize, incarnation: usize) -> Result<(), BoxError> {
     // The lock server may be down (a restart in progress) when a replacement child starts.
     let locker = loop {
-        match Locker::redis(&opts.url).await {
+        let urls: Vec<&str> = opts.url.split(',').collect();
+        let connected = if opts.quorum {
+            Locker::redlock(&urls).await
+        } else {
+            Locker::redis(&opts.url).await
+        };
+        match connected {
             Ok(l) => break l,
             Err(_) if now_us() < opts.until => tokio::time::sleep(Duration::from_millis(50)).await,
             Err(e) => return Err(e.into()),
@@ -550,6 +567,7 @@ fn spawn_child(
         .args(["--tasks", &opts.tasks.to_string()])
         .args(["--keys", &opts.keys.to_string()])
         .args(["--ttl-ms", &opts.ttl_ms.to_string()])
+        .args(["--deploy", if opts.quorum { "quorum" } else { "single" }])
         .stdout(Stdio::piped())
         .spawn()?;
     let out = child.stdout.take().ok_or("child has no stdout")?;
@@ -605,7 +623,11 @@ fn holding_children(events: &Events) -> Vec<usize> {
 }
 
 fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
-    let mut lock_server = Server::start(opts.persist)?;
+    // One lock server, or the members of a Redlock quorum.
+    let members = if opts.quorum { 3 } else { 1 };
+    let mut lock_servers = (0..members)
+        .map(|_| Server::start(opts.persist))
+        .collect::<Result<Vec<Server>, BoxError>>()?;
     let res_server = Server::start(false)?;
     let res_url = res_server.url();
     // The proxies run on this runtime's threads while the fault loop below sleeps and signals.
@@ -613,23 +635,35 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    // One proxy per child slot, kept across a crashed child's replacements, so a network
-    // fault can hit one client alone.
-    let proxies: Vec<Proxy> = (0..opts.clients)
-        .map(|_| net.block_on(Proxy::start(lock_server.port)))
+    // One proxy per child slot and lock server, kept across a crashed child's replacements,
+    // so a network fault can hit one client alone.
+    let proxies: Vec<Vec<Proxy>> = (0..opts.clients)
+        .map(|_| {
+            lock_servers
+                .iter()
+                .map(|s| net.block_on(Proxy::start(s.port)))
+                .collect()
+        })
         .collect();
+    let url_of = |i: usize| -> String {
+        proxies[i]
+            .iter()
+            .map(Proxy::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    };
     let start = now_us();
     let until = start + opts.secs * 1_000_000;
     let events: Events = Arc::new(Mutex::new(Vec::new()));
     let mut children: Vec<(Child, usize)> = Vec::new();
-    for (i, p) in proxies.iter().enumerate() {
+    for i in 0..opts.clients {
         children.push((
-            spawn_child(opts, i, 0, &p.url(), &res_url, until, &events)?,
+            spawn_child(opts, i, 0, &url_of(i), &res_url, until, &events)?,
             0,
         ));
     }
     println!(
-        "torture: seed {} secs {} clients {}x{} tasks keys {} ttl {} ms faults {} persist {}",
+        "torture: seed {} secs {} clients {}x{} tasks keys {} ttl {} ms faults {} persist {}{}",
         opts.seed,
         opts.secs,
         opts.clients,
@@ -637,7 +671,8 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
         opts.keys,
         opts.ttl_ms,
         opts.faults.join(","),
-        opts.persist
+        opts.persist,
+        if opts.quorum { " deploy quorum" } else { "" }
     );
 
     let mut rng = Rng::new(opts.seed);
@@ -652,6 +687,15 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
     // Leave the last two seconds fault-free so every child can finish its cycle cleanly; a
     // fault that lasts a while is cut short 1.5 s before the end for the same reason.
     let fault_end = until - 1_500_000;
+    // The server faults hit one quorum member at random; with one server, no draw is taken,
+    // so the schedule of a seed stays what it was before quorums.
+    let member = |rng: &mut Rng| {
+        if members > 1 {
+            rng.range(0, members as u64) as usize
+        } else {
+            0
+        }
+    };
     let for_ms = |wanted: u64| wanted.min(fault_end.saturating_sub(now_us()) / 1000);
     while !opts.faults.is_empty() && now_us() + 2_000_000 < until {
         std::thread::sleep(Duration::from_millis(rng.range(700, 1_800)));
@@ -701,8 +745,8 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
                     (Some(i), h)
                 };
                 let hit: Vec<&Proxy> = match target {
-                    Some(i) => vec![&proxies[i]],
-                    None => proxies.iter().collect(),
+                    Some(i) => proxies[i].iter().collect(),
+                    None => proxies.iter().flatten().collect(),
                 };
                 // Latency: 20-150 ms each way, so a round trip (40-300 ms) is often above
                 // ttl/3 and renewals race their deadline. Stall: ttl/2 to 4x the TTL, so the
@@ -747,7 +791,7 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
                 let t1 = now_us();
                 let inc = children[i].1 + 1;
                 children[i] = (
-                    spawn_child(opts, i, inc, &proxies[i].url(), &res_url, until, &events)?,
+                    spawn_child(opts, i, inc, &url_of(i), &res_url, until, &events)?,
                     inc,
                 );
                 let mut f = Fault::new("crash", Some(i), t0);
@@ -755,14 +799,15 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
                 faults.push(f);
             }
             "restart" => {
-                lock_server.kill();
-                lock_server.spawn()?;
+                let m = member(&mut rng);
+                lock_servers[m].kill();
+                lock_servers[m].spawn()?;
                 faults.push(Fault::new("restart", None, t0));
             }
             "flush" => {
                 let _: () = redis::cmd("SCRIPT")
                     .arg("FLUSH")
-                    .query(&mut lock_server.conn()?)?;
+                    .query(&mut lock_servers[member(&mut rng)].conn()?)?;
                 faults.push(Fault::new("script flush", None, t0));
             }
             _ => {
@@ -770,7 +815,7 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
                     .arg("KILL")
                     .arg("TYPE")
                     .arg("normal")
-                    .query(&mut lock_server.conn()?)?;
+                    .query(&mut lock_servers[member(&mut rng)].conn()?)?;
                 faults.push(Fault::new("client kill", None, t0));
             }
         }
@@ -795,8 +840,11 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
     }
     // Let the reader threads drain the last lines, and every possible lease run out.
     std::thread::sleep(Duration::from_millis(ttl + 500));
-    let mut lc = lock_server.conn()?;
-    let leftover: Vec<String> = redis::cmd("KEYS").arg("*:lock").query(&mut lc)?;
+    let mut leftover: Vec<String> = Vec::new();
+    for s in &lock_servers {
+        let keys: Vec<String> = redis::cmd("KEYS").arg("*:lock").query(&mut s.conn()?)?;
+        leftover.extend(keys);
+    }
     let mut rc = res_server.conn()?;
     let mut resource = BTreeMap::new();
     for k in 0..opts.keys {
