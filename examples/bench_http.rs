@@ -70,6 +70,8 @@ struct Args {
     seconds: f64,
     rounds: usize,
     redis: Option<String>,
+    /// Measure only this route (`bare`, `memory` or `redis`), e.g. under `perf stat`.
+    only: Option<String>,
 }
 
 fn args() -> Result<Args, BoxError> {
@@ -78,6 +80,7 @@ fn args() -> Result<Args, BoxError> {
         seconds: 0.5,
         rounds: 10,
         redis: None,
+        only: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -87,11 +90,17 @@ fn args() -> Result<Args, BoxError> {
             "--seconds" => a.seconds = value()?.parse()?,
             "--rounds" => a.rounds = value()?.parse()?,
             "--redis" => a.redis = Some(value()?),
+            "--only" => a.only = Some(value()?),
             other => return Err(format!("unknown argument `{other}`").into()),
         }
     }
     if a.connections == 0 || a.rounds == 0 || a.seconds <= 0.0 {
         return Err("connections, rounds and seconds must be positive".into());
+    }
+    if let Some(o) = &a.only
+        && !["bare", "memory", "redis"].contains(&o.as_str())
+    {
+        return Err(format!("--only takes bare, memory or redis, not `{o}`").into());
     }
     Ok(a)
 }
@@ -205,15 +214,22 @@ async fn main() -> Result<(), BoxError> {
         a.seconds,
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    // Warm-up: connections, the Redis scripts, the renewal driver.
-    for route in ["/bare", "/memory", "/redis"] {
-        load(addr, route, a.connections, Duration::from_millis(300)).await?;
-    }
     let routes = ["/bare", "/memory", "/redis"];
+    let measured = |route: &str| a.only.as_ref().is_none_or(|o| route[1..] == *o);
+    // Warm-up: connections, the Redis scripts, the renewal driver.
+    let mut warm = 0.0;
+    for route in routes.iter().filter(|r| measured(r)) {
+        warm += load(addr, route, a.connections, Duration::from_millis(300))
+            .await?
+            .0;
+    }
     let mut totals = [Total::default(); 3];
     let mut errors = 0;
     for _ in 0..a.rounds {
         for (i, route) in routes.iter().enumerate() {
+            if !measured(route) {
+                continue;
+            }
             let cpu0 = cpu_time();
             let (n, secs, bad) = load(addr, route, a.connections, dur).await?;
             let cpu = cpu_time().zip(cpu0).map(|(b, a)| b.saturating_sub(a));
@@ -231,6 +247,18 @@ async fn main() -> Result<(), BoxError> {
     let rps = |t: &Total| t.requests / t.secs;
     let cpu_us = |t: &Total| t.cpu.map(|c| c.as_secs_f64() * 1e6 / t.requests);
     let fmt_cpu = |t: &Total| cpu_us(t).map_or("n/a".to_owned(), |u| format!("{u:.1} us"));
+    if let Some(only) = &a.only {
+        let i = routes.iter().position(|r| r[1..] == *only).unwrap_or(0);
+        let t = &totals[i];
+        // Under `perf stat`, divide the process's counts by the requests of every phase.
+        println!(
+            "only {only}: {:.0} req/s   CPU/request {}   {} requests measured, {warm} in the warm-up",
+            rps(t),
+            fmt_cpu(t),
+            t.requests,
+        );
+        return Ok(());
+    }
     let [bare, mem, red] = totals;
     println!("totals over {} rounds:", a.rounds);
     println!(

@@ -55,7 +55,8 @@ where
             key = tracing::field::Empty,
             fence = tracing::field::Empty
         );
-        ResponseFuture::new(run(cfg, inner, req).instrument(span))
+        // Recorded on directly: `Span::current()` would look the span up on every request.
+        ResponseFuture::new(run(cfg, inner, req, span.clone()).instrument(span))
     }
 }
 
@@ -63,6 +64,7 @@ async fn run<S, ReqBody, ResBody>(
     cfg: Arc<LockConfig>,
     mut inner: S,
     req: Request<ReqBody>,
+    span: tracing::Span,
 ) -> Result<Response<LockBody<ResBody>>, S::Error>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
@@ -86,6 +88,7 @@ where
         (Either::Left(body), None)
     };
     let key = match cfg.key.extract(&mut parts, bytes.as_ref()).await {
+        Ok(k) if cfg.prefix.is_empty() => k,
         Ok(k) => format!("{}{k}", cfg.prefix),
         Err(p) if p.reason == Reason::MissingKey && cfg.pass_unkeyed => {
             tracing::debug!(why = %p.detail, "no key; passing through unlocked");
@@ -94,7 +97,7 @@ where
         }
         Err(p) => return Ok(reject(rejections, p.reason, None, p.detail)),
     };
-    tracing::Span::current().record("key", key.as_str());
+    span.record("key", key.as_str());
     let taken = if cfg.wait {
         cfg.locker.acquire(&key, &cfg.opts).await
     } else {
@@ -104,22 +107,39 @@ where
         Ok(lease) => lease,
         Err(e) => return Ok(refusal(&cfg, &e)),
     };
-    tracing::Span::current().record("fence", lease.fence().0);
-    let info = lease.info();
+    span.record("fence", lease.fence().0);
     parts.extensions.insert(Held {
         fence: lease.fence(),
-        info: info.clone(),
+        info: lease.info(),
     });
     let in_process = matches!(cfg.locker.backend(), AnyBackend::Memory(_));
-    let handler = inner.call(Request::from_parts(parts, body));
-    tokio::select! {
-        biased;
-        _ = info.lost() => {
-            tracing::warn!("lease lost while the handler ran; handler cancelled");
-            Ok(reject(rejections, Reason::LeaseLost, None, format!("the lease on `{key}` was lost before the handler finished; the handler was cancelled")))
-        }
-        res = handler => Ok(finish(res?, lease, in_process).await),
+    let lost = |key: &str| {
+        tracing::warn!("lease lost while the handler ran; handler cancelled");
+        reject(
+            rejections,
+            Reason::LeaseLost,
+            None,
+            format!(
+                "the lease on `{key}` was lost before the handler finished; the handler was cancelled"
+            ),
+        )
+    };
+    if lease.is_lost() {
+        return Ok(lost(&key));
     }
+    let mut handler = std::pin::pin!(inner.call(Request::from_parts(parts, body)));
+    // Most handlers answer on their first poll. Waiting on the loss signal registers a waker
+    // and a timer, which cost more than such a handler, so that happens only when the handler
+    // has to wait; a lease found lost above is the same answer as before.
+    let res = match std::future::poll_fn(|cx| Poll::Ready(handler.as_mut().poll(cx))).await {
+        Poll::Ready(res) => res,
+        Poll::Pending => tokio::select! {
+            biased;
+            _ = lease.lost() => return Ok(lost(&key)),
+            res = &mut handler => res,
+        },
+    };
+    Ok(finish(res?, lease, in_process).await)
 }
 
 /// Attaches the lease to the response body, or releases it at once when the body is already
