@@ -156,10 +156,16 @@ async fn serve(
             continue;
         };
         let Ok((client, _)) = accepted else { break };
+        // A connection accepted just as a cut began is refused too; one cut after this point
+        // changes the epoch, which closes it.
+        let NetState { cut, epoch, .. } = *state.borrow();
+        if cut {
+            continue;
+        }
         let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
             continue;
         };
-        tokio::spawn(pipe(client, server, faults.clone(), state.clone()));
+        tokio::spawn(pipe(client, server, faults.clone(), state.clone(), epoch));
     }
 }
 
@@ -181,8 +187,8 @@ async fn pipe(
     server: TcpStream,
     faults: Faults,
     mut state: watch::Receiver<NetState>,
+    epoch: u64,
 ) {
-    let epoch = state.borrow().epoch;
     let (cr, cw) = client.into_split();
     let (sr, sw) = server.into_split();
     let latency = faults.latency.clone();
