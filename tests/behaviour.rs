@@ -354,6 +354,27 @@ async fn renewal_and_loss(h: Harness) {
     );
 }
 
+/// A lease left to run out is reported lost before its local deadline, not at or after it.
+async fn lost_fires_before_the_deadline(h: Harness) {
+    let locker = h.locker().await;
+    let lease = locker
+        .try_acquire("runs-out", &opts(200).renew(false))
+        .await
+        .expect("grant");
+    let deadline = Instant::now() + lease.remaining();
+    tokio::time::timeout(Duration::from_secs(1), lease.lost())
+        .await
+        .expect("lost fired");
+    let told = Instant::now();
+    assert!(
+        told < deadline,
+        "told {:?} after the local deadline",
+        told - deadline
+    );
+    assert!(lease.is_lost());
+    assert_eq!(lease.remaining(), Duration::ZERO);
+}
+
 /// Dropping the guard releases in the background.
 async fn drop_releases(h: Harness) {
     let locker = h.locker().await;
@@ -605,6 +626,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn renewal_and_loss() {
                 super::renewal_and_loss(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn lost_fires_before_the_deadline() {
+                super::lost_fires_before_the_deadline(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn drop_releases() {

@@ -7,7 +7,7 @@ mod support;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use leasehold::{Error, LockOptions, Locker};
+use leasehold::{Error, LockOptions, Locker, Release};
 use support::proxy::Proxy;
 use support::{Flavor, Server};
 use tokio::time::{Instant, sleep};
@@ -152,10 +152,10 @@ async fn slow_replies_never_give_expired_leases(flavor: Flavor) {
                 drop(lease);
             }
             Err(Error::LeaseLost { .. }) => {
-                // Refused only when the reply really came after the validity (ttl less the
-                // 1% + 2 ms drift allowance).
+                // Refused only when the reply came after the validity (ttl less the 1% + 2 ms
+                // drift allowance) less the same again, by which a lease counts as lost.
                 assert!(
-                    took >= ttl - ttl / 100 - Duration::from_millis(2),
+                    took >= ttl - 2 * (ttl / 100 + Duration::from_millis(2)),
                     "delay {factor}: a grant that arrived in {took:?} was refused"
                 );
                 refused += 1;
@@ -179,6 +179,75 @@ async fn slow_replies_never_give_expired_leases(flavor: Flavor) {
     );
 }
 
+/// A link whose round trip is a third of the TTL: renewal still keeps the lease. The first
+/// renewal is due a third of the TTL after the grant was *asked for*, which is when its validity
+/// starts; due a third after the grant's slow reply arrived, it would be sent so late that its
+/// own reply came after the deadline.
+async fn renewal_keeps_a_lease_over_a_slow_link(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    let ttl = Duration::from_millis(300);
+    let o = LockOptions::new().ttl(ttl);
+    // Every script loaded before the slow link: a first EVALSHA answered NOSCRIPT costs two
+    // more round trips.
+    let warm = locker.try_acquire("warm", &o).await.expect("warm");
+    warm.extend(ttl).await.expect("extend");
+    warm.release().await.expect("release");
+    // 50 ms each way: every round trip takes at least 100 ms, a third of the TTL.
+    proxy.set_latency(Duration::from_millis(50));
+    let lease = locker.try_acquire("far", &o).await.expect("grant");
+    sleep(ttl * 4).await;
+    assert!(
+        !lease.is_lost(),
+        "renewal over a 100 ms round trip lost a 300 ms lease"
+    );
+    assert_eq!(lease.release().await.expect("release"), Release::Released);
+}
+
+/// A stalled link: renewals go out and no reply comes back. Every holder hears of the loss
+/// before its lease's local deadline (`now + remaining()` read once the stall began).
+async fn stalled_renewals_are_told_before_the_deadline(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    let o = LockOptions::new().ttl(Duration::from_millis(1_000));
+    let mut leases = Vec::new();
+    for i in 0..8 {
+        leases.push(
+            locker
+                .try_acquire(&format!("stalled:{i}"), &o)
+                .await
+                .expect("grant"),
+        );
+    }
+    proxy.stall(true);
+    // A reply already past the proxy when the stall began could still move a deadline.
+    sleep(Duration::from_millis(30)).await;
+    let mut watchers = Vec::new();
+    for lease in &leases {
+        let info = lease.info();
+        let deadline = Instant::now() + info.remaining();
+        watchers.push(tokio::spawn(async move {
+            info.lost().await;
+            (Instant::now(), deadline)
+        }));
+    }
+    for w in watchers {
+        let (told, deadline) = tokio::time::timeout(Duration::from_secs(2), w)
+            .await
+            .expect("lost fired")
+            .expect("join");
+        assert!(
+            told < deadline,
+            "told {:?} after the local deadline",
+            told - deadline
+        );
+    }
+    proxy.stall(false);
+    drop(leases);
+}
+
 macro_rules! lost_replies {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -194,6 +263,14 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn slow_replies_never_give_expired_leases() {
                 super::slow_replies_never_give_expired_leases($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn renewal_keeps_a_lease_over_a_slow_link() {
+                super::renewal_keeps_a_lease_over_a_slow_link($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn stalled_renewals_are_told_before_the_deadline() {
+                super::stalled_renewals_are_told_before_the_deadline($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_release_reply() {

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::locker::Core;
 use crate::renew::{Cmd, LeaseState};
 use crate::turnstile::TurnHandle;
-use crate::types::{Fence, LockKey, Token, drift, validate_ttl};
+use crate::types::{Fence, LockKey, Token, drift, validate_ttl, warn_ahead};
 
 /// What [`Lease::release`] found on the server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,8 +23,9 @@ pub enum Release {
 /// A held lease: the guard returned by [`Locker::acquire`](crate::Locker::acquire).
 ///
 /// While it lives (and renewal is on) the lease is renewed at about a third of its TTL. When
-/// renewal fails or the deadline comes without a renewal, [`lost`](Lease::lost) resolves before
-/// the local deadline. Dropping the guard stops renewal at once and releases it in the
+/// renewal is refused, or none gets through in time, [`lost`](Lease::lost) resolves before the
+/// local deadline: the lease counts as lost 2.5% of its TTL + 3 ms ahead of it, which leaves
+/// room for a late timer and a busy CPU (a process starved for longer hears of it late). Dropping the guard stops renewal at once and releases it in the
 /// background; [`release`](Lease::release) does so in the foreground and reports what it found.
 ///
 /// ```
@@ -80,17 +81,19 @@ impl<B: Backend + Clone> Lease<B> {
 
     /// Time left on the lease, measured on the local monotonic clock from before the request
     /// that granted or last renewed it, less the drift allowance. Never more than the truth;
-    /// zero once the lease is lost.
+    /// zero once the lease is lost (which, unrenewed, it is a little before this reaches zero).
     pub fn remaining(&self) -> Duration {
         self.state.remaining()
     }
 
-    /// Whether the lease is known to be lost.
+    /// Whether the lease is known to be lost: released, refused on renewal, or unrenewed
+    /// within 2.5% of the TTL + 3 ms of its local deadline.
     pub fn is_lost(&self) -> bool {
         self.state.is_lost()
     }
 
-    /// Resolves when the lease is lost (renewal refused or failing until the deadline).
+    /// Resolves when the lease is lost (renewal refused, or none through in time), before the
+    /// local deadline.
     pub async fn lost(&self) {
         self.state.wait_lost().await
     }
@@ -116,7 +119,8 @@ impl<B: Backend + Clone> Lease<B> {
             .extend(&[(self.key.clone(), self.token.clone())], ttl)
             .await?;
         if held.first().copied().unwrap_or(false) {
-            self.state.extend_to(start + ttl - drift(ttl));
+            self.state
+                .extend_to(start + ttl - drift(ttl), warn_ahead(ttl));
             if self.renewing {
                 self.core.send(Cmd::Retune { id: self.id, ttl });
             }

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::lease::{Lease, LeaseInfo};
 use crate::renew::{self, Cmd, LeaseState};
 use crate::turnstile::Turnstiles;
-use crate::types::{Fence, LockKey, Token, drift, validate_key, validate_ttl};
+use crate::types::{Fence, LockKey, Token, drift, validate_key, validate_ttl, warn_ahead};
 
 /// How one acquisition behaves. The defaults follow the common convention: a 30 s lease renewed
 /// automatically, and [`Locker::acquire`] waiting up to 10 s.
@@ -232,8 +232,9 @@ impl<B: Backend + Clone> Locker<B> {
     /// locker wait for it in [`acquire`](Self::acquire).
     ///
     /// A grant whose reply arrives after its validity (ttl less drift, counted from before the
-    /// request) is released and reported as [`Error::LeaseLost`]: a lease is never handed out
-    /// already expired.
+    /// request), or so near its end that it would count as lost at once (see
+    /// [`Lease::lost`]), is released and reported as [`Error::LeaseLost`]: a lease is never
+    /// handed out already expired.
     #[instrument(level = "debug", skip(self, opts), fields(ttl = ?opts.ttl))]
     pub async fn try_acquire(&self, key: &str, opts: &LockOptions) -> Result<Lease<B>> {
         let key = self.lock_key(key)?;
@@ -349,7 +350,7 @@ impl<B: Backend + Clone> Locker<B> {
             AcquireReply::Held { remaining } => Ok(Err(remaining)),
             AcquireReply::Granted { fence } => {
                 let deadline = start + opts.ttl - drift(opts.ttl);
-                if deadline <= Instant::now() {
+                if deadline - warn_ahead(opts.ttl) <= Instant::now() {
                     // The reply took the whole validity: the grant may already have expired
                     // on the server and be held by another, so it is no lease at all. Free it
                     // in case it has not expired yet.
@@ -359,7 +360,7 @@ impl<B: Backend + Clone> Locker<B> {
                         key: key.user().to_owned(),
                     });
                 }
-                let state = LeaseState::new(deadline);
+                let state = LeaseState::new(deadline, warn_ahead(opts.ttl));
                 let id = self.core.next_id.fetch_add(1, Ordering::Relaxed);
                 if opts.renew {
                     self.core.send(Cmd::Add {
@@ -367,6 +368,7 @@ impl<B: Backend + Clone> Locker<B> {
                         key: key.clone(),
                         token: token.clone(),
                         ttl: opts.ttl,
+                        sent: start,
                         state: state.clone(),
                     });
                 }

@@ -12,44 +12,68 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::backend::Backend;
-use crate::types::{LockKey, Token, drift};
+use crate::types::{LockKey, Token, drift, warn_ahead};
 
 /// What a lease and the driver share: the validity deadline and the lost signal.
 pub(crate) struct LeaseState {
-    deadline: Mutex<Instant>,
+    times: Mutex<Times>,
     pub(crate) lost: CancellationToken,
 }
 
+#[derive(Clone, Copy)]
+struct Times {
+    /// The end of validity on the local clock: from before the request that granted or last
+    /// renewed the lease, less the drift allowance.
+    deadline: Instant,
+    /// When the lease counts as lost if nothing renewed it: [`warn_ahead`] before the deadline.
+    alarm: Instant,
+}
+
+impl Times {
+    fn new(deadline: Instant, ahead: Duration) -> Times {
+        Times {
+            deadline,
+            alarm: deadline.checked_sub(ahead).unwrap_or(deadline),
+        }
+    }
+}
+
 impl LeaseState {
-    pub(crate) fn new(deadline: Instant) -> Arc<LeaseState> {
+    /// `ahead`: how long before `deadline` the loss is signalled ([`warn_ahead`] of the TTL).
+    pub(crate) fn new(deadline: Instant, ahead: Duration) -> Arc<LeaseState> {
         Arc::new(LeaseState {
-            deadline: Mutex::new(deadline),
+            times: Mutex::new(Times::new(deadline, ahead)),
             lost: CancellationToken::new(),
         })
     }
 
-    pub(crate) fn deadline(&self) -> Instant {
-        *self.deadline.lock().unwrap_or_else(PoisonError::into_inner)
+    fn times(&self) -> Times {
+        *self.times.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// When the lease counts as lost unless renewed first.
+    pub(crate) fn alarm(&self) -> Instant {
+        self.times().alarm
     }
 
     /// Moves the deadline forward only: a late reply of an older renewal must not shorten it.
-    pub(crate) fn extend_to(&self, deadline: Instant) {
-        let mut d = self.deadline.lock().unwrap_or_else(PoisonError::into_inner);
-        if deadline > *d {
-            *d = deadline;
+    pub(crate) fn extend_to(&self, deadline: Instant, ahead: Duration) {
+        let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
+        if deadline > t.deadline {
+            *t = Times::new(deadline, ahead);
         }
     }
 
     /// Resolves once the lease is lost: cancelled by the driver or a failed extend, or its
-    /// deadline passed (the only signal a lease without renewal gets).
+    /// alarm passed (the only signal a lease without renewal gets).
     pub(crate) async fn wait_lost(&self) {
         loop {
-            let deadline = self.deadline();
+            let alarm = self.alarm();
             tokio::select! {
                 _ = self.lost.cancelled() => return,
-                _ = tokio::time::sleep_until(deadline) => {
+                _ = tokio::time::sleep_until(alarm) => {
                     // An extend may have moved the deadline while we slept.
-                    if self.deadline() <= Instant::now() {
+                    if self.alarm() <= Instant::now() {
                         self.lost.cancel();
                         return;
                     }
@@ -59,14 +83,16 @@ impl LeaseState {
     }
 
     pub(crate) fn is_lost(&self) -> bool {
-        self.lost.is_cancelled() || self.deadline() <= Instant::now()
+        self.lost.is_cancelled() || self.alarm() <= Instant::now()
     }
 
     pub(crate) fn remaining(&self) -> Duration {
-        if self.lost.is_cancelled() {
+        let t = self.times();
+        let now = Instant::now();
+        if self.lost.is_cancelled() || t.alarm <= now {
             return Duration::ZERO;
         }
-        self.deadline().saturating_duration_since(Instant::now())
+        t.deadline.saturating_duration_since(now)
     }
 }
 
@@ -76,6 +102,9 @@ pub(crate) enum Cmd {
         key: LockKey,
         token: Token,
         ttl: Duration,
+        /// When the granting request was sent: the lease's validity counts from there, so its
+        /// renewals must too.
+        sent: Instant,
         state: Arc<LeaseState>,
     },
     Retune {
@@ -94,7 +123,7 @@ struct Entry {
     token: Token,
     ttl: Duration,
     state: Arc<LeaseState>,
-    /// The deadline this entry is filed under in `Driver::deadlines`.
+    /// The alarm this entry is filed under in `Driver::deadlines`.
     filed_deadline: Instant,
     /// When it is filed in `Driver::renews`; `None` while a renewal is in flight.
     filed_renew: Option<Instant>,
@@ -137,7 +166,7 @@ impl Driver {
     fn file_deadline(&mut self, id: u64) {
         if let Some(e) = self.entries.get_mut(&id) {
             self.deadlines.remove(&(e.filed_deadline, id));
-            e.filed_deadline = e.state.deadline();
+            e.filed_deadline = e.state.alarm();
             self.deadlines.insert((e.filed_deadline, id));
         }
     }
@@ -191,9 +220,9 @@ pub(crate) async fn run<B: Backend + Clone>(backend: B, mut rx: mpsc::UnboundedR
             let Some(e) = d.entries.get(&id) else {
                 continue;
             };
-            if e.state.deadline() > now {
+            let fresh = e.state.alarm();
+            if fresh > now {
                 // An explicit extend moved the deadline since it was filed.
-                let fresh = e.state.deadline();
                 if let Some(e) = d.entries.get_mut(&id) {
                     e.filed_deadline = fresh;
                 }
@@ -241,9 +270,10 @@ fn apply<B: Backend + Clone>(backend: &B, d: &mut Driver, cmd: Cmd) {
             key,
             token,
             ttl,
+            sent,
             state,
         } => {
-            let deadline = state.deadline();
+            let deadline = state.alarm();
             d.entries.insert(
                 id,
                 Entry {
@@ -256,7 +286,9 @@ fn apply<B: Backend + Clone>(backend: &B, d: &mut Driver, cmd: Cmd) {
                 },
             );
             d.deadlines.insert((deadline, id));
-            d.file_renew(id, Instant::now() + ttl / 3);
+            // Counted from the grant's arrival instead, a round trip above a third of the TTL
+            // would send the first renewal too late for its reply to beat the deadline.
+            d.file_renew(id, sent + ttl / 3);
         }
         Cmd::Retune { id, ttl } => {
             if let Some(e) = d.entries.get_mut(&id) {
@@ -297,7 +329,8 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                     continue;
                 };
                 if held {
-                    e.state.extend_to(sent_at + ttl - drift(ttl));
+                    e.state
+                        .extend_to(sent_at + ttl - drift(ttl), warn_ahead(ttl));
                     let next = sent_at + e.ttl / 3;
                     d.file_deadline(*id);
                     d.file_renew(*id, next);

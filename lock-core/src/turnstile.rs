@@ -166,7 +166,7 @@ mod tests {
         let far = Instant::now() + Duration::from_secs(5);
         let first = reg.enter("k");
         let permit = first.wait_turn(far).await.expect("free turn");
-        let state = LeaseState::new(far);
+        let state = LeaseState::new(far, Duration::ZERO);
         first.hold(state.clone(), permit);
 
         let order = Arc::new(Mutex::new(Vec::new()));
@@ -204,7 +204,7 @@ mod tests {
             .expect("turn");
         // A holder whose lease runs out in 50 ms and that never drops its guard.
         h.hold(
-            LeaseState::new(Instant::now() + Duration::from_millis(50)),
+            LeaseState::new(Instant::now() + Duration::from_millis(50), Duration::ZERO),
             permit,
         );
         let waiter = reg.enter("k");

@@ -154,6 +154,14 @@ pub(crate) fn drift(ttl: Duration) -> Duration {
     ttl / 100 + Duration::from_millis(2)
 }
 
+/// How long before its local deadline a lease that was not renewed counts as lost (2.5% of the
+/// TTL plus 3 ms), so that `lost()` fires *before* the deadline: a timer wakes up to a
+/// millisecond late, and on a busy machine the tasks that cancel and that wait for the signal
+/// may each wait several milliseconds more for a CPU.
+pub(crate) fn warn_ahead(ttl: Duration) -> Duration {
+    ttl / 40 + Duration::from_millis(3)
+}
+
 /// Names one lock on the server: the lock key and its fence key share the hash tag
 /// `{prefix:key}`, so both live in one cluster slot.
 ///
