@@ -1,8 +1,9 @@
 //! Torture harness: many clients in several OS processes take leases on a few hot keys against
 //! a `redis-server` this program starts, while it injects faults (pauses, crashes, server
 //! restarts, `SCRIPT FLUSH`, `CLIENT KILL`, and network latency, stalls and cuts through a TCP
-//! proxy of ours); afterwards it checks what the grants and the fenced resource saw, prints a
-//! summary table and exits non-zero if an invariant failed.
+//! proxy of ours; on a cluster, master kills with failover and manual failovers); afterwards it
+//! checks what the grants and the fenced resource saw, prints a summary table and exits non-zero
+//! if an invariant failed.
 //!
 //! ```text
 //! cargo run --release --example torture -- --seed 7 --secs 40 --clients 4 --keys 2
@@ -15,11 +16,19 @@
 //! (the lock server runs with `appendonly yes`, `appendfsync always`), `--break-resource` (a
 //! self-test: the resource accepts every write, and the checker must then FAIL the run),
 //! `--events FILE` (every fault and event as JSON lines), `--deploy quorum` (three lock
-//! servers and `Locker::redlock`; server faults hit one member at random; default `single`).
+//! servers and `Locker::redlock`; server faults hit one member at random; default `single`),
+//! `--deploy cluster` (a Redis Cluster of three masters with one replica each and
+//! `Locker::redis_cluster`; faults `pause,crash,masterkill,failover,flush,clientkill` [all of
+//! them]: `masterkill` SIGKILLs the master of a hot key's shard, waits for its replica to be
+//! promoted, then restarts the old master, which rejoins as a replica; `failover` is a graceful
+//! `CLUSTER FAILOVER` on that shard's replica; `flush` and `clientkill` hit that shard's master).
 //!
 //! Each child reaches the lock server through its own TCP proxy (`tests/support/proxy.rs`),
 //! which runs in this parent process: the network faults hit one child, or all of them, by
-//! driving those proxies.
+//! driving those proxies. Not on a cluster: a cluster client connects to the node addresses the
+//! slot map names, so a proxy in front of the seed nodes would carry almost nothing; the
+//! children connect to the nodes directly, and the network faults are refused with
+//! `--deploy cluster`.
 //!
 //! Two servers: the *lock server*, which takes the faults, and the *resource server*, which
 //! plays the protected data store and is never faulted. The fenced resource is a script on the
@@ -66,6 +75,38 @@ const ALL_FAULTS: [&str; 8] = [
 
 /// The faults that drive a child's proxy rather than the server or the process.
 const NET_FAULTS: [&str; 3] = ["latency", "stall", "cut"];
+
+/// Every fault kind of `--deploy cluster`, its default `--faults`. There is no proxy to drive
+/// and no single server to restart; a master kill with failover takes the restart's place.
+const CLUSTER_FAULTS: [&str; 6] = [
+    "pause",
+    "crash",
+    "masterkill",
+    "failover",
+    "flush",
+    "clientkill",
+];
+
+/// How the lock servers are deployed.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Deploy {
+    /// One server (`Locker::redis`).
+    Single,
+    /// Three independent servers (`Locker::redlock`).
+    Quorum,
+    /// Three masters with a replica each (`Locker::redis_cluster`).
+    Cluster,
+}
+
+impl Deploy {
+    fn name(self) -> &'static str {
+        match self {
+            Deploy::Single => "single",
+            Deploy::Quorum => "quorum",
+            Deploy::Cluster => "cluster",
+        }
+    }
+}
 
 /// The fenced resource. KEYS: highest accepted fence, acceptance list, refusal counter;
 /// ARGV[1]: the offered fence. Fences are wall-clock microseconds (below 2^53), so Lua's
@@ -131,8 +172,11 @@ struct Opts {
     faults: Vec<String>,
     persist: bool,
     break_resource: bool,
-    /// `--deploy quorum`: three lock servers and `Locker::redlock` instead of one server.
-    quorum: bool,
+    /// `--force-failover`: after a master kill, promote its replica at once with
+    /// `CLUSTER FAILOVER FORCE` instead of waiting for the cluster to notice.
+    force_failover: bool,
+    /// `--deploy`: one server, a Redlock quorum or a cluster.
+    deploy: Deploy,
     /// Where to write every event and fault as JSON lines, for a closer look after a run.
     events_file: Option<String>,
     child: Option<(usize, usize)>,
@@ -140,6 +184,45 @@ struct Opts {
     res_url: String,
     until: u64,
 }
+
+const USAGE: &str = "\
+torture: lease holders in several processes against real servers, under injected faults;
+checks fences, the fenced resource and double grants, prints a summary, exits 1 on a failure.
+
+usage: cargo run --all-features --example torture -- [options]
+
+  --seed N            fault schedule and key choice [1]
+  --secs N            run time in seconds [30]
+  --clients N         child processes [4]
+  --tasks N           client loops per child [2]
+  --keys N            hot keys [2]
+  --ttl-ms N          lease TTL [300]
+  --faults LIST       comma-separated fault kinds [all of the deployment's]
+                        single, quorum: pause,crash,restart,flush,clientkill,latency,stall,cut
+                        cluster:        pause,crash,masterkill,failover,flush,clientkill
+  --deploy KIND       single (one server, Locker::redis) [default]
+                      quorum (three servers, Locker::redlock; server faults hit one member)
+                      cluster (3 masters with 1 replica each, Locker::redis_cluster)
+  --persist           lock servers run with appendonly yes, appendfsync always
+  --force-failover    cluster: after a master kill, promote its replica at once with
+                      CLUSTER FAILOVER FORCE instead of waiting for automatic failover
+  --break-resource    self-test: the resource accepts every write; the run must FAIL
+  --events FILE       write every fault and event as JSON lines
+
+Faults: pause (SIGSTOP a holder's process for 2-3 TTLs), crash (SIGKILL a child, start a new
+one), restart (SIGKILL the lock server, start it again), flush (SCRIPT FLUSH), clientkill
+(CLIENT KILL TYPE normal), latency/stall/cut (network faults through a proxy per child).
+On a cluster: masterkill (SIGKILL the master of a hot key's shard, wait until its replica is
+promoted, restart the old master, which rejoins as a replica), failover (a graceful CLUSTER
+FAILOVER on that shard's replica); flush and clientkill hit that shard's master. A double
+grant is allowed on a cluster only when a master kill of its key's shard falls between the
+two grants and the later one came within one TTL of the promotion (asynchronous replication
+can lose a grant or a renewal); a graceful failover explains none.
+
+Network faults are not available on a cluster: a cluster client connects to the node
+addresses the slot map names, not to the seed addresses it was given, so a proxy in front of
+the seeds would see almost none of the traffic. The children connect to the nodes directly.
+";
 
 fn parse_args() -> Result<Opts, BoxError> {
     let mut o = Opts {
@@ -152,7 +235,8 @@ fn parse_args() -> Result<Opts, BoxError> {
         faults: ALL_FAULTS.map(String::from).to_vec(),
         persist: false,
         break_resource: false,
-        quorum: false,
+        force_failover: false,
+        deploy: Deploy::Single,
         events_file: None,
         child: None,
         url: String::new(),
@@ -160,12 +244,18 @@ fn parse_args() -> Result<Opts, BoxError> {
         until: 0,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut faults_given = false;
     let mut i = 0;
     while i < args.len() {
         let flag = args[i].as_str();
-        if flag == "--persist" || flag == "--break-resource" {
+        if flag == "--help" || flag == "-h" {
+            print!("{USAGE}");
+            std::process::exit(0);
+        }
+        if flag == "--persist" || flag == "--break-resource" || flag == "--force-failover" {
             o.persist |= flag == "--persist";
             o.break_resource |= flag == "--break-resource";
+            o.force_failover |= flag == "--force-failover";
             i += 1;
             continue;
         }
@@ -188,23 +278,24 @@ fn parse_args() -> Result<Opts, BoxError> {
             "--res-url" => o.res_url = v.clone(),
             "--events" => o.events_file = Some(v.clone()),
             "--deploy" => {
-                o.quorum = match v.as_str() {
-                    "single" => false,
-                    "quorum" => true,
-                    _ => return Err(format!("--deploy: `{v}` is not single or quorum").into()),
+                o.deploy = match v.as_str() {
+                    "single" => Deploy::Single,
+                    "quorum" => Deploy::Quorum,
+                    "cluster" => Deploy::Cluster,
+                    _ => {
+                        return Err(
+                            format!("--deploy: `{v}` is not single, quorum or cluster").into()
+                        );
+                    }
                 }
             }
             "--faults" => {
+                faults_given = true;
                 o.faults = v
                     .split(',')
                     .filter(|s| !s.is_empty())
                     .map(String::from)
                     .collect();
-                for f in &o.faults {
-                    if !ALL_FAULTS.contains(&f.as_str()) {
-                        return Err(format!("unknown fault `{f}`").into());
-                    }
-                }
             }
             "--child" => {
                 let (a, b) = v.split_once('.').ok_or("--child wants INDEX.INCARNATION")?;
@@ -213,6 +304,37 @@ fn parse_args() -> Result<Opts, BoxError> {
             _ => return Err(format!("unknown option `{flag}`").into()),
         }
         i += 2;
+    }
+    // Checked once every option is read, since the valid kinds depend on `--deploy`.
+    let kinds: &[&str] = if o.deploy == Deploy::Cluster {
+        if !faults_given {
+            o.faults = CLUSTER_FAULTS.map(String::from).to_vec();
+        }
+        &CLUSTER_FAULTS
+    } else {
+        &ALL_FAULTS
+    };
+    for f in &o.faults {
+        if !kinds.contains(&f.as_str()) {
+            let why = if o.deploy == Deploy::Cluster {
+                if NET_FAULTS.contains(&f.as_str()) {
+                    " (a cluster client connects to the nodes the slot map names, so there is \
+                     no proxy for network faults)"
+                } else if f == "restart" {
+                    " (on a cluster, `masterkill` kills a master and lets its replica take over)"
+                } else {
+                    ""
+                }
+            } else if CLUSTER_FAULTS.contains(&f.as_str()) {
+                " (only with --deploy cluster)"
+            } else {
+                ""
+            };
+            return Err(format!("fault `{f}` is not one of {}{why}", kinds.join(",")).into());
+        }
+    }
+    if o.force_failover && o.deploy != Deploy::Cluster {
+        return Err("--force-failover needs --deploy cluster".into());
     }
     if o.clients == 0 || o.tasks == 0 || o.keys == 0 || o.secs == 0 {
         return Err("--clients, --tasks, --keys and --secs must be at least 1".into());
@@ -247,10 +369,10 @@ async fn child_main(opts: Opts, index: usize, incarnation: usize) -> Result<(), 
     // The lock server may be down (a restart in progress) when a replacement child starts.
     let locker = loop {
         let urls: Vec<&str> = opts.url.split(',').collect();
-        let connected = if opts.quorum {
-            Locker::redlock(&urls).await
-        } else {
-            Locker::redis(&opts.url).await
+        let connected = match opts.deploy {
+            Deploy::Single => Locker::redis(&opts.url).await,
+            Deploy::Quorum => Locker::redlock(&urls).await,
+            Deploy::Cluster => Locker::redis_cluster(&urls).await,
         };
         match connected {
             Ok(l) => break l,
@@ -440,16 +562,23 @@ struct Server {
     port: u16,
     dir: tempfile::TempDir,
     persist: bool,
+    /// Extra configuration arguments (a cluster node's).
+    extra: Vec<String>,
 }
 
 impl Server {
     fn start(persist: bool) -> Result<Server, BoxError> {
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        Server::start_on(port, persist, Vec::new())
+    }
+
+    fn start_on(port: u16, persist: bool, extra: Vec<String>) -> Result<Server, BoxError> {
         let mut s = Server {
             child: None,
             port,
             dir: tempfile::tempdir()?,
             persist,
+            extra,
         };
         s.spawn()?;
         Ok(s)
@@ -470,6 +599,7 @@ impl Server {
         } else {
             cmd.args(["--appendonly", "no"]);
         }
+        cmd.args(&self.extra);
         let child = cmd
             .stdout(Stdio::null())
             .spawn()
@@ -505,6 +635,230 @@ impl Drop for Server {
     }
 }
 
+/// Number of masters of `--deploy cluster`; each has one replica.
+const CLUSTER_MASTERS: usize = 3;
+
+/// A node as one line of `CLUSTER NODES` describes it, as far as the faults need.
+struct NodeLine {
+    id: String,
+    port: u16,
+    flags: Vec<String>,
+    /// The master's id, for a replica.
+    master: Option<String>,
+    slots: Vec<(u16, u16)>,
+}
+
+impl NodeLine {
+    fn parse(line: &str) -> Option<NodeLine> {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        // `ip:port@busport[,hostname]`
+        let port = f
+            .get(1)?
+            .split('@')
+            .next()?
+            .rsplit(':')
+            .next()?
+            .parse()
+            .ok()?;
+        let slots = f
+            .get(8..)
+            .unwrap_or_default()
+            .iter()
+            // `[slot->-id]` entries are slots being moved; the harness never moves any.
+            .filter(|r| !r.starts_with('['))
+            .filter_map(|r| match r.split_once('-') {
+                Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+                None => r.parse().ok().map(|n| (n, n)),
+            })
+            .collect();
+        Some(NodeLine {
+            id: f.first()?.to_string(),
+            port,
+            flags: f.get(2)?.split(',').map(String::from).collect(),
+            master: f.get(3).filter(|m| **m != "-").map(|m| m.to_string()),
+            slots,
+        })
+    }
+
+    fn has(&self, flag: &str) -> bool {
+        self.flags.iter().any(|f| f == flag)
+    }
+}
+
+/// A cluster made as the test suite makes one (`tests/support/mod.rs`): `redis-cli --cluster
+/// create` over fresh nodes, `cluster-node-timeout 1000`, so an automatic failover takes a few
+/// seconds. Its nodes are the harness's lock servers; this adds what the faults need to find
+/// their way around it.
+struct Cluster {
+    /// The slot of each hot key's lock (`hot:0`, `hot:1`, ...).
+    key_slots: Vec<u16>,
+}
+
+/// A free loopback port whose cluster-bus twin (port + 10000) is free too.
+fn free_cluster_port() -> Result<u16, BoxError> {
+    for _ in 0..200 {
+        let l = TcpListener::bind("127.0.0.1:0")?;
+        let port = l.local_addr()?.port();
+        if port < 55_535 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err("no free loopback port pair for a cluster node".into())
+}
+
+impl Cluster {
+    /// Starts the nodes, creates the cluster and waits until it is healthy with every replica
+    /// in sync (a replica still syncing cannot be promoted).
+    fn start(persist: bool, keys: usize) -> Result<(Cluster, Vec<Server>), BoxError> {
+        let mut nodes = Vec::new();
+        for _ in 0..CLUSTER_MASTERS * 2 {
+            let extra = [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "1000",
+                "--repl-diskless-sync-delay",
+                "0",
+                // The other shards keep serving while one fails over, as in
+                // tests/cluster_faults.rs; with the default (`yes`) every lease on every
+                // shard would be lost at each master kill, which tests nothing more.
+                "--cluster-require-full-coverage",
+                "no",
+            ]
+            .map(String::from)
+            .to_vec();
+            nodes.push(Server::start_on(free_cluster_port()?, persist, extra)?);
+        }
+        let mut create = Command::new("redis-cli");
+        create.args(["--cluster", "create"]);
+        for n in &nodes {
+            create.arg(format!("127.0.0.1:{}", n.port));
+        }
+        let out = create
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .map_err(|e| format!("cannot run redis-cli (is it installed?): {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "redis-cli --cluster create failed: {}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+            .into());
+        }
+        // The lock key of each hot key, as the clients name it.
+        let namer = Locker::memory();
+        let mut key_slots = Vec::new();
+        for k in 0..keys {
+            let key = namer.lock_key(&format!("hot:{k}"))?;
+            let slot: u16 = redis::cmd("CLUSTER")
+                .arg("KEYSLOT")
+                .arg(key.lock_key())
+                .query(&mut nodes[0].conn()?)?;
+            key_slots.push(slot);
+        }
+        let cluster = Cluster { key_slots };
+        cluster.wait_stable(&nodes, Duration::from_secs(30))?;
+        Ok((cluster, nodes))
+    }
+
+    /// The cluster as the first running node that answers sees it.
+    fn view(nodes: &[Server]) -> Result<Vec<NodeLine>, BoxError> {
+        for n in nodes.iter().filter(|n| n.child.is_some()) {
+            let Ok(mut c) = n.conn() else { continue };
+            if let Ok(text) = redis::cmd("CLUSTER").arg("NODES").query::<String>(&mut c) {
+                return Ok(text.lines().filter_map(NodeLine::parse).collect());
+            }
+        }
+        Err("no cluster node answered CLUSTER NODES".into())
+    }
+
+    /// Healthy, as every running node sees it: all slots served, no node flagged failing,
+    /// and every master with a replica whose link is up.
+    fn stable(nodes: &[Server]) -> bool {
+        let mut synced = 0;
+        for n in nodes.iter().filter(|n| n.child.is_some()) {
+            let Ok(mut c) = n.conn() else { return false };
+            let info: String = redis::cmd("CLUSTER")
+                .arg("INFO")
+                .query(&mut c)
+                .unwrap_or_default();
+            if !info.contains("cluster_state:ok") || !info.contains("cluster_slots_ok:16384") {
+                return false;
+            }
+            let view: String = redis::cmd("CLUSTER")
+                .arg("NODES")
+                .query(&mut c)
+                .unwrap_or_default();
+            // `fail` and `fail?` alike: a later kill must not meet a node still suspected.
+            if view.is_empty() || view.contains("fail") {
+                return false;
+            }
+            let repl: String = redis::cmd("INFO")
+                .arg("replication")
+                .query(&mut c)
+                .unwrap_or_default();
+            synced +=
+                (repl.contains("role:slave") && repl.contains("master_link_status:up")) as usize;
+        }
+        synced == CLUSTER_MASTERS
+    }
+
+    fn wait_stable(&self, nodes: &[Server], within: Duration) -> Result<(), BoxError> {
+        let start = std::time::Instant::now();
+        while !Cluster::stable(nodes) {
+            if start.elapsed() > within {
+                return Err(format!("the cluster was not healthy again within {within:?}").into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
+    /// The master serving `slot` and its replica, as indices into `nodes`.
+    fn shard_of(&self, nodes: &[Server], slot: u16) -> Result<(usize, usize), BoxError> {
+        let view = Cluster::view(nodes)?;
+        let index = |port: u16| nodes.iter().position(|n| n.port == port);
+        let master = view
+            .iter()
+            .find(|l| l.has("master") && l.slots.iter().any(|&(a, b)| a <= slot && slot <= b))
+            .ok_or_else(|| format!("no master serves slot {slot}"))?;
+        let replica = view
+            .iter()
+            .find(|l| l.master.as_deref() == Some(master.id.as_str()))
+            .ok_or_else(|| format!("the master of slot {slot} has no replica"))?;
+        match (index(master.port), index(replica.port)) {
+            (Some(m), Some(r)) => Ok((m, r)),
+            _ => Err("CLUSTER NODES names a port the harness did not start".into()),
+        }
+    }
+
+    /// The hot keys whose lock lives on the shard of `master` (an index into `nodes`).
+    fn keys_on(&self, nodes: &[Server], master: usize) -> Result<Vec<String>, BoxError> {
+        let mut keys = Vec::new();
+        for (k, &slot) in self.key_slots.iter().enumerate() {
+            if self.shard_of(nodes, slot)?.0 == master {
+                keys.push(format!("hot:{k}"));
+            }
+        }
+        Ok(keys)
+    }
+}
+
+/// Whether a node reports itself a master (`INFO replication`).
+fn is_master(node: &Server) -> bool {
+    node.conn()
+        .ok()
+        .and_then(|mut c| {
+            redis::cmd("INFO")
+                .arg("replication")
+                .query::<String>(&mut c)
+                .ok()
+        })
+        .is_some_and(|info| info.contains("role:master"))
+}
+
 /// One injected fault, for the summary and for explaining double grants.
 struct Fault {
     kind: &'static str,
@@ -515,6 +869,10 @@ struct Fault {
     on_holder: bool,
     /// The one-way delay of a latency fault, in ms.
     latency_ms: u64,
+    /// The hot keys on the shard a cluster fault hit.
+    keys: Vec<String>,
+    /// When the replica took over, for a master kill or a manual failover.
+    t_promoted: u64,
     t0: u64,
     t1: u64,
 }
@@ -526,6 +884,8 @@ impl Fault {
             child,
             on_holder: false,
             latency_ms: 0,
+            keys: Vec::new(),
+            t_promoted: 0,
             t0,
             t1: now_us(),
         }
@@ -567,7 +927,7 @@ fn spawn_child(
         .args(["--tasks", &opts.tasks.to_string()])
         .args(["--keys", &opts.keys.to_string()])
         .args(["--ttl-ms", &opts.ttl_ms.to_string()])
-        .args(["--deploy", if opts.quorum { "quorum" } else { "single" }])
+        .args(["--deploy", opts.deploy.name()])
         .stdout(Stdio::piped())
         .spawn()?;
     let out = child.stdout.take().ok_or("child has no stdout")?;
@@ -623,11 +983,21 @@ fn holding_children(events: &Events) -> Vec<usize> {
 }
 
 fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
-    // One lock server, or the members of a Redlock quorum.
-    let members = if opts.quorum { 3 } else { 1 };
-    let mut lock_servers = (0..members)
-        .map(|_| Server::start(opts.persist))
-        .collect::<Result<Vec<Server>, BoxError>>()?;
+    // One lock server, the members of a Redlock quorum, or the nodes of a cluster.
+    let (cluster, mut lock_servers) = match opts.deploy {
+        Deploy::Cluster => {
+            let (c, nodes) = Cluster::start(opts.persist, opts.keys)?;
+            (Some(c), nodes)
+        }
+        _ => {
+            let members = if opts.deploy == Deploy::Quorum { 3 } else { 1 };
+            let servers = (0..members)
+                .map(|_| Server::start(opts.persist))
+                .collect::<Result<Vec<Server>, BoxError>>()?;
+            (None, servers)
+        }
+    };
+    let members = lock_servers.len();
     let res_server = Server::start(false)?;
     let res_url = res_server.url();
     // The proxies run on this runtime's threads while the fault loop below sleeps and signals.
@@ -636,16 +1006,27 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
         .enable_all()
         .build()?;
     // One proxy per child slot and lock server, kept across a crashed child's replacements,
-    // so a network fault can hit one client alone.
+    // so a network fault can hit one client alone. None on a cluster (see the module docs).
     let proxies: Vec<Vec<Proxy>> = (0..opts.clients)
         .map(|_| {
+            if cluster.is_some() {
+                return Vec::new();
+            }
             lock_servers
                 .iter()
                 .map(|s| net.block_on(Proxy::start(s.port)))
                 .collect()
         })
         .collect();
+    let node_urls = lock_servers
+        .iter()
+        .map(Server::url)
+        .collect::<Vec<_>>()
+        .join(",");
     let url_of = |i: usize| -> String {
+        if cluster.is_some() {
+            return node_urls.clone();
+        }
         proxies[i]
             .iter()
             .map(Proxy::url)
@@ -672,17 +1053,41 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
         opts.ttl_ms,
         opts.faults.join(","),
         opts.persist,
-        if opts.quorum { " deploy quorum" } else { "" }
+        match opts.deploy {
+            Deploy::Single => String::new(),
+            d => format!(" deploy {}", d.name()),
+        }
     );
+    if let Some(c) = &cluster {
+        if opts.force_failover {
+            println!("cluster: a master kill is followed at once by CLUSTER FAILOVER FORCE");
+        }
+        let mut shards = Vec::new();
+        for slot in &c.key_slots {
+            shards.push(c.shard_of(&lock_servers, *slot)?.0);
+        }
+        println!(
+            "cluster: {} masters with a replica each; hot key slots {:?} on master nodes {:?}",
+            CLUSTER_MASTERS, c.key_slots, shards
+        );
+    }
 
     let mut rng = Rng::new(opts.seed);
     let mut faults: Vec<Fault> = Vec::new();
     let ttl = opts.ttl_ms;
+    // The second share of two in six: network faults, or on a cluster (no network faults)
+    // the failovers, so that a 30 s run sees some.
     let net_kinds: Vec<&str> = opts
         .faults
         .iter()
         .map(String::as_str)
-        .filter(|f| NET_FAULTS.contains(f))
+        .filter(|f| {
+            if cluster.is_some() {
+                *f == "masterkill" || *f == "failover"
+            } else {
+                NET_FAULTS.contains(f)
+            }
+        })
         .collect();
     // Leave the last two seconds fault-free so every child can finish its cycle cleanly; a
     // fault that lasts a while is cut short 1.5 s before the end for the same reason.
@@ -696,6 +1101,19 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
             0
         }
     };
+    // On a cluster, the server faults hit the master of a hot key's shard, drawn at random:
+    // a shard that holds no hot key would exercise nothing. Returns the node and the hot keys
+    // on its shard.
+    let target = |rng: &mut Rng, servers: &[Server]| -> Result<(usize, Vec<String>), BoxError> {
+        match &cluster {
+            Some(c) => {
+                let k = rng.range(0, c.key_slots.len() as u64) as usize;
+                let m = c.shard_of(servers, c.key_slots[k])?.0;
+                Ok((m, c.keys_on(servers, m)?))
+            }
+            None => Ok((member(rng), Vec::new())),
+        }
+    };
     let for_ms = |wanted: u64| wanted.min(fault_end.saturating_sub(now_us()) / 1000);
     while !opts.faults.is_empty() && now_us() + 2_000_000 < until {
         std::thread::sleep(Duration::from_millis(rng.range(700, 1_800)));
@@ -704,7 +1122,8 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
         }
         // Pauses are what the fence is for, so they get two faults in six when enabled; the
         // network faults, the other way a holder can lapse without being stopped, get two in
-        // six between them; the rest share what is left with them.
+        // six between them (on a cluster, the failovers take that share); the rest share what
+        // is left with them.
         let pause_on = opts.faults.iter().any(|f| f == "pause");
         let pick = rng.range(0, 6);
         let kind = if pause_on && pick < 2 {
@@ -804,19 +1223,82 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
                 lock_servers[m].spawn()?;
                 faults.push(Fault::new("restart", None, t0));
             }
+            "masterkill" | "failover" => {
+                let Some(c) = &cluster else {
+                    return Err(format!("`{kind}` needs --deploy cluster").into());
+                };
+                let k = rng.range(0, c.key_slots.len() as u64) as usize;
+                let (m, r) = c.shard_of(&lock_servers, c.key_slots[k])?;
+                let keys = c.keys_on(&lock_servers, m)?;
+                let t0 = now_us();
+                if kind == "masterkill" {
+                    // SIGKILL: whatever the replica had not received yet is lost with it.
+                    lock_servers[m].kill();
+                    if opts.force_failover {
+                        // Without it the replica takes over only once the others agree the
+                        // master failed (2-3 s), when every lease on the shard has long run
+                        // out; forced, it can take over while they are still valid.
+                        let _: () = redis::cmd("CLUSTER")
+                            .arg("FAILOVER")
+                            .arg("FORCE")
+                            .query(&mut lock_servers[r].conn()?)?;
+                    }
+                } else {
+                    // Graceful: the master stops its clients until the replica has caught up
+                    // with everything it acknowledged, then the replica takes over.
+                    let _: () = redis::cmd("CLUSTER")
+                        .arg("FAILOVER")
+                        .query(&mut lock_servers[r].conn()?)?;
+                }
+                // Automatic failover (unless forced), as tests/cluster_faults.rs relies on:
+                // with `cluster-node-timeout 1000` it took 2-3 s there.
+                let give_up = now_us() + 20_000_000;
+                while !is_master(&lock_servers[r]) {
+                    if now_us() > give_up {
+                        return Err(format!(
+                            "{kind}: the replica on port {} was not promoted within 20 s",
+                            lock_servers[r].port
+                        )
+                        .into());
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                let t_promoted = now_us();
+                if kind == "masterkill" {
+                    // Same port and directory: its nodes.conf brings it back into the cluster,
+                    // which turns it into a replica of the promoted node.
+                    lock_servers[m].spawn()?;
+                }
+                c.wait_stable(&lock_servers, Duration::from_secs(30))?;
+                let name = if kind == "masterkill" {
+                    "master kill"
+                } else {
+                    "manual failover"
+                };
+                let mut f = Fault::new(name, None, t0);
+                f.keys = keys;
+                f.t_promoted = t_promoted;
+                faults.push(f);
+            }
             "flush" => {
+                let (m, keys) = target(&mut rng, &lock_servers)?;
                 let _: () = redis::cmd("SCRIPT")
                     .arg("FLUSH")
-                    .query(&mut lock_servers[member(&mut rng)].conn()?)?;
-                faults.push(Fault::new("script flush", None, t0));
+                    .query(&mut lock_servers[m].conn()?)?;
+                let mut f = Fault::new("script flush", None, t0);
+                f.keys = keys;
+                faults.push(f);
             }
             _ => {
+                let (m, keys) = target(&mut rng, &lock_servers)?;
                 let _: i64 = redis::cmd("CLIENT")
                     .arg("KILL")
                     .arg("TYPE")
                     .arg("normal")
-                    .query(&mut lock_servers[member(&mut rng)].conn()?)?;
-                faults.push(Fault::new("client kill", None, t0));
+                    .query(&mut lock_servers[m].conn()?)?;
+                let mut f = Fault::new("client kill", None, t0);
+                f.keys = keys;
+                faults.push(f);
             }
         }
     }
@@ -841,7 +1323,11 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
     // Let the reader threads drain the last lines, and every possible lease run out.
     std::thread::sleep(Duration::from_millis(ttl + 500));
     let mut leftover: Vec<String> = Vec::new();
-    for s in &lock_servers {
+    // On a cluster, the masters only: a replica holds copies of the same keys.
+    for s in lock_servers
+        .iter()
+        .filter(|s| cluster.is_none() || is_master(s))
+    {
         let keys: Vec<String> = redis::cmd("KEYS").arg("*:lock").query(&mut s.conn()?)?;
         leftover.extend(keys);
     }
@@ -864,9 +1350,13 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
     if let Some(path) = &opts.events_file {
         let mut out = String::new();
         for f in &faults {
-            out += &json!({"ev": "fault", "kind": f.kind, "child": f.child,
-                "on_holder": f.on_holder, "latency_ms": f.latency_ms, "t0": f.t0, "t1": f.t1})
-            .to_string();
+            let mut v = json!({"ev": "fault", "kind": f.kind, "child": f.child,
+                "on_holder": f.on_holder, "latency_ms": f.latency_ms, "t0": f.t0, "t1": f.t1});
+            if cluster.is_some() {
+                v["keys"] = json!(f.keys);
+                v["t_promoted"] = json!(f.t_promoted);
+            }
+            out += &v.to_string();
             out.push('\n');
         }
         for e in &events {
@@ -881,6 +1371,7 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
         leftover_locks: leftover.len(),
         hung,
         elapsed_us: now_us() - start,
+        until,
     };
     Ok(check(opts, &events, &run))
 }
@@ -917,6 +1408,8 @@ struct Run {
     leftover_locks: usize,
     hung: usize,
     elapsed_us: u64,
+    /// When the clients stopped taking leases.
+    until: u64,
 }
 
 fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
@@ -926,6 +1419,7 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
         leftover_locks,
         hung,
         elapsed_us,
+        until,
     } = run;
     let (leftover_locks, hung, elapsed_us) = (*leftover_locks, *hung, *elapsed_us);
     let mut grants: Vec<Grant> = Vec::new();
@@ -1019,6 +1513,8 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
         .filter(|f| NET_FAULTS.contains(&f.kind))
         .collect();
     let restarts: Vec<&Fault> = faults.iter().filter(|f| f.kind == "restart").collect();
+    let master_kills: Vec<&Fault> = faults.iter().filter(|f| f.kind == "master kill").collect();
+    let ttl_us = opts.ttl_ms * 1000;
     let paused = |child: usize, from: u64, to: u64| {
         faults
             .iter()
@@ -1104,6 +1600,18 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
                     "server restart lost the key"
                 } else if paused(a.child, a.t_start, b.t_start) {
                     "earlier holder paused past its TTL"
+                } else if master_kills.iter().any(|f| {
+                    // Replication is asynchronous: the replica that took over may lack the
+                    // earlier grant, or its last renewals (then the key ends sooner there).
+                    // Either shows up once the replica serves, before the earlier lease's
+                    // deadline, so within one TTL of the promotion. Persistence on the killed
+                    // master does not help: it is the replica that serves afterwards.
+                    f.keys.contains(&a.key)
+                        && a.t_start <= f.t0
+                        && f.t0 <= b.t_start
+                        && b.t_start <= f.t_promoted + ttl_us
+                }) {
+                    "failover after a master kill lost the grant or renewal"
                 } else if a.lost_t.is_some()
                     || a.result.as_deref() == Some("not_held")
                     || a.deadline.is_some_and(|d| d <= b.t_start)
@@ -1213,6 +1721,35 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
     let final_sum: u64 = resource.values().map(|(_, _, n)| n).sum();
     let lost_updates = total_incs.saturating_sub(final_sum);
 
+    // 6. On a cluster, each failover's shard serves again: per master kill or manual failover,
+    //    how long until the replica took over, and until a hot key of that shard was granted
+    //    again (from the kill or the FAILOVER command). A shard never granted again, when the
+    //    fault ended more than 3 s before the clients stopped, fails the run.
+    struct Takeover {
+        kind: &'static str,
+        promoted_us: u64,
+        regranted_us: Option<u64>,
+        must_regrant: bool,
+    }
+    let takeovers: Vec<Takeover> = faults
+        .iter()
+        .filter(|f| f.kind == "master kill" || f.kind == "manual failover")
+        .map(|f| Takeover {
+            kind: f.kind,
+            promoted_us: f.t_promoted - f.t0,
+            regranted_us: grants
+                .iter()
+                .filter(|g| f.keys.contains(&g.key) && g.t_start > f.t_promoted)
+                .map(|g| g.t_start - f.t0)
+                .min(),
+            must_regrant: f.t1 + 3_000_000 < *until,
+        })
+        .collect();
+    let not_regranted = takeovers
+        .iter()
+        .filter(|t| t.must_regrant && t.regranted_us.is_none())
+        .count();
+
     let mut fault_counts: BTreeMap<&str, usize> = BTreeMap::new();
     for f in faults {
         *fault_counts.entry(f.kind).or_default() += 1;
@@ -1259,6 +1796,10 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
         format!("{alive_tasks} tasks still running in children at exit"),
     );
     require(hung == 0, format!("{hung} children hung"));
+    require(
+        not_regranted == 0,
+        format!("{not_regranted} shards never granted a lease again after a failover"),
+    );
     require(
         exits + hung as u64 >= opts.clients as u64,
         format!("only {exits} of {} children exited cleanly", opts.clients),
@@ -1444,6 +1985,32 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
         format!("{total_incs} / {final_sum}"),
     );
     row("negative control: lost updates", lost_updates.to_string());
+    if opts.deploy == Deploy::Cluster {
+        for kind in ["master kill", "manual failover"] {
+            let ts: Vec<&Takeover> = takeovers.iter().filter(|t| t.kind == kind).collect();
+            if ts.is_empty() {
+                continue;
+            }
+            let secs = |us: u64| format!("{:.2}", us as f64 / 1e6);
+            let promoted: Vec<String> = ts.iter().map(|t| secs(t.promoted_us)).collect();
+            let regranted: Vec<String> = ts
+                .iter()
+                .map(|t| t.regranted_us.map_or("never".into(), secs))
+                .collect();
+            row(
+                &format!("{kind}: replica took over after (s)"),
+                promoted.join(", "),
+            );
+            row(
+                "  a key of that shard granted again after (s)",
+                regranted.join(", "),
+            );
+        }
+        row(
+            "shards never granted again after a failover (must be 0)",
+            not_regranted.to_string(),
+        );
+    }
     for u in unexplained.iter().take(10) {
         println!("  unexplained: {u}");
     }
