@@ -816,8 +816,29 @@ impl Cluster {
         Ok(())
     }
 
-    /// The master serving `slot` and its replica, as indices into `nodes`.
+    /// The master serving `slot` and its replica, as indices into `nodes`, once the view the
+    /// harness reads agrees with what the two nodes say of themselves (right after a failover
+    /// a node's view can lag behind the promotion).
     fn shard_of(&self, nodes: &[Server], slot: u16) -> Result<(usize, usize), BoxError> {
+        let start = std::time::Instant::now();
+        loop {
+            let (m, r) = Cluster::shard_in_view(nodes, slot)?;
+            if nodes[m].child.is_some() && is_master(&nodes[m]) && !is_master(&nodes[r]) {
+                return Ok((m, r));
+            }
+            if start.elapsed() > Duration::from_secs(10) {
+                return Err(format!(
+                    "slot {slot}: CLUSTER NODES names port {} as master and {} as its replica, \
+                     and the nodes disagree",
+                    nodes[m].port, nodes[r].port
+                )
+                .into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn shard_in_view(nodes: &[Server], slot: u16) -> Result<(usize, usize), BoxError> {
         let view = Cluster::view(nodes)?;
         let index = |port: u16| nodes.iter().position(|n| n.port == port);
         let master = view
