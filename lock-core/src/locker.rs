@@ -3,7 +3,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{Instrument, debug, debug_span, instrument};
 
@@ -13,7 +12,7 @@ use crate::backend::{
 };
 use crate::error::{Error, Result};
 use crate::lease::{Lease, LeaseInfo};
-use crate::renew::{self, Cmd, LeaseState};
+use crate::renew::{self, Cmd, Inbox, LeaseState};
 use crate::turnstile::Turnstiles;
 use crate::types::{Fence, LockKey, Token, drift, validate_key, validate_ttl, warn_ahead};
 
@@ -99,20 +98,29 @@ pub(crate) struct Core<B: Backend + Clone> {
     pub(crate) backend: B,
     prefix: String,
     next_id: AtomicU64,
-    driver: OnceLock<mpsc::UnboundedSender<Cmd>>,
+    driver: OnceLock<Arc<Inbox>>,
     turnstiles: Arc<Turnstiles>,
 }
 
 impl<B: Backend + Clone> Core<B> {
     /// Hands a command to the renewal driver, starting it on first use (inside the runtime).
     pub(crate) fn send(&self, cmd: Cmd) {
-        let tx = self.driver.get_or_init(|| {
-            let (tx, rx) = mpsc::unbounded_channel();
-            tokio::spawn(renew::run(self.backend.clone(), rx));
-            tx
+        let inbox = self.driver.get_or_init(|| {
+            let inbox = Inbox::new();
+            tokio::spawn(renew::run(self.backend.clone(), inbox.clone()));
+            inbox
         });
-        // The driver only stops when every sender is gone, so a failed send means shutdown.
-        let _ = tx.send(cmd);
+        inbox.push(cmd);
+    }
+}
+
+impl<B: Backend + Clone> Drop for Core<B> {
+    fn drop(&mut self) {
+        // Every locker handle and lease is gone: the driver releases what dropped guards left
+        // and stops.
+        if let Some(inbox) = self.driver.get() {
+            inbox.close();
+        }
     }
 }
 
@@ -521,4 +529,76 @@ fn jitter(max: Duration) -> Duration {
     }
     let frac = u32::from_le_bytes(b) as f64 / u32::MAX as f64;
     max.mul_f64(frac)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    impl<B: Backend + Clone> Locker<B> {
+        /// Commands queued for the renewal driver and not yet taken.
+        fn queued(&self) -> usize {
+            self.core.driver.get().map_or(0, |inbox| inbox.queued())
+        }
+    }
+
+    fn opts(ttl: Duration) -> LockOptions {
+        LockOptions::new().ttl(ttl)
+    }
+
+    /// The driver sleeps until the long lease's renewal, 20 s away; a short lease taken
+    /// meanwhile must wake it, or its first renewal would come far too late.
+    #[tokio::test]
+    async fn a_short_lease_wakes_a_driver_asleep_for_a_long_one() {
+        let locker = Locker::memory();
+        let _long = locker
+            .try_acquire("long", &opts(Duration::from_secs(60)))
+            .await
+            .expect("long");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let short = locker
+            .try_acquire("short", &opts(Duration::from_millis(150)))
+            .await
+            .expect("short");
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert!(!short.is_lost(), "the short lease was not renewed");
+    }
+
+    /// Leases taken and released within a third of their TTL never need the driver, so it is
+    /// not woken for them; but their commands must not pile up without bound either.
+    #[tokio::test]
+    async fn queued_commands_stay_bounded() {
+        let locker = Locker::memory();
+        let o = opts(Duration::from_secs(60));
+        let _long = locker.try_acquire("long", &o).await.expect("long");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let mut most = 0;
+        for i in 0..10_000 {
+            let lease = locker.try_acquire(&format!("k{i}"), &o).await.expect("k");
+            lease.release().await.expect("release");
+            most = most.max(locker.queued());
+            tokio::task::yield_now().await;
+        }
+        assert!(most > 2, "commands were not queued at all ({most})");
+        assert!(
+            most <= renew::INBOX_LIMIT + 2,
+            "{most} commands queued, above the limit"
+        );
+    }
+
+    /// A guard dropped while the driver sleeps is released at once, not at the driver's next
+    /// timer.
+    #[tokio::test]
+    async fn a_dropped_guard_is_released_promptly() {
+        let locker = Locker::memory();
+        let o = opts(Duration::from_secs(60));
+        let _long = locker.try_acquire("long", &o).await.expect("long");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        drop(locker.try_acquire("dropped", &o).await.expect("dropped"));
+        let again = locker
+            .acquire("dropped", &o.clone().wait(Duration::from_secs(2)))
+            .await
+            .expect("released by the drop, long before the driver's timer");
+        again.release().await.expect("release");
+    }
 }

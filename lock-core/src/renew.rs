@@ -1,12 +1,12 @@
 //! One renewal driver per `Locker`: a single task that keeps every lease of that locker alive in
 //! batches and marks a lease lost before its local deadline when renewal does not get through.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use tokio::sync::mpsc;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -118,6 +118,86 @@ pub(crate) enum Cmd {
     },
 }
 
+impl Cmd {
+    /// By when the driver must have seen this command; `None`: whenever it next looks.
+    fn due(&self) -> Option<Instant> {
+        match self {
+            Cmd::Add { sent, ttl, .. } => Some(*sent + *ttl / 3),
+            Cmd::Retune { .. } => Some(Instant::now()),
+            // A dropped guard's release should not wait for the driver's next timer.
+            Cmd::Remove {
+                release: Some(_), ..
+            } => Some(Instant::now()),
+            Cmd::Remove { release: None, .. } => None,
+        }
+    }
+}
+
+/// How leases reach the driver. Commands queue here and the driver is woken only when one is
+/// due before the driver's own next timer: a lease released within a third of its TTL (most
+/// leases) then costs the driver nothing but skipping its add and remove in a later batch,
+/// instead of two task wake-ups and four ordered-set updates.
+pub(crate) struct Inbox {
+    state: Mutex<InboxState>,
+    wake: Notify,
+}
+
+#[derive(Default)]
+struct InboxState {
+    cmds: Vec<Cmd>,
+    /// When the sleeping driver will look next; `None` while it is awake (it looks again
+    /// before it sleeps).
+    asleep_until: Option<Instant>,
+    /// Every `Locker` handle and lease is gone: drain what is queued and stop.
+    closed: bool,
+}
+
+/// Past this many queued commands the driver is woken anyway, which bounds the queue's memory
+/// when leases are long and requests many.
+pub(crate) const INBOX_LIMIT: usize = 1024;
+
+impl Inbox {
+    pub(crate) fn new() -> Arc<Inbox> {
+        Arc::new(Inbox {
+            state: Mutex::new(InboxState::default()),
+            wake: Notify::new(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, InboxState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn push(&self, cmd: Cmd) {
+        let due = cmd.due();
+        let mut st = self.lock();
+        st.cmds.push(cmd);
+        let wake = match (due, st.asleep_until) {
+            (_, None) => false,
+            (Some(due), Some(at)) => due < at || st.cmds.len() >= INBOX_LIMIT,
+            (None, Some(_)) => st.cmds.len() >= INBOX_LIMIT,
+        };
+        if wake {
+            // One wake-up is enough for everything queued until the driver looks.
+            st.asleep_until = None;
+        }
+        drop(st);
+        if wake {
+            self.wake.notify_one();
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn queued(&self) -> usize {
+        self.lock().cmds.len()
+    }
+
+    pub(crate) fn close(&self) {
+        self.lock().closed = true;
+        self.wake.notify_one();
+    }
+}
+
 struct Entry {
     key: LockKey,
     token: Token,
@@ -190,26 +270,22 @@ impl Driver {
     }
 }
 
-pub(crate) async fn run<B: Backend + Clone>(backend: B, mut rx: mpsc::UnboundedReceiver<Cmd>) {
+/// How far ahead "no timer" is, for senders comparing their due time with the driver's.
+const FAR: Duration = Duration::from_secs(86_400 * 365);
+
+pub(crate) async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
     let mut d = Driver::default();
     let mut inflight = FuturesUnordered::new();
+    let mut cmds = Vec::new();
     loop {
-        let next_wake = d.next_wake();
-        let sleep = async {
-            match next_wake {
-                Some(t) => tokio::time::sleep_until(t).await,
-                None => std::future::pending().await,
-            }
+        let closed = {
+            let mut st = inbox.lock();
+            std::mem::swap(&mut cmds, &mut st.cmds);
+            st.closed
         };
-        tokio::select! {
-            cmd = rx.recv() => match cmd {
-                None => return,
-                Some(cmd) => apply(&backend, &mut d, cmd),
-            },
-            Some(result) = inflight.next(), if !inflight.is_empty() => {
-                settle(&mut d, result);
-            },
-            _ = sleep => {},
+        apply_all(&backend, &mut d, &mut cmds);
+        if closed {
+            return;
         }
         let now = Instant::now();
         while let Some(&(at, id)) = d.deadlines.first() {
@@ -259,6 +335,52 @@ pub(crate) async fn run<B: Backend + Clone>(backend: B, mut rx: mpsc::UnboundedR
                 let result = backend.extend_each(&items, ttl).await;
                 (sent_at, ttl, ids, result)
             });
+        }
+        let next_wake = d.next_wake();
+        {
+            let mut st = inbox.lock();
+            if !st.cmds.is_empty() || st.closed {
+                // More came meanwhile: look again at once, but through the select below, so
+                // that renewal replies are taken in even while commands never stop coming.
+                drop(st);
+                inbox.wake.notify_one();
+            } else {
+                st.asleep_until = Some(next_wake.unwrap_or_else(|| Instant::now() + FAR));
+            }
+        }
+        let sleep = async {
+            match next_wake {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = inbox.wake.notified() => {},
+            Some(result) = inflight.next(), if !inflight.is_empty() => {
+                settle(&mut d, result);
+            },
+            _ = sleep => {},
+        }
+        inbox.lock().asleep_until = None;
+    }
+}
+
+/// Applies a batch of queued commands in order, skipping leases added and removed within it.
+fn apply_all<B: Backend + Clone>(backend: &B, d: &mut Driver, cmds: &mut Vec<Cmd>) {
+    if cmds.is_empty() {
+        return;
+    }
+    let removed: HashSet<u64> = cmds
+        .iter()
+        .filter_map(|c| match c {
+            Cmd::Remove { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    for cmd in cmds.drain(..) {
+        match cmd {
+            Cmd::Add { id, .. } if removed.contains(&id) => {}
+            cmd => apply(backend, d, cmd),
         }
     }
 }
