@@ -1,7 +1,8 @@
 //! A server that answers errors: real `redis-server` / `valkey-server` processes put into states
 //! where they refuse commands, never a mock. Out of memory (`maxmemory 1`, `noeviction`: OOM on
 //! writes that need memory), the connected ACL user stripped of every command at run time
-//! (NOPERM), and writes stopped after a failed background save (MISCONF). Under each, every
+//! (NOPERM) or only of the first command its scripts run (refused inside the script), and writes
+//! stopped after a failed background save (MISCONF). Under each, every
 //! operation of the locks, the fence gate and the claim queue must answer a typed error or a
 //! full success, never a panic and never a misleading error (a foreign key type, a busy key); an
 //! error must leave every key as it was; a held lease whose renewals are refused must be reported
@@ -27,6 +28,10 @@ enum Condition {
     NoPerm,
     /// `stop-writes-on-bgsave-error` after a background save that failed: every write refused.
     Misconf,
+    /// The client's ACL user keeps `EVALSHA` but loses the first command its scripts run (`GET`
+    /// for the locks, `TYPE` for the queue), as with a rule written for an older release: the
+    /// refusal arrives inside the script, where a `redis.pcall` sees it as a value.
+    DeniedInScript,
 }
 
 const LOCK_USER: &str = "leasehold";
@@ -37,10 +42,10 @@ fn opts(ttl_ms: u64) -> LockOptions {
 }
 
 /// URLs for the locker and the queue: as the restricted users of `docs/leasehold.acl` for the
-/// NOPERM condition (whose permissions it takes away), as the default user otherwise.
+/// ACL conditions (whose permissions they take away), as the default user otherwise.
 fn urls(server: &Server, cond: Condition) -> (String, String) {
     match cond {
-        Condition::NoPerm => (
+        Condition::NoPerm | Condition::DeniedInScript => (
             server.acl_user_url_for(LOCK_USER),
             server.acl_user_url_for(QUEUE_USER),
         ),
@@ -80,7 +85,11 @@ fn set_condition(server: &Server, cond: Condition, on: bool) {
             let _: () = server.cmd(&["ACL", "SETUSER", LOCK_USER, "-@all"]);
             let _: () = server.cmd(&["ACL", "SETUSER", QUEUE_USER, "-@all"]);
         }
-        (Condition::NoPerm, false) => {
+        (Condition::DeniedInScript, true) => {
+            let _: () = server.cmd(&["ACL", "SETUSER", LOCK_USER, "-get"]);
+            let _: () = server.cmd(&["ACL", "SETUSER", QUEUE_USER, "-type"]);
+        }
+        (Condition::NoPerm | Condition::DeniedInScript, false) => {
             server.acl_user_url_for(LOCK_USER);
             server.acl_user_url_for(QUEUE_USER);
         }
@@ -252,7 +261,7 @@ async fn every_operation(flavor: Flavor, cond: Condition) {
     let before = snapshot(&server);
 
     // Refused whatever the data: each needs memory (OOM), writes (MISCONF), or any command
-    // (NOPERM) before it writes anything.
+    // (NOPERM), or runs a denied command (DeniedInScript) before it writes anything.
     refused(
         &server,
         &before,
@@ -339,7 +348,9 @@ async fn every_operation(flavor: Flavor, cond: Condition) {
         Condition::Oom | Condition::Misconf => {
             counts.expect("counts under a write refusal");
         }
-        Condition::NoPerm => refused(&server, &before, "counts", counts),
+        Condition::NoPerm | Condition::DeniedInScript => {
+            refused(&server, &before, "counts", counts)
+        }
     }
 
     let before = snapshot(&server);
@@ -504,6 +515,94 @@ async fn renewal(flavor: Flavor, cond: Condition) {
         "renewal did not recover"
     );
     again.release().await.expect("release");
+}
+
+/// A renewing lease on servers (one, or the members of a Redlock quorum) that refuse for a
+/// while shorter than its validity: an explicit extend answers a transient error and leaves the
+/// lease alone, the renewals refused in the meantime are retried, and once the condition clears
+/// renewal resumes and the lease was never lost. Under OOM renewal runs throughout.
+///
+/// Before release.lua/extend.lua told a refusal from "not held", a `GET` denied inside the
+/// script (DeniedInScript) read as "not held": extend answered `LeaseLost` and the first refused
+/// renewal marked a lease lost that the server still held.
+async fn brief_refusal(flavor: Flavor, cond: Condition, members: usize) {
+    let servers: Vec<Server> = (0..members).map(|_| Server::start(flavor)).collect();
+    let lock_urls: Vec<String> = servers.iter().map(|s| urls(s, cond).0).collect();
+    let locker = if members == 1 {
+        Locker::redis(&lock_urls[0]).await.expect("connect")
+    } else {
+        let urls: Vec<&str> = lock_urls.iter().map(String::as_str).collect();
+        Locker::redlock(&urls).await.expect("connect")
+    };
+    // Renewal every third of the TTL, retries every tenth (at most 250 ms).
+    let ttl = Duration::from_millis(2_000);
+    let lease = locker
+        .try_acquire("brief", &LockOptions::new().ttl(ttl))
+        .await
+        .expect("acquire");
+    let granted = Instant::now();
+    let key = locker.lock_key("brief").expect("key").lock_key().to_owned();
+    for s in &servers {
+        set_condition(s, cond, true);
+    }
+    assert!(
+        granted.elapsed() < ttl / 3,
+        "setting the condition took {:?}: the first renewal may have gone through before it",
+        granted.elapsed()
+    );
+    let runs = cond == Condition::Oom;
+    // One server names the refused lease; a quorum whose members all refused cannot tell.
+    match lease.extend(ttl).await {
+        Ok(()) if runs => {}
+        Err(Error::Refused { op, key, .. }) if !runs && members == 1 => {
+            assert_eq!((op, key.as_str()), ("extend", "brief"));
+        }
+        Err(Error::NoQuorum { .. }) if !runs && members > 1 => {}
+        other => panic!("extend under {cond:?}: want the server's refusal, got {other:?}"),
+    }
+    assert!(!lease.is_lost(), "a refused extend marked the lease lost");
+    // Past the first renewal (a third of the TTL) and two of its retries.
+    sleep(ttl * 3 / 5).await;
+    assert!(
+        !lease.is_lost(),
+        "the lease was reported lost (seen {:?} after the grant) while every server held it",
+        granted.elapsed()
+    );
+    if !runs {
+        // No renewal got through: the key runs down from the grant, or from the refused
+        // extend, whose server never ran it.
+        for s in &servers {
+            let pttl: i64 = s.cmd(&["PTTL", &key]);
+            assert!(
+                pttl > 0 && pttl < (ttl - ttl / 3).as_millis() as i64,
+                "a renewal went through under {cond:?} (PTTL {pttl})"
+            );
+        }
+    }
+    for s in &servers {
+        set_condition(s, cond, false);
+    }
+    // Well past the deadline the refused renewals would have left it.
+    sleep(ttl).await;
+    assert!(
+        !lease.is_lost(),
+        "renewal did not resume after the condition"
+    );
+    for s in &servers {
+        let pttl: i64 = s.cmd(&["PTTL", &key]);
+        assert!(pttl > 0, "the key lapsed on a server (PTTL {pttl})");
+    }
+    assert_eq!(lease.release().await.expect("release"), Release::Released);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_quorum_brief_refusal_in_script() {
+    brief_refusal(Flavor::Redis, Condition::DeniedInScript, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_quorum_brief_refusal_in_script() {
+    brief_refusal(Flavor::Valkey, Condition::DeniedInScript, 3).await;
 }
 
 /// A worker's job lease on a server that starts refusing: the worker cancels the handler while
@@ -690,6 +789,15 @@ macro_rules! hostile {
                 }
             )*
         }
+        mod brief_refusal {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    brief_refusal($flavor, $cond, 1).await;
+                }
+            )*
+        }
         mod worker_renewal {
             use super::*;
             $(
@@ -709,4 +817,6 @@ hostile! {
     valkey_oom: Flavor::Valkey, Condition::Oom;
     valkey_noperm: Flavor::Valkey, Condition::NoPerm;
     valkey_misconf: Flavor::Valkey, Condition::Misconf;
+    redis_denied_in_script: Flavor::Redis, Condition::DeniedInScript;
+    valkey_denied_in_script: Flavor::Valkey, Condition::DeniedInScript;
 }

@@ -253,10 +253,15 @@ pub(super) mod ops {
         for (key, token) in items {
             inv.key(key.lock_key()).arg(token.as_str());
         }
+        // A lone lease (an explicit extend) is named in the error; a batch has no one key.
+        let named = match items {
+            [(key, _)] => key.user(),
+            _ => "(batch)",
+        };
         let answers = inv
             .invoke_async::<Vec<i64>>(&mut conn)
             .await
-            .map_err(|e| classify("extend", "(batch)", e))?;
+            .map_err(|e| classify("extend", named, e))?;
         Ok(answers.into_iter().map(|n| n == 1).collect())
     }
 
