@@ -875,3 +875,159 @@ mod server_faults {
         common::bounded(client_hangs_up_while_the_result_is_stored(Harness::valkey())).await
     }
 }
+
+/// The layer logged in as the `leasehold-dedupe` user of `docs/leasehold.acl` (the rule the
+/// README quotes): a burst of duplicates that wait (claim, wake-up subscription, renewal of a
+/// short claim, result look-up and store, release) runs the handler once and answers every
+/// caller with the stored result, a later duplicate is replayed from the server, and the server
+/// denied nothing along the way (its ACL log stays empty).
+async fn runs_as_its_acl_user(s: support::Server) {
+    let _: () = s.cmd(&["ACL", "LOG", "RESET"]);
+    let url = s.acl_user_url_for("leasehold-dedupe");
+    let locker = lock_core::Locker::redis(&url)
+        .await
+        .expect("connect as the ACL user");
+    let runs = Arc::new(AtomicUsize::new(0));
+    // A claim of 1 s renews at a third of it, while the handler still runs.
+    let layer = DedupeLayer::new(locker.clone())
+        .claim_ttl(Duration::from_secs(1))
+        .wait(Duration::from_secs(30));
+    let addr = serve(counting(layer, runs.clone(), Duration::from_millis(600))).await;
+    let calls: Vec<_> = (0..5)
+        .map(|_| tokio::spawn(async move { deliver(addr, r#""acl-1""#, "{}").await }))
+        .collect();
+    let mut bodies = Vec::new();
+    let mut replayed = 0;
+    for c in calls {
+        let r = c.await.expect("join");
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.text());
+        replayed += usize::from(r.header("idempotent-replayed") == Some("true"));
+        bodies.push(r.body);
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the handler ran more than once"
+    );
+    assert_eq!(replayed, 4, "the waiting duplicates were not replayed");
+    assert!(bodies.iter().all(|b| *b == bodies[0]));
+    let later = deliver(addr, r#""acl-1""#, "{}").await;
+    assert_eq!(later.header("idempotent-replayed"), Some("true"));
+    assert_eq!(later.body, bodies[0]);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let lock_key = locker
+        .lock_key(&claim_name("", "acl-1"))
+        .expect("key")
+        .lock_key()
+        .to_owned();
+    let result_key = format!("{}:result", lock_key.strip_suffix(":lock").expect("suffix"));
+    assert_eq!(
+        s.cmd::<i64>(&["EXISTS", &result_key]),
+        1,
+        "no stored result"
+    );
+    assert_eq!(
+        s.cmd::<i64>(&["EXISTS", &lock_key]),
+        0,
+        "the claim was left held"
+    );
+    let log: Vec<std::collections::HashMap<String, String>> = s.cmd(&["ACL", "LOG"]);
+    let denied: Vec<_> = log
+        .iter()
+        // The client library names itself on connect (`CLIENT SETINFO`, Valkey and Redis 7.2+)
+        // and carries on when that is refused; the locks' rule does not grant it either.
+        .filter(|e| e.get("object").map(String::as_str) != Some("client|setinfo"))
+        .collect();
+    assert!(denied.is_empty(), "the server denied commands: {denied:?}");
+}
+
+/// The store script run as it ships, by a user whose `GET` is taken away while `EVALSHA` is
+/// not: the denied read of the claim comes back as the server's error (the layer logs that the
+/// store failed), never as 0, which the layer reads as a claim that lapsed. Nothing is written.
+async fn store_script_reports_a_refused_read(s: support::Server) {
+    let url = s.acl_user_url_for("leasehold-dedupe");
+    let _: () = s.cmd(&["ACL", "SETUSER", "leasehold-dedupe", "-get"]);
+    let client = ::redis::Client::open(url).expect("client");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect as the ACL user");
+    let (lock_key, result_key) = ("{leasehold:dedupe:x}:lock", "{leasehold:dedupe:x}:result");
+    let _: () = s.cmd(&["SET", lock_key, "token"]);
+    let script = ::redis::Script::new(include_str!("../src/lua/store_result.lua"));
+    let stored: ::redis::RedisResult<i64> = script
+        .key(lock_key)
+        .key(result_key)
+        .arg("token")
+        .arg(60_000)
+        .arg("fp")
+        .arg(201)
+        .arg("")
+        .arg("body")
+        .arg(0)
+        .invoke_async(&mut conn)
+        .await;
+    match stored {
+        Err(e) if e.code().is_some() => {}
+        other => panic!("want the server's refusal, got {other:?}"),
+    }
+    assert_eq!(
+        s.cmd::<i64>(&["EXISTS", result_key]),
+        0,
+        "a result was written"
+    );
+    // The same call with the rule restored stores it: the refusal was the denied GET.
+    s.acl_user_url_for("leasehold-dedupe");
+    let stored: i64 = script
+        .key(lock_key)
+        .key(result_key)
+        .arg("token")
+        .arg(60_000)
+        .arg("fp")
+        .arg(201)
+        .arg("")
+        .arg("body")
+        .arg(0)
+        .invoke_async(&mut conn)
+        .await
+        .expect("store");
+    assert_eq!(stored, 1);
+}
+
+/// The layer under the restricted user of `docs/leasehold.acl`.
+mod acl_user {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn runs_as_its_acl_user_on_redis() {
+        common::bounded(runs_as_its_acl_user(support::Server::start(
+            support::Flavor::Redis,
+        )))
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn runs_as_its_acl_user_on_valkey() {
+        common::bounded(runs_as_its_acl_user(support::Server::start(
+            support::Flavor::Valkey,
+        )))
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn store_script_reports_a_refused_read_on_redis() {
+        common::bounded(store_script_reports_a_refused_read(support::Server::start(
+            support::Flavor::Redis,
+        )))
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn store_script_reports_a_refused_read_on_valkey() {
+        common::bounded(store_script_reports_a_refused_read(support::Server::start(
+            support::Flavor::Valkey,
+        )))
+        .await
+    }
+}
