@@ -175,6 +175,10 @@ struct Opts {
     /// `--force-failover`: after a master kill, promote its replica at once with
     /// `CLUSTER FAILOVER FORCE` instead of waiting for the cluster to notice.
     force_failover: bool,
+    /// `--lag-replica`: before a master kill, hold the replica back (SIGSTOP, and enough
+    /// ballast written on the master to fill the socket between them), so the kill loses what
+    /// the master acknowledged meanwhile; implies `--force-failover`.
+    lag_replica: bool,
     /// `--deploy`: one server, a Redlock quorum or a cluster.
     deploy: Deploy,
     /// Where to write every event and fault as JSON lines, for a closer look after a run.
@@ -206,6 +210,9 @@ usage: cargo run --all-features --example torture -- [options]
   --persist           lock servers run with appendonly yes, appendfsync always
   --force-failover    cluster: after a master kill, promote its replica at once with
                       CLUSTER FAILOVER FORCE instead of waiting for automatic failover
+  --lag-replica       cluster: before a master kill, SIGSTOP its replica and write 32 MB of
+                      ballast on the master, so what it acknowledges in the next ttl/2 to 1
+                      TTL never reaches the replica and is lost; implies --force-failover
   --break-resource    self-test: the resource accepts every write; the run must FAIL
   --events FILE       write every fault and event as JSON lines
 
@@ -236,6 +243,7 @@ fn parse_args() -> Result<Opts, BoxError> {
         persist: false,
         break_resource: false,
         force_failover: false,
+        lag_replica: false,
         deploy: Deploy::Single,
         events_file: None,
         child: None,
@@ -252,10 +260,18 @@ fn parse_args() -> Result<Opts, BoxError> {
             print!("{USAGE}");
             std::process::exit(0);
         }
-        if flag == "--persist" || flag == "--break-resource" || flag == "--force-failover" {
+        if [
+            "--persist",
+            "--break-resource",
+            "--force-failover",
+            "--lag-replica",
+        ]
+        .contains(&flag)
+        {
             o.persist |= flag == "--persist";
             o.break_resource |= flag == "--break-resource";
-            o.force_failover |= flag == "--force-failover";
+            o.lag_replica |= flag == "--lag-replica";
+            o.force_failover |= flag == "--force-failover" || o.lag_replica;
             i += 1;
             continue;
         }
@@ -334,7 +350,7 @@ fn parse_args() -> Result<Opts, BoxError> {
         }
     }
     if o.force_failover && o.deploy != Deploy::Cluster {
-        return Err("--force-failover needs --deploy cluster".into());
+        return Err("--force-failover and --lag-replica need --deploy cluster".into());
     }
     if o.clients == 0 || o.tasks == 0 || o.keys == 0 || o.secs == 0 {
         return Err("--clients, --tasks, --keys and --secs must be at least 1".into());
@@ -692,6 +708,8 @@ impl NodeLine {
 struct Cluster {
     /// The slot of each hot key's lock (`hot:0`, `hot:1`, ...).
     key_slots: Vec<u16>,
+    /// The hash tag of each hot key's server keys, `{prefix:key}`, to put ballast in its slot.
+    key_tags: Vec<String>,
 }
 
 /// A free loopback port whose cluster-bus twin (port + 10000) is free too.
@@ -749,16 +767,24 @@ impl Cluster {
         }
         // The lock key of each hot key, as the clients name it.
         let namer = Locker::memory();
-        let mut key_slots = Vec::new();
+        let (mut key_slots, mut key_tags) = (Vec::new(), Vec::new());
         for k in 0..keys {
             let key = namer.lock_key(&format!("hot:{k}"))?;
+            let tag_end = key
+                .lock_key()
+                .find('}')
+                .ok_or("a lock key without a hash tag")?;
+            key_tags.push(key.lock_key()[..=tag_end].to_string());
             let slot: u16 = redis::cmd("CLUSTER")
                 .arg("KEYSLOT")
                 .arg(key.lock_key())
                 .query(&mut nodes[0].conn()?)?;
             key_slots.push(slot);
         }
-        let cluster = Cluster { key_slots };
+        let cluster = Cluster {
+            key_slots,
+            key_tags,
+        };
         cluster.wait_stable(&nodes, Duration::from_secs(30))?;
         Ok((cluster, nodes))
     }
@@ -892,6 +918,9 @@ struct Fault {
     latency_ms: u64,
     /// The hot keys on the shard a cluster fault hit.
     keys: Vec<String>,
+    /// When the master was killed, or the FAILOVER command sent; with `--lag-replica`, `t0`
+    /// is earlier, when the replica was held back.
+    t_kill: u64,
     /// When the replica took over, for a master kill or a manual failover.
     t_promoted: u64,
     t0: u64,
@@ -906,6 +935,7 @@ impl Fault {
             on_holder: false,
             latency_ms: 0,
             keys: Vec::new(),
+            t_kill: 0,
             t_promoted: 0,
             t0,
             t1: now_us(),
@@ -1080,7 +1110,12 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
         }
     );
     if let Some(c) = &cluster {
-        if opts.force_failover {
+        if opts.lag_replica {
+            println!(
+                "cluster: before a master kill its replica is held back (SIGSTOP, 32 MB of \
+                 ballast); after it, CLUSTER FAILOVER FORCE at once"
+            );
+        } else if opts.force_failover {
             println!("cluster: a master kill is followed at once by CLUSTER FAILOVER FORCE");
         }
         let mut shards = Vec::new();
@@ -1251,10 +1286,38 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
                 let k = rng.range(0, c.key_slots.len() as u64) as usize;
                 let (m, r) = c.shard_of(&lock_servers, c.key_slots[k])?;
                 let keys = c.keys_on(&lock_servers, m)?;
+                let t_fault = now_us();
+                let mut stopped = None;
+                if kind == "masterkill" && opts.lag_replica {
+                    // A stopped replica reads nothing; once the ballast fills the socket, the
+                    // master keeps the rest of the stream, the grants and renewals it
+                    // acknowledges from then on included, in its own memory, which the kill
+                    // throws away. Shorter than `cluster-node-timeout` in all, so the replica
+                    // is not itself flagged as failing.
+                    let pid = lock_servers[r]
+                        .child
+                        .as_ref()
+                        .map(Child::id)
+                        .ok_or("the replica is not running")?;
+                    signal(pid, "STOP")?;
+                    stopped = Some(pid);
+                    let ballast = "x".repeat(1 << 20);
+                    let mut mc = lock_servers[m].conn()?;
+                    for _ in 0..32 {
+                        let _: () = redis::cmd("SET")
+                            .arg(format!("{}:ballast", c.key_tags[k]))
+                            .arg(&ballast)
+                            .query(&mut mc)?;
+                    }
+                    std::thread::sleep(Duration::from_millis(rng.range(ttl / 2, ttl + 1)));
+                }
                 let t0 = now_us();
                 if kind == "masterkill" {
                     // SIGKILL: whatever the replica had not received yet is lost with it.
                     lock_servers[m].kill();
+                    if let Some(pid) = stopped {
+                        signal(pid, "CONT")?;
+                    }
                     if opts.force_failover {
                         // Without it the replica takes over only once the others agree the
                         // master failed (2-3 s), when every lease on the shard has long run
@@ -1296,8 +1359,9 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
                 } else {
                     "manual failover"
                 };
-                let mut f = Fault::new(name, None, t0);
+                let mut f = Fault::new(name, None, t_fault);
                 f.keys = keys;
+                f.t_kill = t0;
                 f.t_promoted = t_promoted;
                 faults.push(f);
             }
@@ -1375,6 +1439,7 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
                 "on_holder": f.on_holder, "latency_ms": f.latency_ms, "t0": f.t0, "t1": f.t1});
             if cluster.is_some() {
                 v["keys"] = json!(f.keys);
+                v["t_kill"] = json!(f.t_kill);
                 v["t_promoted"] = json!(f.t_promoted);
             }
             out += &v.to_string();
@@ -1628,8 +1693,8 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
                     // deadline, so within one TTL of the promotion. Persistence on the killed
                     // master does not help: it is the replica that serves afterwards.
                     f.keys.contains(&a.key)
-                        && a.t_start <= f.t0
-                        && f.t0 <= b.t_start
+                        && a.t_start <= f.t_kill
+                        && f.t_kill <= b.t_start
                         && b.t_start <= f.t_promoted + ttl_us
                 }) {
                     "failover after a master kill lost the grant or renewal"
@@ -1757,11 +1822,11 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
         .filter(|f| f.kind == "master kill" || f.kind == "manual failover")
         .map(|f| Takeover {
             kind: f.kind,
-            promoted_us: f.t_promoted - f.t0,
+            promoted_us: f.t_promoted - f.t_kill,
             regranted_us: grants
                 .iter()
                 .filter(|g| f.keys.contains(&g.key) && g.t_start > f.t_promoted)
-                .map(|g| g.t_start - f.t0)
+                .map(|g| g.t_start - f.t_kill)
                 .min(),
             must_regrant: f.t1 + 3_000_000 < *until,
         })
@@ -2012,19 +2077,36 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
             if ts.is_empty() {
                 continue;
             }
-            let secs = |us: u64| format!("{:.2}", us as f64 / 1e6);
-            let promoted: Vec<String> = ts.iter().map(|t| secs(t.promoted_us)).collect();
-            let regranted: Vec<String> = ts
-                .iter()
-                .map(|t| t.regranted_us.map_or("never".into(), secs))
-                .collect();
+            // Median and worst: a long run has dozens of failovers.
+            let spread = |mut us: Vec<u64>| {
+                us.sort_unstable();
+                match (us.get(us.len() / 2), us.last()) {
+                    (Some(m), Some(w)) => format!(
+                        "median {:.2} s, worst {:.2} s",
+                        *m as f64 / 1e6,
+                        *w as f64 / 1e6
+                    ),
+                    _ => "-".into(),
+                }
+            };
+            let promoted = spread(ts.iter().map(|t| t.promoted_us).collect());
+            let regranted: Vec<u64> = ts.iter().filter_map(|t| t.regranted_us).collect();
+            let never = ts.len() - regranted.len();
             row(
-                &format!("{kind}: replica took over after (s)"),
-                promoted.join(", "),
+                &format!("{kind}s: {}; replica took over after", ts.len()),
+                promoted,
             );
             row(
-                "  a key of that shard granted again after (s)",
-                regranted.join(", "),
+                "  a key of that shard granted again after",
+                format!(
+                    "{}{}",
+                    spread(regranted),
+                    if never > 0 {
+                        format!(" ({never} never)")
+                    } else {
+                        String::new()
+                    }
+                ),
             );
         }
         row(
