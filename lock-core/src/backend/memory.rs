@@ -38,9 +38,16 @@ struct Inner {
 
 #[derive(Default)]
 struct State {
-    locks: HashMap<LockKey, (Token, Instant)>,
-    fences: HashMap<LockKey, u64>,
+    /// One slot per key ever locked: the holder (if any) beside the key's last fence, which
+    /// outlives every holder. One map, so an acquire or a release hashes the key once.
+    keys: HashMap<LockKey, Slot>,
     gates: HashMap<String, u64>,
+}
+
+#[derive(Default)]
+struct Slot {
+    holder: Option<(Token, Instant)>,
+    fence: u64,
 }
 
 impl MemoryBackend {
@@ -56,9 +63,39 @@ impl MemoryBackend {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Deletes a lease whoever holds it, as an operator's `DEL` would. For tests and tools.
+    /// Whether a lease on `key` is held and unexpired, as `EXISTS` on its lock key would tell.
+    /// For tests and tools.
+    ///
+    /// ```
+    /// use lock_core::{Locker, LockOptions, MemoryBackend, AnyBackend};
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// let memory = MemoryBackend::new();
+    /// let locker = Locker::new(AnyBackend::Memory(memory.clone()));
+    /// let key = locker.lock_key("report")?;
+    /// let lease = locker.try_acquire("report", &LockOptions::default()).await?;
+    /// assert!(memory.is_held(&key));
+    /// lease.release().await?;
+    /// assert!(!memory.is_held(&key));
+    /// # Ok(()) }
+    /// ```
+    pub fn is_held(&self, key: &LockKey) -> bool {
+        let now = Instant::now();
+        self.state()
+            .keys
+            .get(key)
+            .and_then(|slot| slot.holder.as_ref())
+            .is_some_and(|(_, expires)| *expires > now)
+    }
+
+    /// Deletes a lease whoever holds it, as an operator's `DEL` would; returns whether there
+    /// was an unexpired one. For tests and tools.
     pub fn force_delete(&self, key: &LockKey) -> bool {
-        self.state().locks.remove(key).is_some()
+        let now = Instant::now();
+        self.state()
+            .keys
+            .get_mut(key)
+            .and_then(|slot| slot.holder.take())
+            .is_some_and(|(_, expires)| expires > now)
     }
 }
 
@@ -73,23 +110,21 @@ impl Backend for MemoryBackend {
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
         let now = Instant::now();
         let mut st = self.state();
-        if let Some((holder, expires)) = st.locks.get(key)
+        let slot = st.keys.entry(key.clone()).or_default();
+        if let Some((holder, expires)) = &mut slot.holder
             && *expires > now
         {
             if holder == token {
-                let fence = st.fences.get(key).copied().unwrap_or(0);
-                st.locks.insert(key.clone(), (token.clone(), now + ttl));
-                return Ok(AcquireReply::Granted { fence });
+                *expires = now + ttl;
+                return Ok(AcquireReply::Granted { fence: slot.fence });
             }
             return Ok(AcquireReply::Held {
                 remaining: Some(*expires - now),
             });
         }
-        let stored = st.fences.get(key).copied().unwrap_or(0);
-        let fence = (stored + 1).max(now_micros());
-        st.fences.insert(key.clone(), fence);
-        st.locks.insert(key.clone(), (token.clone(), now + ttl));
-        Ok(AcquireReply::Granted { fence })
+        slot.fence = (slot.fence + 1).max(now_micros());
+        slot.holder = Some((token.clone(), now + ttl));
+        Ok(AcquireReply::Granted { fence: slot.fence })
     }
 
     async fn acquire_replicated(
@@ -109,9 +144,14 @@ impl Backend for MemoryBackend {
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
         let released = {
             let mut st = self.state();
-            match st.locks.get(key) {
-                Some((holder, expires)) if holder == token && *expires > Instant::now() => {
-                    st.locks.remove(key);
+            match st.keys.get_mut(key) {
+                Some(slot)
+                    if slot
+                        .holder
+                        .as_ref()
+                        .is_some_and(|(h, expires)| h == token && *expires > Instant::now()) =>
+                {
+                    slot.holder = None;
                     true
                 }
                 _ => false,
@@ -128,13 +168,15 @@ impl Backend for MemoryBackend {
         let mut st = self.state();
         Ok(items
             .iter()
-            .map(|(key, token)| match st.locks.get_mut(key) {
-                Some((holder, expires)) if holder == token && *expires > now => {
-                    *expires = now + ttl;
-                    true
-                }
-                _ => false,
-            })
+            .map(
+                |(key, token)| match st.keys.get_mut(key).and_then(|s| s.holder.as_mut()) {
+                    Some((holder, expires)) if holder == token && *expires > now => {
+                        *expires = now + ttl;
+                        true
+                    }
+                    _ => false,
+                },
+            )
             .collect())
     }
 
