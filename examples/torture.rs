@@ -21,7 +21,10 @@
 //! `Locker::redis_cluster`; faults `pause,crash,masterkill,failover,flush,clientkill` [all of
 //! them]: `masterkill` SIGKILLs the master of a hot key's shard, waits for its replica to be
 //! promoted, then restarts the old master, which rejoins as a replica; `failover` is a graceful
-//! `CLUSTER FAILOVER` on that shard's replica; `flush` and `clientkill` hit that shard's master).
+//! `CLUSTER FAILOVER` on that shard's replica; `flush` and `clientkill` hit that shard's master),
+//! `--force-failover` (promote the killed master's replica at once with `CLUSTER FAILOVER FORCE`),
+//! `--lag-replica` (hold the replica back before the kill, so the kill loses acknowledged
+//! writes; implies `--force-failover`), `--help`.
 //!
 //! Each child reaches the lock server through its own TCP proxy (`tests/support/proxy.rs`),
 //! which runs in this parent process: the network faults hit one child, or all of them, by
@@ -821,6 +824,16 @@ impl Cluster {
             if view.is_empty() || view.contains("fail") {
                 return false;
             }
+            // Every replica known as one, with its master, to this node too: right after
+            // `--cluster create` the gossip can lag behind the replicas' own links.
+            let replicas = view
+                .lines()
+                .filter_map(NodeLine::parse)
+                .filter(|l| l.has("slave") && l.master.is_some())
+                .count();
+            if replicas != CLUSTER_MASTERS {
+                return false;
+            }
             let repl: String = redis::cmd("INFO")
                 .arg("replication")
                 .query(&mut c)
@@ -848,19 +861,23 @@ impl Cluster {
     fn shard_of(&self, nodes: &[Server], slot: u16) -> Result<(usize, usize), BoxError> {
         let start = std::time::Instant::now();
         loop {
-            let (m, r) = Cluster::shard_in_view(nodes, slot)?;
-            if nodes[m].child.is_some() && is_master(&nodes[m]) && !is_master(&nodes[r]) {
-                return Ok((m, r));
+            let found = Cluster::shard_in_view(nodes, slot).and_then(|(m, r)| {
+                if nodes[m].child.is_some() && is_master(&nodes[m]) && !is_master(&nodes[r]) {
+                    Ok((m, r))
+                } else {
+                    Err(format!(
+                        "slot {slot}: CLUSTER NODES names port {} as master and {} as its \
+                         replica, and the nodes disagree",
+                        nodes[m].port, nodes[r].port
+                    )
+                    .into())
+                }
+            });
+            match found {
+                Ok(shard) => return Ok(shard),
+                Err(e) if start.elapsed() > Duration::from_secs(10) => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
             }
-            if start.elapsed() > Duration::from_secs(10) {
-                return Err(format!(
-                    "slot {slot}: CLUSTER NODES names port {} as master and {} as its replica, \
-                     and the nodes disagree",
-                    nodes[m].port, nodes[r].port
-                )
-                .into());
-            }
-            std::thread::sleep(Duration::from_millis(50));
         }
     }
 
