@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use leasehold::queue::{JobId, Queue, Worker};
 use leasehold::{Error, Lease, LockOptions, Locker, Release};
-use support::{Flavor, Server};
+use support::{Cluster, Flavor, Server};
 use tokio::time::{Instant, sleep, timeout};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -603,6 +603,72 @@ async fn redis_quorum_brief_refusal_in_script() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn valkey_quorum_brief_refusal_in_script() {
     brief_refusal(Flavor::Valkey, Condition::DeniedInScript, 3).await;
+}
+
+/// The same on a 3-master cluster, where renewal goes to each node as one script over its slots
+/// and, when a node refuses that, slot by slot: both meet the denied `GET`. An explicit extend
+/// answers the node's refusal (`Error::Refused` naming the lease, not `Unavailable`, which would
+/// say the node could not be reached), and the lease outlasts the refusal. The cluster's user
+/// has every command (the client needs `CLUSTER SLOTS`) until `GET` is taken away.
+async fn cluster_brief_refusal_in_script(flavor: Flavor) {
+    let cluster = Cluster::start(flavor, 3, 0);
+    let set_user = |rule: &[&str]| {
+        for n in &cluster.nodes {
+            let mut args = vec!["ACL", "SETUSER", "locks"];
+            args.extend_from_slice(rule);
+            let _: () = n.cmd(&args);
+        }
+    };
+    set_user(&["on", ">pw", "~*", "&*", "+@all"]);
+    let urls: Vec<String> = cluster
+        .nodes
+        .iter()
+        .map(|n| format!("redis://locks:pw@127.0.0.1:{}/", n.port))
+        .collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = Locker::redis_cluster(&urls).await.expect("connect");
+    let ttl = Duration::from_millis(2_000);
+    let lease = locker
+        .try_acquire("brief", &LockOptions::new().ttl(ttl))
+        .await
+        .expect("acquire");
+    let granted = Instant::now();
+    let key = locker.lock_key("brief").expect("key").lock_key().to_owned();
+    set_user(&["-get"]);
+    match lease.extend(ttl).await {
+        Err(Error::Refused { op, key, .. }) => {
+            assert_eq!((op, key.as_str()), ("extend", "brief"));
+        }
+        other => panic!("extend with GET denied: want the server's refusal, got {other:?}"),
+    }
+    sleep(ttl * 3 / 5).await;
+    assert!(
+        !lease.is_lost(),
+        "the lease was reported lost (seen {:?} after the grant) while the cluster held it",
+        granted.elapsed()
+    );
+    let pttl: i64 = cluster.cmd(&["PTTL", &key]);
+    assert!(
+        pttl > 0 && pttl < (ttl - ttl / 3).as_millis() as i64,
+        "a renewal went through with GET denied (PTTL {pttl})"
+    );
+    set_user(&["+get"]);
+    sleep(ttl).await;
+    assert!(
+        !lease.is_lost(),
+        "renewal did not resume after the condition"
+    );
+    assert_eq!(lease.release().await.expect("release"), Release::Released);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_brief_refusal_in_script() {
+    cluster_brief_refusal_in_script(Flavor::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_cluster_brief_refusal_in_script() {
+    cluster_brief_refusal_in_script(Flavor::Valkey).await;
 }
 
 /// A worker's job lease on a server that starts refusing: the worker cancels the handler while

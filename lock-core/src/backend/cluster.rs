@@ -182,22 +182,80 @@ impl ClusterBackend {
         Some(map)
     }
 
+    /// Renews `items` node by node; an answer per item (`None` where its node failed) and the
+    /// first node error seen.
+    async fn extend_all(
+        &self,
+        items: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> (Vec<Option<bool>>, Option<Error>) {
+        // One script call per node and 256 leases: a script may touch several slots of the node
+        // it runs on (`allow-cross-slot-keys`), so renewal batches as on a single server. Where
+        // the slot map is stale (failover, resharding) the node refuses the batch and its leases
+        // are renewed slot by slot instead, routed by the client.
+        let map = self.slot_map().await;
+        // Without a map every slot is its own group; slots sort after any node index.
+        let groups = group_by(items, |item| {
+            let s = slot(item.0.lock_key());
+            match map.as_ref().map(|m| m.owner[usize::from(s)]) {
+                Some(node) if node != usize::MAX => (0, node),
+                _ => (1, usize::from(s)),
+            }
+        });
+        let mut jobs = Vec::new();
+        for (&(kind, at), g) in &groups {
+            let node = map
+                .as_ref()
+                .filter(|_| kind == 0)
+                .and_then(|m| m.nodes.get(at).cloned());
+            for (places, chunk) in g
+                .places
+                .chunks(EXTEND_CHUNK)
+                .zip(g.items.chunks(EXTEND_CHUNK))
+            {
+                jobs.push((node.clone(), places, chunk));
+            }
+        }
+        // Each node answers for its own leases, within a quarter of the TTL: a node that is
+        // down or failing over leaves its leases to be retried without holding back the
+        // renewal of every other node's.
+        let calls = jobs
+            .into_iter()
+            .map(|(node, places, chunk)| self.extend_job(node, places, chunk, ttl));
+        let mut out = vec![None; items.len()];
+        let mut first_error = None;
+        for (answers, error) in futures_util::future::join_all(calls).await {
+            for (i, held) in answers {
+                out[i] = held;
+            }
+            if first_error.is_none() {
+                first_error = error;
+            }
+        }
+        (out, first_error)
+    }
+
+    /// One node's part of a renewal: an answer per place, or `None` for each with the node's
+    /// error (none for a timeout).
     async fn extend_job(
         &self,
         node: Option<(String, u16)>,
         places: &[usize],
         chunk: &[(LockKey, Token)],
         ttl: Duration,
-    ) -> Vec<(usize, Option<bool>)> {
+    ) -> (Vec<(usize, Option<bool>)>, Option<Error>) {
         match tokio::time::timeout(ttl / 4, self.extend_placed(node, places, chunk, ttl)).await {
-            Ok(Ok(answers)) => answers.into_iter().map(|(i, h)| (i, Some(h))).collect(),
+            Ok(Ok(answers)) => (
+                answers.into_iter().map(|(i, h)| (i, Some(h))).collect(),
+                None,
+            ),
             Ok(Err(e)) => {
                 debug!(error = %e, "renewal failed on one node; its leases are retried");
-                places.iter().map(|&i| (i, None)).collect()
+                (places.iter().map(|&i| (i, None)).collect(), Some(e))
             }
             Err(_) => {
                 debug!("renewal timed out on one node; its leases are retried");
-                places.iter().map(|&i| (i, None)).collect()
+                (places.iter().map(|&i| (i, None)).collect(), None)
             }
         }
     }
@@ -348,19 +406,19 @@ impl Backend for ClusterBackend {
         .await
     }
 
+    /// A lease whose node failed is an error: the node's own (a refusal stays
+    /// [`Error::Refused`]), or [`Error::Unavailable`] when it did not answer in time.
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
-        let answers = self.extend_each(items, ttl).await?;
-        answers
-            .into_iter()
-            .map(|held| {
-                held.ok_or_else(|| {
-                    Error::Unavailable(redis::RedisError::from((
-                        redis::ErrorKind::Io,
-                        "renewal failed on part of the cluster",
-                    )))
-                })
-            })
-            .collect()
+        let (answers, first_error) = self.extend_all(items, ttl).await;
+        if answers.iter().any(Option::is_none) {
+            return Err(first_error.unwrap_or_else(|| {
+                Error::Unavailable(redis::RedisError::from((
+                    redis::ErrorKind::Io,
+                    "renewal failed on part of the cluster",
+                )))
+            }));
+        }
+        Ok(answers.into_iter().flatten().collect())
     }
 
     async fn extend_each(
@@ -368,46 +426,7 @@ impl Backend for ClusterBackend {
         items: &[(LockKey, Token)],
         ttl: Duration,
     ) -> Result<Vec<Option<bool>>> {
-        // One script call per node and 256 leases: a script may touch several slots of the node
-        // it runs on (`allow-cross-slot-keys`), so renewal batches as on a single server. Where
-        // the slot map is stale (failover, resharding) the node refuses the batch and its leases
-        // are renewed slot by slot instead, routed by the client.
-        let map = self.slot_map().await;
-        // Without a map every slot is its own group; slots sort after any node index.
-        let groups = group_by(items, |item| {
-            let s = slot(item.0.lock_key());
-            match map.as_ref().map(|m| m.owner[usize::from(s)]) {
-                Some(node) if node != usize::MAX => (0, node),
-                _ => (1, usize::from(s)),
-            }
-        });
-        let mut jobs = Vec::new();
-        for (&(kind, at), g) in &groups {
-            let node = map
-                .as_ref()
-                .filter(|_| kind == 0)
-                .and_then(|m| m.nodes.get(at).cloned());
-            for (places, chunk) in g
-                .places
-                .chunks(EXTEND_CHUNK)
-                .zip(g.items.chunks(EXTEND_CHUNK))
-            {
-                jobs.push((node.clone(), places, chunk));
-            }
-        }
-        // Each node answers for its own leases, within a quarter of the TTL: a node that is
-        // down or failing over leaves its leases to be retried without holding back the
-        // renewal of every other node's.
-        let calls = jobs
-            .into_iter()
-            .map(|(node, places, chunk)| self.extend_job(node, places, chunk, ttl));
-        let mut out = vec![None; items.len()];
-        for answers in futures_util::future::join_all(calls).await {
-            for (i, held) in answers {
-                out[i] = held;
-            }
-        }
-        Ok(out)
+        Ok(self.extend_all(items, ttl).await.0)
     }
 
     async fn admit(&self, gate_key: &str, fence: u64) -> Result<Option<u64>> {
