@@ -2,13 +2,13 @@
 //! batches and marks a lease lost before its local deadline when renewal does not get through.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::Notify;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::backend::Backend;
@@ -17,7 +17,39 @@ use crate::types::{LockKey, Token, drift, warn_ahead};
 /// What a lease and the driver share: the validity deadline and the lost signal.
 pub(crate) struct LeaseState {
     times: Mutex<Times>,
-    pub(crate) lost: CancellationToken,
+    pub(crate) lost: Lost,
+}
+
+/// A one-way flag with waiters: set once, when the lease is lost. Lighter than a
+/// `CancellationToken` (no tree node to allocate and unlink), which counts on the path every
+/// lease takes.
+#[derive(Default)]
+pub(crate) struct Lost {
+    set: AtomicBool,
+    waiters: Notify,
+}
+
+impl Lost {
+    pub(crate) fn cancel(&self) {
+        if !self.set.swap(true, Ordering::AcqRel) {
+            self.waiters.notify_waiters();
+        }
+    }
+
+    pub(crate) fn is_cancelled(&self) -> bool {
+        self.set.load(Ordering::Acquire)
+    }
+
+    pub(crate) async fn cancelled(&self) {
+        let notified = self.waiters.notified();
+        tokio::pin!(notified);
+        // Registered before the flag is read, so a `cancel` in between still wakes us.
+        notified.as_mut().enable();
+        if self.is_cancelled() {
+            return;
+        }
+        notified.await;
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -43,7 +75,7 @@ impl LeaseState {
     pub(crate) fn new(deadline: Instant, ahead: Duration) -> Arc<LeaseState> {
         Arc::new(LeaseState {
             times: Mutex::new(Times::new(deadline, ahead)),
-            lost: CancellationToken::new(),
+            lost: Lost::default(),
         })
     }
 
