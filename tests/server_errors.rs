@@ -1,12 +1,14 @@
 //! A server that answers errors: real `redis-server` / `valkey-server` processes put into states
 //! where they refuse commands, never a mock. Out of memory (`maxmemory 1`, `noeviction`: OOM on
 //! writes that need memory), the connected ACL user stripped of every command at run time
-//! (NOPERM) or only of the first command its scripts run (refused inside the script), and writes
-//! stopped after a failed background save (MISCONF). Under each, every
-//! operation of the locks, the fence gate and the claim queue must answer a typed error or a
-//! full success, never a panic and never a misleading error (a foreign key type, a busy key); an
-//! error must leave every key as it was; a held lease whose renewals are refused must be reported
-//! lost before its deadline; and everything must work again once the condition clears.
+//! (NOPERM) or only of the first command its scripts run (refused inside the script), writes
+//! stopped after a failed background save (MISCONF), and the server turned into a replica
+//! (READONLY). Under each, every operation of the locks, the fence gate and the claim queue must
+//! answer a typed error or a full success, never a panic and never a misleading error (a foreign
+//! key type, a busy key, a lease not held); an error must leave every key as it was; a held
+//! lease whose renewals are refused must be reported lost before its deadline, and one refused
+//! for less than its validity must not be; and everything must work again once the condition
+//! clears.
 
 mod support;
 
@@ -32,6 +34,10 @@ enum Condition {
     /// for the locks, `TYPE` for the queue), as with a rule written for an older release: the
     /// refusal arrives inside the script, where a `redis.pcall` sees it as a value.
     DeniedInScript,
+    /// The server turned into a replica (of a master that is not there, so it keeps its data):
+    /// every write refused with `READONLY`, as after a failover demoted the server the client
+    /// still talks to.
+    ReadOnly,
 }
 
 const LOCK_USER: &str = "leasehold";
@@ -88,6 +94,13 @@ fn set_condition(server: &Server, cond: Condition, on: bool) {
         (Condition::DeniedInScript, true) => {
             let _: () = server.cmd(&["ACL", "SETUSER", LOCK_USER, "-get"]);
             let _: () = server.cmd(&["ACL", "SETUSER", QUEUE_USER, "-type"]);
+        }
+        (Condition::ReadOnly, true) => {
+            let port = support::free_port().to_string();
+            let _: () = server.cmd(&["REPLICAOF", "127.0.0.1", &port]);
+        }
+        (Condition::ReadOnly, false) => {
+            let _: () = server.cmd(&["REPLICAOF", "NO", "ONE"]);
         }
         (Condition::NoPerm | Condition::DeniedInScript, false) => {
             server.acl_user_url_for(LOCK_USER);
@@ -260,8 +273,8 @@ async fn every_operation(flavor: Flavor, cond: Condition) {
     set_condition(&server, cond, true);
     let before = snapshot(&server);
 
-    // Refused whatever the data: each needs memory (OOM), writes (MISCONF), or any command
-    // (NOPERM), or runs a denied command (DeniedInScript) before it writes anything.
+    // Refused whatever the data: each needs memory (OOM), writes (MISCONF, READONLY), or any
+    // command (NOPERM), or runs a denied command (DeniedInScript) before it writes anything.
     refused(
         &server,
         &before,
@@ -345,7 +358,7 @@ async fn every_operation(flavor: Flavor, cond: Condition) {
     let counts = q.counts().await;
     match cond {
         // Reading needs neither memory nor writes.
-        Condition::Oom | Condition::Misconf => {
+        Condition::Oom | Condition::Misconf | Condition::ReadOnly => {
             counts.expect("counts under a write refusal");
         }
         Condition::NoPerm | Condition::DeniedInScript => {
@@ -885,4 +898,6 @@ hostile! {
     valkey_misconf: Flavor::Valkey, Condition::Misconf;
     redis_denied_in_script: Flavor::Redis, Condition::DeniedInScript;
     valkey_denied_in_script: Flavor::Valkey, Condition::DeniedInScript;
+    redis_readonly: Flavor::Redis, Condition::ReadOnly;
+    valkey_readonly: Flavor::Valkey, Condition::ReadOnly;
 }
