@@ -995,6 +995,256 @@ async fn store_script_reports_a_refused_read(s: support::Server) {
     assert_eq!(stored, 1);
 }
 
+/// A server state that refuses commands, for the dedupe scenarios below.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Refusing {
+    /// `maxmemory 1` with `noeviction`: commands that may grow memory are refused (OOM).
+    Oom,
+    /// The server turned into a replica of a master that is not there: writes are refused
+    /// (READONLY), its data stays.
+    ReadOnly,
+    /// The layer's ACL user loses every command (NOPERM).
+    NoPerm,
+}
+
+fn set_refusing(s: &support::Server, how: Refusing, on: bool) {
+    match (how, on) {
+        (Refusing::Oom, true) => {
+            let _: () = s.cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+            let _: () = s.cmd(&["CONFIG", "SET", "maxmemory", "1"]);
+        }
+        (Refusing::Oom, false) => {
+            let _: () = s.cmd(&["CONFIG", "SET", "maxmemory", "0"]);
+        }
+        (Refusing::ReadOnly, true) => {
+            let port = support::free_port().to_string();
+            let _: () = s.cmd(&["REPLICAOF", "127.0.0.1", &port]);
+        }
+        (Refusing::ReadOnly, false) => {
+            let _: () = s.cmd(&["REPLICAOF", "NO", "ONE"]);
+        }
+        (Refusing::NoPerm, true) => {
+            let _: () = s.cmd(&["ACL", "SETUSER", "leasehold-dedupe", "-@all"]);
+        }
+        (Refusing::NoPerm, false) => {
+            s.acl_user_url_for("leasehold-dedupe");
+        }
+    }
+}
+
+/// Every key with its value or hash, read as the default user.
+fn keys_and_values(s: &support::Server) -> Vec<(String, String)> {
+    let mut conn = s.conn();
+    let mut keys: Vec<String> = ::redis::cmd("KEYS")
+        .arg("*")
+        .query(&mut conn)
+        .expect("KEYS");
+    keys.sort();
+    keys.into_iter()
+        .map(|k| {
+            let kind: String = ::redis::cmd("TYPE").arg(&k).query(&mut conn).expect("TYPE");
+            let v = if kind == "hash" {
+                let h: std::collections::BTreeMap<String, Vec<u8>> = ::redis::cmd("HGETALL")
+                    .arg(&k)
+                    .query(&mut conn)
+                    .expect("HGETALL");
+                format!("{h:?}")
+            } else {
+                let v: Option<String> = ::redis::cmd("GET").arg(&k).query(&mut conn).expect("GET");
+                format!("{v:?}")
+            };
+            (k, v)
+        })
+        .collect()
+}
+
+/// The server refuses before the handler runs: a new delivery is answered 503 with
+/// `Retry-After`, the handler does not run and no key changes. A stored answer is still replayed
+/// where the look-up (a read) is allowed (OOM, READONLY), and refused with 503 where it is not
+/// (NOPERM). Once the server recovers the delivery runs once and its duplicate is replayed.
+async fn refused_before_the_handler(s: support::Server, how: Refusing) {
+    let url = s.acl_user_url_for("leasehold-dedupe");
+    let locker = lock_core::Locker::redis(&url)
+        .await
+        .expect("connect as the ACL user");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let addr = serve(counting(
+        DedupeLayer::new(locker),
+        runs.clone(),
+        Duration::ZERO,
+    ))
+    .await;
+    let stored = deliver(addr, r#""before""#, "{}").await;
+    assert_eq!(stored.status, StatusCode::CREATED);
+
+    set_refusing(&s, how, true);
+    let before = keys_and_values(&s);
+    let r = deliver(addr, r#""new""#, "{}").await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
+    assert!(r.header("retry-after").is_some(), "503 without Retry-After");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the handler ran while refused"
+    );
+    let replay = deliver(addr, r#""before""#, "{}").await;
+    if how == Refusing::NoPerm {
+        assert_eq!(
+            replay.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            replay.text()
+        );
+    } else {
+        assert_eq!(
+            (replay.header("idempotent-replayed"), &replay.body),
+            (Some("true"), &stored.body),
+            "a stored answer was not replayed while only writes were refused"
+        );
+    }
+    assert_eq!(keys_and_values(&s), before, "keys changed while refused");
+
+    set_refusing(&s, how, false);
+    let mut last = None;
+    let ran = eventually(Duration::from_secs(5), async || {
+        let r = deliver(addr, r#""new""#, "{}").await;
+        let ok = r.status == StatusCode::CREATED;
+        last = Some(r);
+        ok
+    })
+    .await;
+    let last = last.expect("a delivery");
+    assert!(ran, "not recovered: {} {}", last.status, last.text());
+    assert_eq!(last.header("idempotent-replayed"), None);
+    let dup = deliver(addr, r#""new""#, "{}").await;
+    assert_eq!(dup.header("idempotent-replayed"), Some("true"));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// The server turns into a replica while the handler runs: the first caller still gets the
+/// handler's answer, the store script is refused (READONLY) and nothing is stored. The claim's
+/// release is refused too, so the claim stays on the server until its TTL runs out (a
+/// duplicate meanwhile gets 409); after that the retry runs the handler again and is stored.
+async fn store_refused_while_read_only(s: support::Server) {
+    let locker = lock_core::Locker::redis(&s.url()).await.expect("connect");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let s = Arc::new(s);
+    let (s2, r2) = (s.clone(), runs.clone());
+    let app = Router::new()
+        .route(
+            "/hooks/demoted",
+            post(move || {
+                let (s, runs) = (s2.clone(), r2.clone());
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst);
+                    if n == 0 {
+                        set_refusing(&s, Refusing::ReadOnly, true);
+                    }
+                    (StatusCode::CREATED, format!("run {n}"))
+                }
+            }),
+        )
+        .layer(
+            DedupeLayer::new(locker.clone())
+                .scope("demoted")
+                // Long enough that the duplicate below meets the claim, short for the test.
+                .claim_ttl(Duration::from_secs(2)),
+        );
+    let addr = serve(app).await;
+    let lock_key = locker
+        .lock_key(&claim_name("demoted", "k"))
+        .expect("key")
+        .lock_key()
+        .to_owned();
+    let result_key = format!("{}:result", lock_key.strip_suffix(":lock").expect("suffix"));
+
+    let first = deliver_to(addr, "/hooks/demoted", r#""k""#).await;
+    assert_eq!(
+        (first.status, first.text().as_str()),
+        (StatusCode::CREATED, "run 0")
+    );
+    assert_eq!(
+        s.cmd::<i64>(&["EXISTS", &result_key]),
+        0,
+        "a result was stored"
+    );
+    assert_eq!(
+        s.cmd::<i64>(&["EXISTS", &lock_key]),
+        1,
+        "the claim's release was not refused; the fault did not happen"
+    );
+    set_refusing(&s, Refusing::ReadOnly, false);
+    let dup = deliver_to(addr, "/hooks/demoted", r#""k""#).await;
+    assert_eq!(dup.status, StatusCode::CONFLICT, "{}", dup.text());
+    let mut last = None;
+    let ran = eventually(Duration::from_secs(5), async || {
+        let r = deliver_to(addr, "/hooks/demoted", r#""k""#).await;
+        let ok = r.status != StatusCode::CONFLICT;
+        last = Some(r);
+        ok
+    })
+    .await;
+    let last = last.expect("a delivery");
+    assert!(ran, "the claim outlived its TTL");
+    assert_eq!(
+        (
+            last.status,
+            last.text().as_str(),
+            last.header("idempotent-replayed")
+        ),
+        (StatusCode::CREATED, "run 1", None)
+    );
+    let replay = deliver_to(addr, "/hooks/demoted", r#""k""#).await;
+    assert_eq!(
+        (replay.text().as_str(), replay.header("idempotent-replayed")),
+        ("run 1", Some("true"))
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// The layer against a server that refuses commands.
+mod refusing {
+    use super::*;
+
+    macro_rules! refusing {
+        ($($name:ident: $flavor:ident, $how:ident;)*) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                common::bounded(refused_before_the_handler(
+                    support::Server::start(support::Flavor::$flavor),
+                    Refusing::$how,
+                ))
+                .await
+            }
+        )*};
+    }
+
+    refusing! {
+        before_the_handler_oom_on_redis: Redis, Oom;
+        before_the_handler_oom_on_valkey: Valkey, Oom;
+        before_the_handler_readonly_on_redis: Redis, ReadOnly;
+        before_the_handler_readonly_on_valkey: Valkey, ReadOnly;
+        before_the_handler_noperm_on_redis: Redis, NoPerm;
+        before_the_handler_noperm_on_valkey: Valkey, NoPerm;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn store_refused_while_read_only_on_redis() {
+        common::bounded(store_refused_while_read_only(support::Server::start(
+            support::Flavor::Redis,
+        )))
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn store_refused_while_read_only_on_valkey() {
+        common::bounded(store_refused_while_read_only(support::Server::start(
+            support::Flavor::Valkey,
+        )))
+        .await
+    }
+}
+
 /// The layer under the restricted user of `docs/leasehold.acl`.
 mod acl_user {
     use super::*;
