@@ -1,0 +1,135 @@
+//! Tokens are secrets: whoever knows a holder's token can release or extend its lease. No error
+//! and no trace event may show one, least of all another holder's. Every span and event, at
+//! every level, is captured while two holders contend on memory and on a real `redis-server`,
+//! and the text is searched for both tokens.
+
+mod support;
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use leasehold::{Error, LockOptions, Locker};
+use support::{Flavor, Server};
+use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::util::SubscriberInitExt;
+
+/// Collects what the subscriber writes.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("log buffer").extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Captured {
+        self.clone()
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().expect("log buffer")).into_owned()
+    }
+}
+
+/// Two holders contend: busy, wait timeout, extend, a stale release, a lost lease, a drop.
+/// Returns both tokens and every error's `Display` and `Debug` text.
+async fn contend(locker: &Locker, other: &Locker) -> (Vec<String>, Vec<String>) {
+    let o = LockOptions::new().ttl(Duration::from_millis(300));
+    let a = locker.try_acquire("secret", &o).await.expect("a");
+    let mut errors = Vec::new();
+    let mut note = |e: Error| errors.push(format!("{e} | {e:?}"));
+    match other.try_acquire("secret", &o).await {
+        Err(e @ Error::Busy { .. }) => note(e),
+        r => panic!("expected Busy: {r:?}"),
+    }
+    match other
+        .acquire("secret", &o.clone().wait(Duration::from_millis(50)))
+        .await
+    {
+        Err(e @ Error::WaitTimeout { .. }) => note(e),
+        r => panic!("expected WaitTimeout: {r:?}"),
+    }
+    a.extend(Duration::from_millis(300)).await.expect("extend");
+    // A holder without renewal outlives its lease; the other takes the key; the first one's
+    // extend and release then meet another holder's token on the server.
+    let stale = other
+        .acquire(
+            "stale",
+            &o.clone().renew(false).ttl(Duration::from_millis(50)),
+        )
+        .await
+        .expect("stale");
+    let stale_token = stale.token().as_str().to_owned();
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    let b = locker.try_acquire("stale", &o).await.expect("b");
+    if let Err(e) = stale.extend(Duration::from_millis(300)).await {
+        note(e);
+    }
+    let lease_debug = format!("{b:?}");
+    let tokens = vec![
+        a.token().as_str().to_owned(),
+        b.token().as_str().to_owned(),
+        stale_token,
+    ];
+    errors.push(lease_debug);
+    drop(a);
+    b.release().await.expect("release");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    (tokens, errors)
+}
+
+async fn no_token_leaks(flavor: Option<Flavor>) {
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing_subscriber::filter::LevelFilter::TRACE)
+        // Every span is printed with its fields when it opens, event or not.
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::NEW)
+        .with_writer(captured.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = subscriber.set_default();
+    let server = flavor.map(Server::start);
+    let (locker, other) = match &server {
+        None => {
+            let memory = leasehold::AnyBackend::Memory(leasehold::MemoryBackend::new());
+            (Locker::new(memory.clone()), Locker::new(memory))
+        }
+        Some(s) => (
+            Locker::redis(&s.url()).await.expect("connect"),
+            Locker::redis(&s.url()).await.expect("connect"),
+        ),
+    };
+    let (tokens, errors) = contend(&locker, &other).await;
+    let log = captured.text();
+    assert!(
+        log.contains("secret"),
+        "the subscriber captured nothing: {log}"
+    );
+    for token in &tokens {
+        assert_eq!(token.len(), 32, "a token is 128 bits in hex");
+        assert!(!log.contains(token.as_str()), "a token in the trace: {log}");
+        for e in &errors {
+            assert!(!e.contains(token.as_str()), "a token in an error: {e}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn no_token_in_errors_or_traces_on_memory() {
+    no_token_leaks(None).await
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn no_token_in_errors_or_traces_on_redis() {
+    no_token_leaks(Some(Flavor::Redis)).await
+}
