@@ -41,11 +41,22 @@ echo "servers: $(redis-server --version | cut -d' ' -f1-3); $(valkey-server --ve
 log="$PWD/target/test-tools/last-run.log"
 cargo test --workspace --all-features --doc 2>&1 | tee "$log"
 cargo test --workspace --all-features --all-targets "$@" 2>&1 | tee -a "$log"
-# The torture harness (examples/torture.rs), a short seeded run with every fault on; it reuses
-# the dev-profile build above. Its checker's verdict fails the script, after the total line.
+# The torture harness (examples/torture.rs): short seeded runs, reusing the dev-profile build
+# above: every fault on one server; server restarts with persistence on; a Redlock quorum; a
+# Redis Cluster with master kills and failovers. A checker's verdict fails the script, after
+# the total line.
 torture=0
-cargo run --all-features --example torture -- --seed 1 --secs 30 || torture=$?
-[ "$torture" = 0 ] || echo "error: the torture run failed (exit $torture)" >&2
+run_torture() {
+  echo "torture $*"
+  cargo run --all-features --example torture -- "$@" || {
+    torture=$?
+    echo "error: the torture run '$*' failed (exit $torture)" >&2
+  }
+}
+run_torture --seed 1 --secs 30
+run_torture --seed 6 --secs 20 --persist --faults pause,restart
+run_torture --deploy quorum --seed 1 --secs 20
+run_torture --deploy cluster --seed 1 --secs 30
 # One closing line for the whole run, summed over every test binary above.
 awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "total: %d passed, %d failed, %d skipped\n", p, f, i }' "$log"
 [ "$torture" = 0 ] || exit "$torture"
