@@ -592,30 +592,36 @@ async fn brief_refusal(flavor: Flavor, cond: Condition, members: usize) {
             );
         }
     }
+    // Servers recover one after another (MISCONF's recovery is a background save each). Once a
+    // quorum of them renewed, the next renewal is due a third of the TTL later, so a member
+    // that recovered just after may let its copy expire first: Redlock holds the lease on the
+    // quorum, which is what is checked.
     for s in &servers {
         set_condition(s, cond, false);
     }
+    let recovered = granted.elapsed();
     // Well past the deadline the refused renewals would have left it.
     sleep(ttl).await;
     assert!(
         !lease.is_lost(),
-        "renewal did not resume after the condition"
+        "renewal did not resume after the condition (cleared {recovered:?} after the grant)"
     );
-    for s in &servers {
-        let pttl: i64 = s.cmd(&["PTTL", &key]);
-        assert!(pttl > 0, "the key lapsed on a server (PTTL {pttl})");
+    let holding = servers
+        .iter()
+        .filter(|s| s.cmd::<i64>(&["PTTL", &key]) > 0)
+        .count();
+    let needed = members / 2 + 1;
+    assert!(
+        holding >= needed,
+        "the key is held on {holding} of {members} servers (cleared {recovered:?} after the grant)"
+    );
+    if holding < members {
+        eprintln!(
+            "{} of {members} members let the key expire before they recovered ({recovered:?})",
+            members - holding
+        );
     }
     assert_eq!(lease.release().await.expect("release"), Release::Released);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_quorum_brief_refusal_in_script() {
-    brief_refusal(Flavor::Redis, Condition::DeniedInScript, 3).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn valkey_quorum_brief_refusal_in_script() {
-    brief_refusal(Flavor::Valkey, Condition::DeniedInScript, 3).await;
 }
 
 /// The same on a 3-master cluster, where renewal goes to each node as one script over its slots
@@ -874,6 +880,16 @@ macro_rules! hostile {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
                     brief_refusal($flavor, $cond, 1).await;
+                }
+            )*
+        }
+        /// The same on a Redlock quorum of three servers, all in the condition.
+        mod quorum_brief_refusal {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    brief_refusal($flavor, $cond, 3).await;
                 }
             )*
         }

@@ -1005,6 +1005,34 @@ enum Refusing {
     ReadOnly,
     /// The layer's ACL user loses every command (NOPERM).
     NoPerm,
+    /// Writes stopped after a background save failed (MISCONF).
+    Misconf,
+}
+
+/// Where the server writes its dump; a directory put there makes the next save fail.
+fn dump_path(s: &support::Server) -> std::path::PathBuf {
+    let dir: Vec<String> = s.cmd(&["CONFIG", "GET", "dir"]);
+    let file: Vec<String> = s.cmd(&["CONFIG", "GET", "dbfilename"]);
+    std::path::Path::new(&dir[1]).join(&file[1])
+}
+
+/// Starts a background save and returns how it ended (`ok` or `err`).
+fn bgsave(s: &support::Server) -> String {
+    let _: String = s.cmd(&["BGSAVE"]);
+    let field = |name: &str| {
+        let info: String = s.cmd(&["INFO", "persistence"]);
+        info.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}:")))
+            .unwrap_or_default()
+            .trim()
+            .to_owned()
+    };
+    let give_up = std::time::Instant::now() + Duration::from_secs(10);
+    while field("rdb_bgsave_in_progress") != "0" {
+        assert!(std::time::Instant::now() < give_up, "BGSAVE never ended");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    field("rdb_last_bgsave_status")
 }
 
 fn set_refusing(s: &support::Server, how: Refusing, on: bool) {
@@ -1028,6 +1056,17 @@ fn set_refusing(s: &support::Server, how: Refusing, on: bool) {
         }
         (Refusing::NoPerm, false) => {
             s.acl_user_url_for("leasehold-dedupe");
+        }
+        (Refusing::Misconf, true) => {
+            // Writes stop only with save points configured (the support starts with none).
+            let _: () = s.cmd(&["CONFIG", "SET", "save", "3600 1"]);
+            let _: () = s.cmd(&["CONFIG", "SET", "stop-writes-on-bgsave-error", "yes"]);
+            std::fs::create_dir(dump_path(s)).expect("a directory where the dump goes");
+            assert_eq!(bgsave(s), "err", "the background save did not fail");
+        }
+        (Refusing::Misconf, false) => {
+            std::fs::remove_dir(dump_path(s)).expect("remove the directory");
+            assert_eq!(bgsave(s), "ok", "the background save still fails");
         }
     }
 }
@@ -1060,8 +1099,8 @@ fn keys_and_values(s: &support::Server) -> Vec<(String, String)> {
 
 /// The server refuses before the handler runs: a new delivery is answered 503 with
 /// `Retry-After`, the handler does not run and no key changes. A stored answer is still replayed
-/// where the look-up (a read) is allowed (OOM, READONLY), and refused with 503 where it is not
-/// (NOPERM). Once the server recovers the delivery runs once and its duplicate is replayed.
+/// where the look-up (a read) is allowed (OOM, READONLY, MISCONF), and refused with 503 where it
+/// is not (NOPERM). Once the server recovers the delivery runs once and its duplicate is replayed.
 async fn refused_before_the_handler(s: support::Server, how: Refusing) {
     let url = s.acl_user_url_for("leasehold-dedupe");
     let locker = lock_core::Locker::redis(&url)
@@ -1226,6 +1265,8 @@ mod refusing {
         before_the_handler_readonly_on_valkey: Valkey, ReadOnly;
         before_the_handler_noperm_on_redis: Redis, NoPerm;
         before_the_handler_noperm_on_valkey: Valkey, NoPerm;
+        before_the_handler_misconf_on_redis: Redis, Misconf;
+        before_the_handler_misconf_on_valkey: Valkey, Misconf;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
