@@ -22,6 +22,9 @@ enum Harness {
     Cluster(Cluster),
     /// A server the locker reaches as the restricted user of `docs/leasehold.acl`.
     Acl(Server),
+    /// A cluster whose every node the locker reaches as the `leasehold-cluster` user of
+    /// `docs/leasehold.acl`.
+    ClusterAcl(Cluster),
     /// A Redlock quorum of independent servers.
     Quorum(Vec<Server>),
     /// A server that speaks only TLS (`rediss://`), trusted through its test CA.
@@ -67,6 +70,18 @@ impl Harness {
                 let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
                 Locker::redis_cluster(&urls).await.expect("connect")
             }
+            Harness::ClusterAcl(c) => {
+                // ACL users are per node: each gets the same rule.
+                let urls: Vec<String> = c
+                    .nodes
+                    .iter()
+                    .map(|n| n.acl_user_url_for("leasehold-cluster"))
+                    .collect();
+                let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+                Locker::redis_cluster(&urls)
+                    .await
+                    .expect("connect as the cluster ACL user")
+            }
             Harness::Quorum(members) => {
                 let urls: Vec<String> = members.iter().map(Server::url).collect();
                 let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
@@ -89,7 +104,7 @@ impl Harness {
             Harness::Tls(s) => {
                 let _: i64 = s.cmd(&["DEL", k.lock_key()]);
             }
-            Harness::Cluster(c) => {
+            Harness::Cluster(c) | Harness::ClusterAcl(c) => {
                 let _: i64 = c.cmd(&["DEL", k.lock_key()]);
             }
             Harness::Quorum(members) => {
@@ -107,7 +122,9 @@ impl Harness {
             Harness::Server(s) | Harness::Acl(s) => s.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1,
             #[cfg(feature = "tls")]
             Harness::Tls(s) => s.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1,
-            Harness::Cluster(c) => c.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1,
+            Harness::Cluster(c) | Harness::ClusterAcl(c) => {
+                c.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1
+            }
             Harness::Quorum(members) => members
                 .iter()
                 .any(|s| s.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1),
@@ -682,6 +699,10 @@ suite!(
 suite!(
     valkey_cluster,
     Harness::Cluster(Cluster::start(Flavor::Valkey, 3, 0))
+);
+suite!(
+    redis_cluster_acl,
+    Harness::ClusterAcl(Cluster::start(Flavor::Redis, 3, 0))
 );
 
 /// The ACL rule the README shows operators is the one the suite runs under.
