@@ -36,8 +36,9 @@ impl fmt::Display for LeaseLostWhileStreaming {
 
 impl std::error::Error for LeaseLostWhileStreaming {}
 
+/// What a [`LockBody`] holds besides the body; boxed in it, since most responses are complete
+/// at once and their lease is released before the body is handed on.
 enum Hold {
-    None,
     Holding {
         lease: Lease,
         lost: BoxFuture,
@@ -49,6 +50,15 @@ enum Hold {
         release: BoxFuture,
         pending: Option<Frame<Bytes>>,
     },
+}
+
+/// A frame the layer already took from the inner body, handed on first. Data (the usual case)
+/// is kept inline; trailers or an error, which would make every `LockBody` several times
+/// larger, are boxed.
+enum Prefix {
+    None,
+    Data(Bytes),
+    Other(Box<Result<Frame<Bytes>, BoxError>>),
 }
 
 pin_project! {
@@ -71,18 +81,17 @@ pin_project! {
     pub struct LockBody<B> {
         #[pin]
         kind: Kind<B>,
-        // A frame the layer already took from the inner body, handed on first.
-        prefix: Option<Result<Frame<Bytes>, BoxError>>,
-        hold: Hold,
+        prefix: Prefix,
+        hold: Option<Box<Hold>>,
     }
 }
 
 impl<B> fmt::Debug for LockBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let hold = match &self.hold {
-            Hold::None => "none",
-            Hold::Holding { .. } => "holding",
-            Hold::Releasing { .. } => "releasing",
+        let hold = match self.hold.as_deref() {
+            None => "none",
+            Some(Hold::Holding { .. }) => "holding",
+            Some(Hold::Releasing { .. }) => "releasing",
         };
         f.debug_struct("LockBody")
             .field("hold", &hold)
@@ -95,8 +104,8 @@ impl<B> LockBody<B> {
     pub(crate) fn pass(body: B) -> Self {
         LockBody {
             kind: Kind::Inner { body },
-            prefix: None,
-            hold: Hold::None,
+            prefix: Prefix::None,
+            hold: None,
         }
     }
 
@@ -104,8 +113,8 @@ impl<B> LockBody<B> {
     pub(crate) fn local(body: Full<Bytes>) -> Self {
         LockBody {
             kind: Kind::Local { body },
-            prefix: None,
-            hold: Hold::None,
+            prefix: Prefix::None,
+            hold: None,
         }
     }
 
@@ -114,11 +123,11 @@ impl<B> LockBody<B> {
         let info = lease.info();
         LockBody {
             kind: Kind::Inner { body },
-            prefix: None,
-            hold: Hold::Holding {
+            prefix: Prefix::None,
+            hold: Some(Box::new(Hold::Holding {
                 lease,
                 lost: Box::pin(async move { info.lost().await }),
-            },
+            })),
         }
     }
 
@@ -126,14 +135,18 @@ impl<B> LockBody<B> {
     pub(crate) fn prefixed(prefix: Bytes, body: B) -> Self {
         LockBody {
             kind: Kind::Inner { body },
-            prefix: Some(Ok(Frame::data(prefix))),
-            hold: Hold::None,
+            prefix: Prefix::Data(prefix),
+            hold: None,
         }
     }
 
     /// This body, with a frame already taken from the inner body handed on first.
     pub(crate) fn after(mut self, first: Result<Frame<Bytes>, BoxError>) -> Self {
-        self.prefix = Some(first);
+        self.prefix = match first.map(Frame::into_data) {
+            Ok(Ok(data)) => Prefix::Data(data),
+            Ok(Err(frame)) => Prefix::Other(Box::new(Ok(frame))),
+            Err(e) => Prefix::Other(Box::new(Err(e))),
+        };
         self
     }
 }
@@ -152,29 +165,30 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let mut this = self.project();
         loop {
-            match this.hold {
-                Hold::Releasing { release, pending } => {
-                    ready!(release.as_mut().poll(cx));
-                    let frame = pending.take();
-                    *this.hold = Hold::None;
-                    return Poll::Ready(frame.map(Ok));
-                }
-                Hold::Holding { lease, lost } => {
-                    if lost.as_mut().poll(cx).is_ready() {
-                        let key = lease.key().to_owned();
-                        tracing::warn!(key = %key, "lease lost while the response streamed");
-                        // Dropping the guard stops renewal; there is nothing left to release.
-                        *this.hold = Hold::None;
-                        return Poll::Ready(Some(Err(Box::new(LeaseLostWhileStreaming { key }))));
-                    }
-                }
-                Hold::None => {}
+            if let Some(Hold::Releasing { release, pending }) = this.hold.as_deref_mut() {
+                ready!(release.as_mut().poll(cx));
+                let frame = pending.take();
+                *this.hold = None;
+                return Poll::Ready(frame.map(Ok));
             }
-            if let Some(prefix) = this.prefix.take() {
-                if prefix.is_err() {
-                    *this.hold = Hold::None;
+            if let Some(Hold::Holding { lease, lost }) = this.hold.as_deref_mut()
+                && lost.as_mut().poll(cx).is_ready()
+            {
+                let key = lease.key().to_owned();
+                tracing::warn!(key = %key, "lease lost while the response streamed");
+                // Dropping the guard stops renewal; there is nothing left to release.
+                *this.hold = None;
+                return Poll::Ready(Some(Err(Box::new(LeaseLostWhileStreaming { key }))));
+            }
+            match std::mem::replace(this.prefix, Prefix::None) {
+                Prefix::None => {}
+                Prefix::Data(data) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                Prefix::Other(first) => {
+                    if first.is_err() {
+                        *this.hold = None;
+                    }
+                    return Poll::Ready(Some(*first));
                 }
-                return Poll::Ready(Some(prefix));
             }
             let (frame, at_end) = match this.kind.as_mut().project() {
                 KindProj::Inner { mut body } => {
@@ -190,7 +204,7 @@ where
             };
             match frame {
                 Some(Err(e)) => {
-                    *this.hold = Hold::None;
+                    *this.hold = None;
                     return Poll::Ready(Some(Err(e)));
                 }
                 Some(Ok(f)) if !at_end => return Poll::Ready(Some(Ok(f))),
@@ -200,9 +214,9 @@ where
                         Some(Ok(f)) => Some(f),
                         _ => None,
                     };
-                    match std::mem::replace(this.hold, Hold::None) {
-                        Hold::Holding { lease, .. } => {
-                            *this.hold = Hold::Releasing {
+                    match this.hold.take().map(|hold| *hold) {
+                        Some(Hold::Holding { lease, .. }) => {
+                            *this.hold = Some(Box::new(Hold::Releasing {
                                 // A task, so a client hanging up during the release
                                 // (dropping this body) cannot cut it short.
                                 release: Box::pin(async move {
@@ -211,7 +225,7 @@ where
                                     }
                                 }),
                                 pending,
-                            };
+                            }));
                         }
                         _ => return Poll::Ready(pending.map(Ok)),
                     }
@@ -223,8 +237,8 @@ where
     fn is_end_stream(&self) -> bool {
         // While a lease is attached the body must be polled to its end, or the release would
         // only happen on drop.
-        matches!(self.hold, Hold::None)
-            && self.prefix.is_none()
+        self.hold.is_none()
+            && matches!(self.prefix, Prefix::None)
             && match &self.kind {
                 Kind::Inner { body } => body.is_end_stream(),
                 Kind::Local { body } => body.is_end_stream(),
@@ -236,8 +250,15 @@ where
             Kind::Inner { body } => body.size_hint(),
             Kind::Local { body } => body.size_hint(),
         };
-        if let Some(Ok(p)) = &self.prefix {
-            let n = p.data_ref().map_or(0, |d| d.len() as u64);
+        let n = match &self.prefix {
+            Prefix::None => None,
+            Prefix::Data(data) => Some(data.len() as u64),
+            Prefix::Other(first) => match &**first {
+                Ok(f) => Some(f.data_ref().map_or(0, |d| d.len() as u64)),
+                Err(_) => None,
+            },
+        };
+        if let Some(n) = n {
             let mut shifted = SizeHint::new();
             // Upper first: `set_lower` refuses a lower bound above the current upper one.
             if let Some(u) = hint.upper() {

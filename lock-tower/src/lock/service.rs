@@ -14,6 +14,7 @@ use super::layer::LockConfig;
 use crate::body::{BoxError, LockBody};
 use crate::extract::Held;
 use crate::future::ResponseFuture;
+use crate::key::KeyProblem;
 use crate::reject::Reason;
 use crate::util::{RequestBody, read_capped, reject};
 
@@ -49,23 +50,29 @@ where
         // The clone is not necessarily ready; the one `poll_ready` readied goes into the future.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let cfg = self.cfg.clone();
         let span = tracing::debug_span!(
             "lock_layer",
             key = tracing::field::Empty,
             fence = tracing::field::Empty
         );
         // Recorded on directly: `Span::current()` would look the span up on every request.
-        ResponseFuture::new(run(cfg, inner, req, span.clone()).instrument(span))
+        ResponseFuture::new(run(self.cfg.clone(), inner, req, span.clone()).instrument(span))
     }
 }
 
-async fn run<S, ReqBody, ResBody>(
+/// The request's way through the layer.
+///
+/// The future is boxed, and moved whole on its way into the box, so its size is paid on every
+/// request (in copying, and above about a kilobyte in a slower `malloc` outside glibc's
+/// per-thread cache). Hence an `async` block (an `async fn` keeps a second copy of its
+/// arguments), the request split before it, the lock-core futures of the memory backend run
+/// to completion on the stack ([`poll_now`]), and the rarer paths' futures boxed.
+fn run<S, ReqBody, ResBody>(
     cfg: Arc<LockConfig>,
     mut inner: S,
     req: Request<ReqBody>,
     span: tracing::Span,
-) -> Result<Response<LockBody<ResBody>>, S::Error>
+) -> impl Future<Output = Result<Response<LockBody<ResBody>>, S::Error>>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     ReqBody: Body<Data = Bytes>,
@@ -73,121 +80,201 @@ where
     ResBody: Body<Data = Bytes> + Unpin,
     ResBody::Error: Into<BoxError>,
 {
-    if !cfg.applies_to(req.method()) {
-        let res = inner.call(req.map(Either::Left)).await?;
-        return Ok(res.map(LockBody::pass));
-    }
-    let rejections = &cfg.rejections;
     let (mut parts, body) = req.into_parts();
-    let (body, bytes) = if cfg.key.needs_body() {
-        match read_capped(body, cfg.body_limit).await {
-            Ok(b) => (Either::Right(Full::new(b.clone())), Some(b)),
-            Err((reason, detail)) => return Ok(reject(rejections, reason, None, detail)),
-        }
-    } else {
-        (Either::Left(body), None)
-    };
-    let key = match cfg.key.extract(&mut parts, bytes.as_ref()).await {
-        Ok(k) if cfg.prefix.is_empty() => k,
-        Ok(k) => format!("{}{k}", cfg.prefix),
-        Err(p) if p.reason == Reason::MissingKey && cfg.pass_unkeyed => {
-            tracing::debug!(why = %p.detail, "no key; passing through unlocked");
-            let res = inner.call(Request::from_parts(parts, body)).await?;
+    async move {
+        if !cfg.applies_to(&parts.method) {
+            let res = inner
+                .call(Request::from_parts(parts, Either::Left(body)))
+                .await?;
             return Ok(res.map(LockBody::pass));
         }
-        Err(p) => return Ok(reject(rejections, p.reason, None, p.detail)),
-    };
-    span.record("key", key.as_str());
-    let taken = if cfg.wait {
-        cfg.locker.acquire(&key, &cfg.opts).await
-    } else {
-        cfg.locker.try_acquire(&key, &cfg.opts).await
-    };
-    let lease = match taken {
-        Ok(lease) => lease,
-        Err(e) => return Ok(refusal(&cfg, &e)),
-    };
-    span.record("fence", lease.fence().0);
-    parts.extensions.insert(Held {
-        fence: lease.fence(),
-        info: lease.info(),
-    });
-    let in_process = matches!(cfg.locker.backend(), AnyBackend::Memory(_));
-    let lost = |key: &str| {
-        tracing::warn!("lease lost while the handler ran; handler cancelled");
-        reject(
-            rejections,
-            Reason::LeaseLost,
-            None,
-            format!(
-                "the lease on `{key}` was lost before the handler finished; the handler was cancelled"
-            ),
-        )
-    };
-    if lease.is_lost() {
-        return Ok(lost(&key));
+        // Each step in a block of its own, so that what it leaves behind takes no room in the
+        // future's later states.
+        let (body, key) = {
+            let (body, key) = if cfg.key.needs_body() {
+                match Box::pin(key_from_body(&cfg, &mut parts, body)).await {
+                    Ok((body, key)) => (body, key),
+                    Err(res) => return Ok(res),
+                }
+            } else {
+                let key = cfg.key.extract(&mut parts, None).await;
+                (Either::Left(body), key)
+            };
+            match key {
+                Ok(k) if cfg.prefix.is_empty() => (body, k),
+                Ok(k) => (body, format!("{}{k}", cfg.prefix)),
+                Err(p) if p.reason == Reason::MissingKey && cfg.pass_unkeyed => {
+                    tracing::debug!(why = %p.detail, "no key; passing through unlocked");
+                    let res = inner.call(Request::from_parts(parts, body)).await?;
+                    return Ok(res.map(LockBody::pass));
+                }
+                Err(p) => return Ok(reject(&cfg.rejections, p.reason, None, p.detail)),
+            }
+        };
+        span.record("key", key.as_str());
+        let in_process = matches!(cfg.locker.backend(), AnyBackend::Memory(_));
+        let lease = match if cfg.wait {
+            Box::pin(cfg.locker.acquire(&key, &cfg.opts)).await
+        } else if in_process {
+            match poll_now(|| cfg.locker.try_acquire(&key, &cfg.opts)) {
+                Poll::Ready(taken) => taken,
+                // Not reached with today's memory backend; the attempt was dropped, so ask again.
+                Poll::Pending => Box::pin(cfg.locker.try_acquire(&key, &cfg.opts)).await,
+            }
+        } else {
+            Box::pin(cfg.locker.try_acquire(&key, &cfg.opts)).await
+        } {
+            Ok(lease) => lease,
+            Err(e) => return Ok(refusal(&cfg, &e)),
+        };
+        span.record("fence", lease.fence().0);
+        parts.extensions.insert(Held {
+            fence: lease.fence(),
+            info: lease.info(),
+        });
+        // From here on the lease names the key, so `key` takes no room in later states.
+        drop(key);
+        if lease.is_lost() {
+            return Ok(lost(&cfg, lease.key()));
+        }
+        let res = {
+            let mut handler = std::pin::pin!(inner.call(Request::from_parts(parts, body)));
+            // Most handlers answer on their first poll. Waiting on the loss signal registers a
+            // waker and a timer, which cost more than such a handler, so the signal is armed
+            // only once the handler has to wait (a lease found lost above is the same answer as
+            // before); from then on it is checked before the handler, as a biased select would.
+            // One await for all of it: a future awaited in two places would keep its room in
+            // every later state of this one.
+            let mut lost_signal: Option<Pin<Box<dyn Future<Output = ()> + Send + '_>>> = None;
+            let raced = std::future::poll_fn(|cx| {
+                if let Some(signal) = &mut lost_signal
+                    && signal.as_mut().poll(cx).is_ready()
+                {
+                    return Poll::Ready(None);
+                }
+                match handler.as_mut().poll(cx) {
+                    Poll::Ready(res) => Poll::Ready(Some(res)),
+                    Poll::Pending if lost_signal.is_some() => Poll::Pending,
+                    Poll::Pending => {
+                        let signal = lost_signal.insert(Box::pin(lease.lost()));
+                        if signal.as_mut().poll(cx).is_ready() {
+                            return Poll::Ready(None);
+                        }
+                        Poll::Pending
+                    }
+                }
+            });
+            match raced.await {
+                Some(res) => res,
+                None => return Ok(lost(&cfg, lease.key())),
+            }
+        };
+        // The lease goes with the body, or is released at once when the body is already
+        // complete. Most handlers return a body that is complete at once; finishing it here
+        // releases the lease before the head goes out, so head and body leave in one write.
+        // Held back behind a release round trip, the body would go out as a second small
+        // segment, and Nagle's algorithm meeting the client's delayed ACK would add about
+        // 40 ms to every response.
+        let (head, mut body) = res?.into_parts();
+        let first = if body.is_end_stream() {
+            Poll::Ready(None)
+        } else {
+            // One poll only: a body that is not ready at once streams under the lease.
+            std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await
+        };
+        // Converted at once: the inner error type need not be `Send`, and the release awaits.
+        let first = first.map(|f| f.map(|r| r.map_err(Into::<BoxError>::into)));
+        let (body, done) = match first {
+            Poll::Pending => (LockBody::holding(body, lease), None),
+            Poll::Ready(None) => (LockBody::pass(body), Some(lease)),
+            Poll::Ready(Some(Ok(frame))) if body.is_end_stream() => {
+                (LockBody::pass(body).after(Ok(frame)), Some(lease))
+            }
+            Poll::Ready(Some(frame)) => (LockBody::holding(body, lease).after(frame), None),
+        };
+        match done {
+            None => {}
+            Some(lease) if in_process => release_now(lease),
+            // Boxed, so the common path's future does not carry the response across this await.
+            Some(lease) => {
+                return Ok(Box::pin(async move {
+                    release_remote(lease).await;
+                    Response::from_parts(head, body)
+                })
+                .await);
+            }
+        }
+        Ok(Response::from_parts(head, body))
     }
-    let mut handler = std::pin::pin!(inner.call(Request::from_parts(parts, body)));
-    // Most handlers answer on their first poll. Waiting on the loss signal registers a waker
-    // and a timer, which cost more than such a handler, so that happens only when the handler
-    // has to wait; a lease found lost above is the same answer as before.
-    let res = match std::future::poll_fn(|cx| Poll::Ready(handler.as_mut().poll(cx))).await {
-        Poll::Ready(res) => res,
-        Poll::Pending => tokio::select! {
-            biased;
-            _ = lease.lost() => return Ok(lost(&key)),
-            res = &mut handler => res,
-        },
-    };
-    Ok(finish(res?, lease, in_process).await)
 }
 
-/// Attaches the lease to the response body, or releases it at once when the body is already
-/// complete.
-///
-/// Most handlers return a body that is complete at once. Finishing it here releases the lease
-/// before the head goes out, so head and body leave in one write. Held back behind a release
-/// round trip, the body would go out as a second small segment, and Nagle's algorithm meeting
-/// the client's delayed ACK would add about 40 ms to every response.
-async fn finish<B>(res: Response<B>, lease: Lease, in_process: bool) -> Response<LockBody<B>>
+/// The JSON-body path: reads the body up to the cap, finds the key in it, and hands the same
+/// bytes on. Boxed by the caller, so the common path does not carry its state.
+async fn key_from_body<ReqBody, B>(
+    cfg: &LockConfig,
+    parts: &mut http::request::Parts,
+    body: ReqBody,
+) -> Result<(RequestBody<ReqBody>, Result<String, KeyProblem>), Response<LockBody<B>>>
 where
-    B: Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
+    ReqBody: Body<Data = Bytes>,
+    ReqBody::Error: Into<BoxError>,
 {
-    let (head, mut body) = res.into_parts();
-    let first = if body.is_end_stream() {
-        Poll::Ready(None)
-    } else {
-        // One poll only: a body that is not ready at once streams under the lease.
-        std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await
-    };
-    // Converted at once: the inner error type need not be `Send`, and the release below awaits.
-    let first = first.map(|f| f.map(|r| r.map_err(Into::<BoxError>::into)));
-    let body = match first {
-        Poll::Pending => LockBody::holding(body, lease),
-        Poll::Ready(None) => {
-            release(lease, in_process).await;
-            LockBody::pass(body)
+    match read_capped(body, cfg.body_limit).await {
+        Ok(b) => {
+            let key = cfg.key.extract(parts, Some(&b)).await;
+            Ok((Either::Right(Full::new(b)), key))
         }
-        Poll::Ready(Some(Ok(frame))) if body.is_end_stream() => {
-            release(lease, in_process).await;
-            LockBody::pass(body).after(Ok(frame))
-        }
-        Poll::Ready(Some(frame)) => LockBody::holding(body, lease).after(frame),
-    };
-    Response::from_parts(head, body)
+        Err((reason, detail)) => Err(reject(&cfg.rejections, reason, None, detail)),
+    }
+}
+
+/// Polls the future `make` returns once, with a waker that does nothing, and drops it if it is
+/// not ready.
+///
+/// For the memory backend's lock-core futures, which complete on their first poll (a mutex,
+/// no I/O): run here, on the stack, their kilobyte or so of state stays out of the layer's
+/// future.
+fn poll_now<F: Future>(make: impl FnOnce() -> F) -> Poll<F::Output> {
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    std::pin::pin!(make()).poll(&mut cx)
+}
+
+fn lost<B>(cfg: &LockConfig, key: &str) -> Response<LockBody<B>> {
+    tracing::warn!("lease lost while the handler ran; handler cancelled");
+    reject(
+        &cfg.rejections,
+        Reason::LeaseLost,
+        None,
+        format!(
+            "the lease on `{key}` was lost before the handler finished; the handler was cancelled"
+        ),
+    )
 }
 
 /// Releases `lease`, surviving the caller being dropped mid-way.
 pub(crate) async fn release(lease: Lease, in_process: bool) {
     if in_process {
-        // In process the release completes on its first poll; nothing can cut it short.
-        log_release(lease.release().await);
-        return;
+        release_now(lease);
+    } else {
+        release_remote(lease).await;
     }
-    // A server round trip: if the client hangs up meanwhile, the response future is dropped,
-    // and a release dropped in flight would leave the key held until its TTL ran out. A task
-    // carries on regardless of who awaits it.
+}
+
+/// Releases an in-process lease: that completes on its first poll (a mutex, no I/O), so
+/// nothing can cut it short.
+fn release_now(lease: Lease) {
+    match poll_now(|| lease.release()) {
+        Poll::Ready(outcome) => log_release(outcome),
+        Poll::Pending => tracing::warn!(
+            "in-process release did not complete at once; the lease expires with its TTL"
+        ),
+    }
+}
+
+/// A server round trip: if the client hangs up meanwhile, the response future is dropped, and
+/// a release dropped in flight would leave the key held until its TTL ran out. A task carries
+/// on regardless of who awaits it.
+async fn release_remote(lease: Lease) {
     if let Ok(outcome) = tokio::spawn(lease.release()).await {
         log_release(outcome);
     }
