@@ -127,9 +127,24 @@ macro_rules! dispatch {
     };
 }
 
+/// As `dispatch!`, but the network backends' futures are boxed. A future over an enum is as
+/// large as its largest variant's: unboxed, every in-memory acquire and release would carry (and
+/// move, at each await up the stack) the space a Redis round trip needs, while one allocation
+/// is nothing beside that round trip.
+macro_rules! dispatch_boxed {
+    ($self:ident, $b:ident => $e:expr) => {
+        match $self {
+            AnyBackend::Memory($b) => $e.await,
+            AnyBackend::Redis($b) => Box::pin($e).await,
+            AnyBackend::Cluster($b) => Box::pin($e).await,
+            AnyBackend::Quorum($b) => Box::pin($e).await,
+        }
+    };
+}
+
 impl Backend for AnyBackend {
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
-        dispatch!(self, b => b.acquire(key, token, ttl).await)
+        dispatch_boxed!(self, b => b.acquire(key, token, ttl))
     }
     async fn acquire_replicated(
         &self,
@@ -142,7 +157,7 @@ impl Backend for AnyBackend {
         dispatch!(self, b => b.acquire_replicated(key, token, ttl, replicas, timeout).await)
     }
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
-        dispatch!(self, b => b.release(key, token).await)
+        dispatch_boxed!(self, b => b.release(key, token))
     }
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
         dispatch!(self, b => b.extend(items, ttl).await)
