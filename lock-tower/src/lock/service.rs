@@ -88,52 +88,55 @@ where
                 .await?;
             return Ok(res.map(LockBody::pass));
         }
-        // Each step in a block of its own, so that what it leaves behind takes no room in the
-        // future's later states.
-        let (body, key) = {
-            let (body, key) = if cfg.key.needs_body() {
-                match Box::pin(key_from_body(&cfg, &mut parts, body)).await {
-                    Ok((body, key)) => (body, key),
-                    Err(res) => return Ok(res),
+        // Each step in a block of its own: a local's room is kept until its scope ends, even
+        // after it was moved out, and a local alive across two awaits has room of its own in
+        // every state of the future.
+        let in_process = matches!(cfg.locker.backend(), AnyBackend::Memory(_));
+        let (body, lease) = {
+            let (body, key) = {
+                let (body, key) = if cfg.key.needs_body() {
+                    match Box::pin(key_from_body(&cfg, &mut parts, body)).await {
+                        Ok((body, key)) => (body, key),
+                        Err(res) => return Ok(res),
+                    }
+                } else {
+                    let key = cfg.key.extract(&mut parts, None).await;
+                    (Either::Left(body), key)
+                };
+                match key {
+                    Ok(k) if cfg.prefix.is_empty() => (body, k),
+                    Ok(k) => (body, format!("{}{k}", cfg.prefix)),
+                    Err(p) if p.reason == Reason::MissingKey && cfg.pass_unkeyed => {
+                        tracing::debug!(why = %p.detail, "no key; passing through unlocked");
+                        let res = inner.call(Request::from_parts(parts, body)).await?;
+                        return Ok(res.map(LockBody::pass));
+                    }
+                    Err(p) => return Ok(reject(&cfg.rejections, p.reason, None, p.detail)),
+                }
+            };
+            span.record("key", key.as_str());
+            let taken = if cfg.wait {
+                Box::pin(cfg.locker.acquire(&key, &cfg.opts)).await
+            } else if in_process {
+                match poll_now(|| cfg.locker.try_acquire(&key, &cfg.opts)) {
+                    Poll::Ready(taken) => taken,
+                    // Not reached with today's memory backend, whose acquire completes on its
+                    // first poll; were it pending, the attempt has been dropped: make it again.
+                    Poll::Pending => Box::pin(cfg.locker.try_acquire(&key, &cfg.opts)).await,
                 }
             } else {
-                let key = cfg.key.extract(&mut parts, None).await;
-                (Either::Left(body), key)
+                Box::pin(cfg.locker.try_acquire(&key, &cfg.opts)).await
             };
-            match key {
-                Ok(k) if cfg.prefix.is_empty() => (body, k),
-                Ok(k) => (body, format!("{}{k}", cfg.prefix)),
-                Err(p) if p.reason == Reason::MissingKey && cfg.pass_unkeyed => {
-                    tracing::debug!(why = %p.detail, "no key; passing through unlocked");
-                    let res = inner.call(Request::from_parts(parts, body)).await?;
-                    return Ok(res.map(LockBody::pass));
-                }
-                Err(p) => return Ok(reject(&cfg.rejections, p.reason, None, p.detail)),
+            match taken {
+                Ok(lease) => (body, lease),
+                Err(e) => return Ok(refusal(&cfg, &e)),
             }
-        };
-        span.record("key", key.as_str());
-        let in_process = matches!(cfg.locker.backend(), AnyBackend::Memory(_));
-        let lease = match if cfg.wait {
-            Box::pin(cfg.locker.acquire(&key, &cfg.opts)).await
-        } else if in_process {
-            match poll_now(|| cfg.locker.try_acquire(&key, &cfg.opts)) {
-                Poll::Ready(taken) => taken,
-                // Not reached with today's memory backend; the attempt was dropped, so ask again.
-                Poll::Pending => Box::pin(cfg.locker.try_acquire(&key, &cfg.opts)).await,
-            }
-        } else {
-            Box::pin(cfg.locker.try_acquire(&key, &cfg.opts)).await
-        } {
-            Ok(lease) => lease,
-            Err(e) => return Ok(refusal(&cfg, &e)),
         };
         span.record("fence", lease.fence().0);
         parts.extensions.insert(Held {
             fence: lease.fence(),
             info: lease.info(),
         });
-        // From here on the lease names the key, so `key` takes no room in later states.
-        drop(key);
         if lease.is_lost() {
             return Ok(lost(&cfg, lease.key()));
         }
@@ -175,36 +178,38 @@ where
         // Held back behind a release round trip, the body would go out as a second small
         // segment, and Nagle's algorithm meeting the client's delayed ACK would add about
         // 40 ms to every response.
-        let (head, mut body) = res?.into_parts();
-        let first = if body.is_end_stream() {
-            Poll::Ready(None)
-        } else {
-            // One poll only: a body that is not ready at once streams under the lease.
-            std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await
-        };
-        // Converted at once: the inner error type need not be `Send`, and the release awaits.
-        let first = first.map(|f| f.map(|r| r.map_err(Into::<BoxError>::into)));
-        let (body, done) = match first {
-            Poll::Pending => (LockBody::holding(body, lease), None),
-            Poll::Ready(None) => (LockBody::pass(body), Some(lease)),
-            Poll::Ready(Some(Ok(frame))) if body.is_end_stream() => {
-                (LockBody::pass(body).after(Ok(frame)), Some(lease))
-            }
-            Poll::Ready(Some(frame)) => (LockBody::holding(body, lease).after(frame), None),
-        };
-        match done {
-            None => {}
-            Some(lease) if in_process => release_now(lease),
-            // Boxed, so the common path's future does not carry the response across this await.
-            Some(lease) => {
-                return Ok(Box::pin(async move {
+        let remote = {
+            let (head, mut body) = res?.into_parts();
+            let first = if body.is_end_stream() {
+                Poll::Ready(None)
+            } else {
+                // One poll only: a body that is not ready at once streams under the lease.
+                std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await
+            };
+            // Converted at once: the inner error type need not be `Send`.
+            let first = first.map(|f| f.map(|r| r.map_err(Into::<BoxError>::into)));
+            let (body, done) = match first {
+                Poll::Pending => (LockBody::holding(body, lease), None),
+                Poll::Ready(None) => (LockBody::pass(body), Some(lease)),
+                Poll::Ready(Some(Ok(frame))) if body.is_end_stream() => {
+                    (LockBody::pass(body).after(Ok(frame)), Some(lease))
+                }
+                Poll::Ready(Some(frame)) => (LockBody::holding(body, lease).after(frame), None),
+            };
+            match done {
+                None => return Ok(Response::from_parts(head, body)),
+                Some(lease) if in_process => {
+                    release_now(lease);
+                    return Ok(Response::from_parts(head, body));
+                }
+                // Boxed, so the common path's future does not carry the response across it.
+                Some(lease) => Box::pin(async move {
                     release_remote(lease).await;
                     Response::from_parts(head, body)
-                })
-                .await);
+                }),
             }
-        }
-        Ok(Response::from_parts(head, body))
+        };
+        Ok(remote.await)
     }
 }
 
