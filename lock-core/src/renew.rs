@@ -188,6 +188,11 @@ struct InboxState {
 /// when leases are long and requests many.
 pub(crate) const INBOX_LIMIT: usize = 1024;
 
+/// How far back from the newest queued command a release looks for its lease's add: far enough
+/// for a few dozen leases taken and released concurrently, short enough to cost little when
+/// the add is not there.
+const UNQUEUE_SCAN: usize = 64;
+
 impl Inbox {
     pub(crate) fn new() -> Arc<Inbox> {
         Arc::new(Inbox {
@@ -203,6 +208,21 @@ impl Inbox {
     pub(crate) fn push(&self, cmd: Cmd) {
         let due = cmd.due();
         let mut st = self.lock();
+        if let Cmd::Remove { id, release: None } = cmd {
+            // A lease released while its add still waits here (the common case) never reaches
+            // the driver: both go at once, and the lease's key and state are freed now rather
+            // than a batch later.
+            let recent = st.cmds.len().saturating_sub(UNQUEUE_SCAN);
+            if let Some(i) = st.cmds[recent..]
+                .iter()
+                .rposition(|c| matches!(c, Cmd::Add { id: added, .. } if *added == id))
+            {
+                let add = st.cmds.remove(recent + i);
+                drop(st);
+                drop(add);
+                return;
+            }
+        }
         st.cmds.push(cmd);
         let wake = match (due, st.asleep_until) {
             (_, None) => false,
