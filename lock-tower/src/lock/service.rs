@@ -191,9 +191,13 @@ where
             let (body, done) = match first {
                 Poll::Pending => (LockBody::holding(body, lease), None),
                 Poll::Ready(None) => (LockBody::pass(body), Some(lease)),
-                Poll::Ready(Some(Ok(frame))) if body.is_end_stream() => {
-                    (LockBody::pass(body).after(Ok(frame)), Some(lease))
-                }
+                // Complete with one data frame, the usual case: the frame is all that is left
+                // to send, so the spent inner body is dropped, and the body that goes out is a
+                // `Full` whose size is exact and that reports its end with its last frame.
+                Poll::Ready(Some(Ok(frame))) if body.is_end_stream() => match frame.into_data() {
+                    Ok(data) => (LockBody::local(Full::new(data)), Some(lease)),
+                    Err(frame) => (LockBody::pass(body).after(Ok(frame)), Some(lease)),
+                },
                 Poll::Ready(Some(frame)) => (LockBody::holding(body, lease).after(frame), None),
             };
             match done {
