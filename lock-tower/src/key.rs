@@ -222,6 +222,42 @@ impl KeyExtractor {
     }
 }
 
+/// A request's key, as the lock layer reads it: a route parameter stays in the parameter list
+/// axum copied out for the layer instead of being copied once more.
+pub(crate) enum Key {
+    Owned(String),
+    Param(RawPathParams, usize),
+}
+
+impl Key {
+    pub(crate) fn as_str(&self) -> &str {
+        match self {
+            Key::Owned(s) => s,
+            Key::Param(params, i) => params.iter().nth(*i).map_or("", |(_, v)| v),
+        }
+    }
+}
+
+impl KeyExtractor {
+    /// [`extract`](Self::extract), without copying a route parameter.
+    pub(crate) async fn extract_key(
+        &self,
+        parts: &mut Parts,
+        body: Option<&Bytes>,
+    ) -> Result<Key, KeyProblem> {
+        let Source::RouteParam(name) = &self.source else {
+            return self.extract(parts, body).await.map(Key::Owned);
+        };
+        let params = RawPathParams::from_request_parts(parts, &())
+            .await
+            .map_err(|e| missing(format!("no route parameters: {e}")))?;
+        match params.iter().position(|(k, _)| k == &**name) {
+            Some(i) => Ok(Key::Param(params, i)),
+            None => Err(missing(format!("the route has no parameter `{name}`"))),
+        }
+    }
+}
+
 fn header_text(parts: &Parts, name: &HeaderName) -> Result<Option<String>, KeyProblem> {
     match parts.headers.get(name) {
         None => Ok(None),

@@ -14,7 +14,7 @@ use super::layer::LockConfig;
 use crate::body::{BoxError, LockBody};
 use crate::extract::Held;
 use crate::future::ResponseFuture;
-use crate::key::KeyProblem;
+use crate::key::{Key, KeyProblem};
 use crate::reject::Reason;
 use crate::util::{RequestBody, read_capped, reject};
 
@@ -100,12 +100,12 @@ where
                         Err(res) => return Ok(res),
                     }
                 } else {
-                    let key = cfg.key.extract(&mut parts, None).await;
+                    let key = cfg.key.extract_key(&mut parts, None).await;
                     (Either::Left(body), key)
                 };
                 match key {
                     Ok(k) if cfg.prefix.is_empty() => (body, k),
-                    Ok(k) => (body, format!("{}{k}", cfg.prefix)),
+                    Ok(k) => (body, Key::Owned(format!("{}{}", cfg.prefix, k.as_str()))),
                     Err(p) if p.reason == Reason::MissingKey && cfg.pass_unkeyed => {
                         tracing::debug!(why = %p.detail, "no key; passing through unlocked");
                         let res = inner.call(Request::from_parts(parts, body)).await?;
@@ -115,17 +115,18 @@ where
                 }
             };
             span.record("key", key.as_str());
+            let key = key.as_str();
             let taken = if cfg.wait {
-                Box::pin(cfg.locker.acquire(&key, &cfg.opts)).await
+                Box::pin(cfg.locker.acquire(key, &cfg.opts)).await
             } else if in_process {
-                match poll_now(|| cfg.locker.try_acquire(&key, &cfg.opts)) {
+                match poll_now(|| cfg.locker.try_acquire(key, &cfg.opts)) {
                     Poll::Ready(taken) => taken,
                     // Not reached with today's memory backend, whose acquire completes on its
                     // first poll; were it pending, the attempt has been dropped: make it again.
-                    Poll::Pending => Box::pin(cfg.locker.try_acquire(&key, &cfg.opts)).await,
+                    Poll::Pending => Box::pin(cfg.locker.try_acquire(key, &cfg.opts)).await,
                 }
             } else {
-                Box::pin(cfg.locker.try_acquire(&key, &cfg.opts)).await
+                Box::pin(cfg.locker.try_acquire(key, &cfg.opts)).await
             };
             match taken {
                 Ok(lease) => (body, lease),
@@ -223,14 +224,14 @@ async fn key_from_body<ReqBody, B>(
     cfg: &LockConfig,
     parts: &mut http::request::Parts,
     body: ReqBody,
-) -> Result<(RequestBody<ReqBody>, Result<String, KeyProblem>), Response<LockBody<B>>>
+) -> Result<(RequestBody<ReqBody>, Result<Key, KeyProblem>), Response<LockBody<B>>>
 where
     ReqBody: Body<Data = Bytes>,
     ReqBody::Error: Into<BoxError>,
 {
     match read_capped(body, cfg.body_limit).await {
         Ok(b) => {
-            let key = cfg.key.extract(parts, Some(&b)).await;
+            let key = cfg.key.extract(parts, Some(&b)).await.map(Key::Owned);
             Ok((Either::Right(Full::new(b)), key))
         }
         Err((reason, detail)) => Err(reject(&cfg.rejections, reason, None, detail)),
