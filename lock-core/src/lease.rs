@@ -101,7 +101,8 @@ impl<B: Backend + Clone> Lease<B> {
     /// A cheap, cloneable view of this lease for code that must not own the guard.
     pub fn info(&self) -> LeaseInfo {
         LeaseInfo {
-            key: self.key.user().to_owned(),
+            // The shared names, not a copy of the key: a view per request must not allocate.
+            key: self.key.clone(),
             fence: self.fence,
             state: self.state.clone(),
         }
@@ -213,7 +214,7 @@ impl<B: Backend + Clone> Drop for Lease<B> {
 /// A cloneable view of a held lease: its key, fence, time left and lost signal.
 #[derive(Clone)]
 pub struct LeaseInfo {
-    key: String,
+    key: LockKey,
     fence: Fence,
     state: Arc<LeaseState>,
 }
@@ -221,7 +222,7 @@ pub struct LeaseInfo {
 impl std::fmt::Debug for LeaseInfo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LeaseInfo")
-            .field("key", &self.key)
+            .field("key", &self.key.user())
             .field("fence", &self.fence)
             .finish_non_exhaustive()
     }
@@ -230,7 +231,7 @@ impl std::fmt::Debug for LeaseInfo {
 impl LeaseInfo {
     /// The key as the caller named it.
     pub fn key(&self) -> &str {
-        &self.key
+        self.key.user()
     }
     /// The fence of the grant.
     pub fn fence(&self) -> Fence {
