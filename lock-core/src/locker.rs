@@ -357,8 +357,9 @@ impl<B: Backend + Clone> Locker<B> {
         match reply {
             AcquireReply::Held { remaining } => Ok(Err(remaining)),
             AcquireReply::Granted { fence } => {
-                let deadline = start + opts.ttl - drift(opts.ttl);
-                if deadline - warn_ahead(opts.ttl) <= Instant::now() {
+                let state =
+                    LeaseState::new(start + opts.ttl - drift(opts.ttl), warn_ahead(opts.ttl));
+                if state.alarm() <= Instant::now() {
                     // The reply took the whole validity: the grant may already have expired
                     // on the server and be held by another, so it is no lease at all. Free it
                     // in case it has not expired yet.
@@ -368,7 +369,6 @@ impl<B: Backend + Clone> Locker<B> {
                         key: key.user().to_owned(),
                     });
                 }
-                let state = LeaseState::new(deadline, warn_ahead(opts.ttl));
                 let id = self.core.next_id.fetch_add(1, Ordering::Relaxed);
                 if opts.renew {
                     self.core.send(Cmd::Add {
@@ -605,6 +605,28 @@ mod tests {
             most <= renew::INBOX_LIMIT + 2,
             "{most} commands queued, above the limit"
         );
+    }
+
+    /// The in-memory backend never waits: `try_acquire` and `release` complete on their first
+    /// poll. lock-tower's `LockLayer` relies on it to run them on its own stack.
+    #[tokio::test]
+    async fn memory_operations_complete_on_first_poll() {
+        use std::future::Future;
+        use std::task::{Context, Poll, Waker};
+        let locker = Locker::memory();
+        let o = opts(Duration::from_secs(5));
+        let mut cx = Context::from_waker(Waker::noop());
+        let Poll::Ready(lease) = std::pin::pin!(locker.try_acquire("k", &o)).poll(&mut cx) else {
+            panic!("try_acquire was pending");
+        };
+        let lease = lease.expect("grant");
+        let busy = std::pin::pin!(locker.try_acquire("k", &o)).poll(&mut cx);
+        assert!(matches!(busy, Poll::Ready(Err(Error::Busy { .. }))));
+        let released = std::pin::pin!(lease.release()).poll(&mut cx);
+        assert!(matches!(
+            released,
+            Poll::Ready(Ok(crate::Release::Released))
+        ));
     }
 
     /// A guard dropped while the driver sleeps is released at once, not at the driver's next

@@ -15,6 +15,8 @@ use crate::wake::{Wakeups, Watch};
 ///
 /// Expiry, fences, token-checked release and extend, and wake-ups behave as on Redis, so code
 /// tested here behaves the same against a server. It only excludes holders within one process.
+/// Its operations never wait (a mutex, no I/O): `try_acquire` and `release` on it complete on
+/// their first poll, which callers such as lock-tower's `LockLayer` may rely on.
 ///
 /// ```
 /// use lock_core::{Locker, LockOptions};

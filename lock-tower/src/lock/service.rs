@@ -242,7 +242,8 @@ where
 /// not ready.
 ///
 /// For the memory backend's lock-core futures, which complete on their first poll (a mutex,
-/// no I/O): run here, on the stack, their kilobyte or so of state stays out of the layer's
+/// no I/O; `MemoryBackend` documents it and lock-core's
+/// `memory_operations_complete_on_first_poll` checks it): run here, on the stack, their kilobyte or so of state stays out of the layer's
 /// future.
 fn poll_now<F: Future>(make: impl FnOnce() -> F) -> Poll<F::Output> {
     let mut cx = Context::from_waker(std::task::Waker::noop());
