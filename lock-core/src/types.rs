@@ -165,80 +165,136 @@ pub(crate) fn warn_ahead(ttl: Duration) -> Duration {
 /// Names one lock on the server: the lock key and its fence key share the hash tag
 /// `{prefix:key}`, so both live in one cluster slot.
 ///
-/// The server-side names are built once, when the key is checked; clones share them, so the
-/// hot path (acquire, renew, release) neither formats nor allocates key names.
+/// The server-side names are built once, when the key is checked, in one allocation that
+/// clones share, and the key's hash is taken then too: the hot path (acquire, renew, release)
+/// neither formats, allocates nor hashes key names.
 #[derive(Clone)]
-pub struct LockKey(Arc<Names>);
-
-/// All of a key's names in one buffer: `user`, then `{prefix:user}:lock`, `{prefix:user}:fence`
-/// and `{prefix:user}:released`, delimited by the end offsets below.
-struct Names {
-    buf: String,
+pub struct LockKey {
+    /// `user`, then `{prefix:user}:lock`, `{prefix:user}:fence` and `{prefix:user}:released`.
+    names: Arc<str>,
+    /// Where `user` ends.
     user_end: usize,
-    lock_end: usize,
-    fence_end: usize,
+    /// The length of `{prefix:user}:`, the part the three server names share.
+    tag_len: usize,
+    /// The lock key's hash under a per-process random key (see [`KeyHasher`]).
+    hash: u64,
+}
+
+thread_local! {
+    /// Where names are assembled before they are copied into their one allocation.
+    static SCRATCH: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
+
+/// The per-process random key of every [`LockKey`]'s hash: as unpredictable to a caller who
+/// chooses keys as the standard library's own `HashMap` hashing.
+fn hash_key() -> &'static std::hash::RandomState {
+    static STATE: std::sync::OnceLock<std::hash::RandomState> = std::sync::OnceLock::new();
+    STATE.get_or_init(std::hash::RandomState::new)
 }
 
 impl LockKey {
     pub(crate) fn new(prefix: &str, user: &str) -> LockKey {
-        let tag_len = prefix.len() + user.len() + 3;
-        let mut buf = String::with_capacity(user.len() + 3 * tag_len + 20);
-        buf.push_str(user);
-        let user_end = buf.len();
-        // Pushed piece by piece: `write!` costs ten times as much, once per request under
-        // a layer that names a lock per request.
-        let mut add = |suffix: &str| {
-            for part in ["{", prefix, ":", user, "}:", suffix] {
+        use std::hash::BuildHasher;
+        SCRATCH.with_borrow_mut(|buf| {
+            buf.clear();
+            buf.push_str(user);
+            let user_end = buf.len();
+            // The shared tag once, then copied: `write!` would cost ten times as much, once
+            // per request under a layer that names a lock per request.
+            for part in ["{", prefix, ":", user, "}:lock"] {
                 buf.push_str(part);
             }
-            buf.len()
-        };
-        let lock_end = add("lock");
-        let fence_end = add("fence");
-        add("released");
-        LockKey(Arc::new(Names {
-            buf,
-            user_end,
-            lock_end,
-            fence_end,
-        }))
+            let tag = user_end..buf.len() - "lock".len();
+            buf.extend_from_within(tag.clone());
+            buf.push_str("fence");
+            buf.extend_from_within(tag.clone());
+            buf.push_str("released");
+            let tag_len = tag.len();
+            let hash = hash_key().hash_one(&buf[user_end..user_end + tag_len + "lock".len()]);
+            let names = Arc::from(buf.as_str());
+            // A huge prefix must not keep a huge buffer alive on this thread.
+            if buf.capacity() > 4096 {
+                *buf = String::new();
+            }
+            LockKey {
+                names,
+                user_end,
+                tag_len,
+                hash,
+            }
+        })
     }
 
     /// The key as the caller named it.
     pub fn user(&self) -> &str {
-        &self.0.buf[..self.0.user_end]
+        &self.names[..self.user_end]
+    }
+
+    fn lock_end(&self) -> usize {
+        self.user_end + self.tag_len + "lock".len()
+    }
+
+    fn fence_end(&self) -> usize {
+        self.lock_end() + self.tag_len + "fence".len()
     }
 
     /// The server key holding the holder's token.
     pub fn lock_key(&self) -> &str {
-        &self.0.buf[self.0.user_end..self.0.lock_end]
+        &self.names[self.user_end..self.lock_end()]
     }
 
     /// The server key holding the last fence issued.
     pub fn fence_key(&self) -> &str {
-        &self.0.buf[self.0.lock_end..self.0.fence_end]
+        &self.names[self.lock_end()..self.fence_end()]
     }
 
     /// The channel a release publishes on, to wake waiters.
     pub fn channel(&self) -> &str {
-        &self.0.buf[self.0.fence_end..]
+        &self.names[self.fence_end()..]
     }
 }
 
 // Identity is the server-side lock key: it names the prefix and the user key together.
 impl PartialEq for LockKey {
     fn eq(&self, other: &LockKey) -> bool {
-        Arc::ptr_eq(&self.0, &other.0) || self.lock_key() == other.lock_key()
+        Arc::ptr_eq(&self.names, &other.names)
+            || (self.hash == other.hash && self.lock_key() == other.lock_key())
     }
 }
 
 impl Eq for LockKey {}
 
+// The hash taken when the key was built (of the lock key, so it agrees with `Eq`).
 impl std::hash::Hash for LockKey {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        self.lock_key().hash(state);
+        state.write_u64(self.hash);
     }
 }
+
+/// A hasher for maps keyed by [`LockKey`] alone: it passes on the hash each key carries, which
+/// was taken with a per-process random key when the key was built.
+#[derive(Default)]
+pub(crate) struct KeyHasher(u64);
+
+impl std::hash::Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Not reached for a `LockKey`, which writes one u64; folded in for any other key.
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(5) ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+/// The `BuildHasher` of maps keyed by [`LockKey`].
+pub(crate) type KeyHash = std::hash::BuildHasherDefault<KeyHasher>;
 
 impl fmt::Debug for LockKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -261,6 +317,36 @@ mod tests {
         assert!(a.as_str().chars().all(|c| c.is_ascii_hexdigit()));
         assert_ne!(a, b);
         assert_eq!(format!("{a:?}"), "Token(..)");
+    }
+
+    #[test]
+    fn key_names_identity_and_hash() {
+        use std::collections::HashMap;
+        let k = LockKey::new("app", "orders:1");
+        assert_eq!(k.user(), "orders:1");
+        assert_eq!(k.lock_key(), "{app:orders:1}:lock");
+        assert_eq!(k.fence_key(), "{app:orders:1}:fence");
+        assert_eq!(k.channel(), "{app:orders:1}:released");
+        let e = LockKey::new("", "x");
+        assert_eq!(
+            [e.user(), e.lock_key(), e.fence_key(), e.channel()],
+            ["x", "{:x}:lock", "{:x}:fence", "{:x}:released"]
+        );
+        // A prefix past the scratch buffer's cap: names stay whole, and the next key is right.
+        let long = "p".repeat(5000);
+        let l = LockKey::new(&long, "k");
+        assert_eq!(l.fence_key(), format!("{{{long}:k}}:fence"));
+        assert_eq!(LockKey::new("app", "orders:2").user(), "orders:2");
+        // Built apart, the same names are one key; another prefix or user is another key, also
+        // in a map that trusts the carried hash.
+        let mut map: HashMap<LockKey, u8, KeyHash> = HashMap::default();
+        map.insert(k.clone(), 1);
+        map.insert(LockKey::new("app", "orders:1"), 2);
+        map.insert(LockKey::new("app2", "orders:1"), 3);
+        map.insert(LockKey::new("app", "orders:10"), 4);
+        assert_eq!(map.len(), 3);
+        assert_eq!(map[&k], 2);
+        assert_ne!(k, LockKey::new("ap", "p:orders:1"));
     }
 
     #[test]

@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 use super::{AcquireReply, Backend};
 use crate::error::Result;
-use crate::types::{LockKey, Token};
+use crate::types::{KeyHash, LockKey, Token};
 use crate::wake::{Wakeups, Watch};
 
 /// Leases kept in this process. Clones share the same state.
@@ -42,7 +42,7 @@ struct Inner {
 struct State {
     /// One slot per key ever locked: the holder (if any) beside the key's last fence, which
     /// outlives every holder. One map, so an acquire or a release hashes the key once.
-    keys: HashMap<LockKey, Slot>,
+    keys: HashMap<LockKey, Slot, KeyHash>,
     gates: HashMap<String, u64>,
 }
 
