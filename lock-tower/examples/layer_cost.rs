@@ -47,7 +47,10 @@ async fn main() -> Result<(), BoxError> {
                     locker.clone(),
                     KeyExtractor::route_param("id"),
                 )),
-        );
+        )
+        // As `axum::serve` does: without it, every request would build its route (and apply
+        // the layer to it) anew, a cost a served app does not pay.
+        .with_state(());
     // Paths and keys made up front, so the loop costs the same in every mode.
     let prefix = match mode.as_str() {
         "bare" => "/bare",
