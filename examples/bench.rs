@@ -380,7 +380,10 @@ async fn main() -> Result<(), BoxError> {
         "measure", "leasehold", "raw", "ratio", "raw fenced", "ratio"
     );
     row("1 task: cycles/s", 0, rate(&lh), rate(&raw), rate(&fen));
-    for (name, p) in [("1 task: p50 cycle (us)", 0.5), ("1 task: p99 cycle (us)", 0.99)] {
+    for (name, p) in [
+        ("1 task: p50 cycle (us)", 0.5),
+        ("1 task: p99 cycle (us)", 0.99),
+    ] {
         row(name, 1, us(pct(&lh, p)), us(pct(&raw, p)), us(pct(&fen, p)));
     }
     let single_ratio = us(pct(&lh, 0.5)) / us(pct(&raw, 0.5));
@@ -515,7 +518,10 @@ async fn main() -> Result<(), BoxError> {
     let ticks = cpu_ticks()? - before;
     let lost = leases.iter().filter(|l| l.is_lost()).count();
     let cpu = 100.0 * ticks as f64 / 100.0 / window.as_secs_f64();
-    println!("{:<40} {:>9.1}%", "10k leases renewing: CPU (% of a core)", cpu);
+    println!(
+        "{:<40} {:>9.1}%",
+        "10k leases renewing: CPU (% of a core)", cpu
+    );
     println!("{:<40} {:>10}", "  leases lost during the window", lost);
     drop(leases);
 
