@@ -540,6 +540,41 @@ mod tests {
         fn queued(&self) -> usize {
             self.core.driver.get().map_or(0, |inbox| inbox.queued())
         }
+
+        /// Times the renewal driver has taken its queue.
+        fn driver_looks(&self) -> usize {
+            self.core.driver.get().map_or(0, |inbox| inbox.looks())
+        }
+    }
+
+    /// Leases released before the driver sees them must not wake it one by one: the first
+    /// add wakes it, and it then sleeps until that add would have been due, so later adds
+    /// (due later) leave it asleep. The driver gets a turn after every lease here, and finds
+    /// each lease's add already taken back by its release.
+    #[tokio::test(flavor = "current_thread")]
+    async fn leases_released_at_once_do_not_wake_the_driver_each() {
+        let locker = Locker::memory();
+        let o = opts(Duration::from_secs(30));
+        for i in 0..500 {
+            let lease = locker
+                .try_acquire(&format!("k{i}"), &o)
+                .await
+                .expect("free");
+            lease.release().await.expect("release");
+            tokio::task::yield_now().await;
+        }
+        let looks = locker.driver_looks();
+        assert!(
+            looks <= 5,
+            "the driver looked {looks} times for 500 short leases"
+        );
+        // Renewal still works for a lease that stays.
+        let kept = locker
+            .try_acquire("kept", &opts(Duration::from_millis(150)))
+            .await
+            .expect("free");
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert!(!kept.is_lost(), "a lease taken after them was not renewed");
     }
 
     fn opts(ttl: Duration) -> LockOptions {

@@ -180,8 +180,17 @@ struct InboxState {
     /// When the sleeping driver will look next; `None` while it is awake (it looks again
     /// before it sleeps).
     asleep_until: Option<Instant>,
+    /// The earliest due time among commands queued since the driver last took the queue,
+    /// including adds a release took back. A driver with nothing to renew sleeps until then
+    /// rather than indefinitely: otherwise, while every lease is released before the driver
+    /// looks, each new add would find it asleep "forever" and wake it, one task wake-up per
+    /// lease for nothing.
+    earliest: Option<Instant>,
     /// Every `Locker` handle and lease is gone: drain what is queued and stop.
     closed: bool,
+    /// Times the driver took the queue (tests count the wake-ups with it).
+    #[cfg(test)]
+    looks: usize,
 }
 
 /// Past this many queued commands the driver is woken anyway, which bounds the queue's memory
@@ -208,6 +217,9 @@ impl Inbox {
     pub(crate) fn push(&self, cmd: Cmd) {
         let due = cmd.due();
         let mut st = self.lock();
+        if let Some(due) = due {
+            st.earliest = Some(st.earliest.map_or(due, |e| e.min(due)));
+        }
         if let Cmd::Remove { id, release: None } = cmd {
             // A lease released while its add still waits here (the common case) never reaches
             // the driver: both go at once, and the lease's key and state are freed now rather
@@ -242,6 +254,11 @@ impl Inbox {
     #[cfg(test)]
     pub(crate) fn queued(&self) -> usize {
         self.lock().cmds.len()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn looks(&self) -> usize {
+        self.lock().looks
     }
 
     pub(crate) fn close(&self) {
@@ -330,10 +347,14 @@ pub(crate) async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
     let mut inflight = FuturesUnordered::new();
     let mut cmds = Vec::new();
     loop {
-        let closed = {
+        let (closed, earliest) = {
             let mut st = inbox.lock();
             std::mem::swap(&mut cmds, &mut st.cmds);
-            st.closed
+            #[cfg(test)]
+            {
+                st.looks += 1;
+            }
+            (st.closed, st.earliest.take())
         };
         apply_all(&backend, &mut d, &mut cmds);
         if closed {
@@ -388,7 +409,13 @@ pub(crate) async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
                 (sent_at, ttl, ids, result)
             });
         }
-        let next_wake = d.next_wake();
+        // Looking again at `earliest` finds nothing to do when its adds were taken back, but
+        // it is no later than any wake-up those adds asked for, and it keeps the adds that
+        // follow them (due later) from waking the driver.
+        let next_wake = match (d.next_wake(), earliest) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         {
             let mut st = inbox.lock();
             if !st.cmds.is_empty() || st.closed {
