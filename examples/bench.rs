@@ -359,17 +359,27 @@ async fn main() -> Result<(), BoxError> {
         fenced_cycle(&mut conn, &fenced, &one).await?;
         lh_cycle(&locker, "bench:one", &opts).await?;
     }
-    // Interleaved so both sides see the same background noise.
-    for _ in 0..N {
-        let t = Instant::now();
-        raw_cycle(&mut conn, &script, "bench:raw").await?;
-        raw.push(t.elapsed());
-        let t = Instant::now();
-        fenced_cycle(&mut conn, &fenced, &one).await?;
-        fen.push(t.elapsed());
-        let t = Instant::now();
-        lh_cycle(&locker, "bench:one", &opts).await?;
-        lh.push(t.elapsed());
+    // Interleaved so every side sees the same background noise, and in a rotating order: a
+    // cycle can be slowed by what the one before it left running, so no side always follows
+    // the same one.
+    for i in 0..N {
+        for side in 0..3 {
+            let t = Instant::now();
+            match (i + side) % 3 {
+                0 => {
+                    raw_cycle(&mut conn, &script, "bench:raw").await?;
+                    raw.push(t.elapsed());
+                }
+                1 => {
+                    fenced_cycle(&mut conn, &fenced, &one).await?;
+                    fen.push(t.elapsed());
+                }
+                _ => {
+                    lh_cycle(&locker, "bench:one", &opts).await?;
+                    lh.push(t.elapsed());
+                }
+            }
+        }
     }
     raw.sort();
     lh.sort();
