@@ -52,6 +52,14 @@ struct Slot {
     fence: u64,
 }
 
+impl Slot {
+    /// The holder and its expiry, unless the lease has expired by `now`: an expired holder is
+    /// as good as gone, as on a server that has expired the key.
+    fn live(&mut self, now: Instant) -> Option<&mut (Token, Instant)> {
+        self.holder.as_mut().filter(|(_, expires)| *expires > now)
+    }
+}
+
 impl MemoryBackend {
     /// An empty store.
     pub fn new() -> MemoryBackend {
@@ -84,9 +92,8 @@ impl MemoryBackend {
         let now = Instant::now();
         self.state()
             .keys
-            .get(key)
-            .and_then(|slot| slot.holder.as_ref())
-            .is_some_and(|(_, expires)| *expires > now)
+            .get_mut(key)
+            .is_some_and(|slot| slot.live(now).is_some())
     }
 
     /// Deletes a lease whoever holds it, as an operator's `DEL` would; returns whether there
@@ -113,12 +120,11 @@ impl Backend for MemoryBackend {
         let now = Instant::now();
         let mut st = self.state();
         let slot = st.keys.entry(key.clone()).or_default();
-        if let Some((holder, expires)) = &mut slot.holder
-            && *expires > now
-        {
+        let fence = slot.fence;
+        if let Some((holder, expires)) = slot.live(now) {
             if holder == token {
                 *expires = now + ttl;
-                return Ok(AcquireReply::Granted { fence: slot.fence });
+                return Ok(AcquireReply::Granted { fence });
             }
             return Ok(AcquireReply::Held {
                 remaining: Some(*expires - now),
@@ -145,19 +151,16 @@ impl Backend for MemoryBackend {
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
         let released = {
+            let now = Instant::now();
             let mut st = self.state();
-            match st.keys.get_mut(key) {
-                Some(slot)
-                    if slot
-                        .holder
-                        .as_ref()
-                        .is_some_and(|(h, expires)| h == token && *expires > Instant::now()) =>
-                {
+            let slot = st.keys.get_mut(key);
+            slot.is_some_and(|slot| {
+                let ours = slot.live(now).is_some_and(|(h, _)| h == token);
+                if ours {
                     slot.holder = None;
-                    true
                 }
-                _ => false,
-            }
+                ours
+            })
         };
         if released {
             self.inner.wakeups.wake(key.channel());
@@ -171,8 +174,8 @@ impl Backend for MemoryBackend {
         Ok(items
             .iter()
             .map(
-                |(key, token)| match st.keys.get_mut(key).and_then(|s| s.holder.as_mut()) {
-                    Some((holder, expires)) if holder == token && *expires > now => {
+                |(key, token)| match st.keys.get_mut(key).and_then(|s| s.live(now)) {
+                    Some((holder, expires)) if holder == token => {
                         *expires = now + ttl;
                         true
                     }
