@@ -197,6 +197,8 @@ impl LockKey {
         use std::hash::BuildHasher;
         SCRATCH.with_borrow_mut(|buf| {
             buf.clear();
+            // `user`, three times `{prefix:user}:`, and the suffixes `lock`, `fence`, `released`.
+            buf.reserve(4 * user.len() + 3 * prefix.len() + 29);
             buf.push_str(user);
             let user_end = buf.len();
             // The shared tag once, then copied: `write!` would cost ten times as much, once

@@ -151,8 +151,9 @@ impl Backend for MemoryBackend {
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
         let released = {
-            let now = Instant::now();
             let mut st = self.state();
+            // Read under the lock, as a server would judge the key when the command runs.
+            let now = Instant::now();
             let slot = st.keys.get_mut(key);
             slot.is_some_and(|slot| {
                 let ours = slot.live(now).is_some_and(|(h, _)| h == token);
