@@ -255,3 +255,38 @@ async fn redis_master_killed_under_load() {
 async fn valkey_master_killed_under_load() {
     master_killed_under_load(Flavor::Valkey).await
 }
+
+/// The README's ACL section says the plain `leasehold` rule cannot even connect to a cluster
+/// (the client reads the slot map with `CLUSTER SLOTS`, which that rule does not allow), so
+/// that `leasehold-cluster` is needed there; this keeps that sentence true.
+#[tokio::test]
+async fn the_plain_acl_rule_cannot_connect_to_a_cluster() {
+    let cluster = Cluster::start(Flavor::Redis, 3, 0);
+    let urls = |user: &str| -> Vec<String> {
+        cluster
+            .nodes
+            .iter()
+            .map(|n| n.acl_user_url_for(user))
+            .collect()
+    };
+    let plain = urls("leasehold");
+    let plain: Vec<&str> = plain.iter().map(String::as_str).collect();
+    let err = match Locker::redis_cluster(&plain).await {
+        Err(e) => e,
+        Ok(_) => panic!("the plain `leasehold` rule connected to a cluster"),
+    };
+    assert!(
+        err.to_string().contains("cluster|slots"),
+        "refused for another reason than the slot map: {err}"
+    );
+    let cluster_rule = urls("leasehold-cluster");
+    let cluster_rule: Vec<&str> = cluster_rule.iter().map(String::as_str).collect();
+    let locker = Locker::redis_cluster(&cluster_rule)
+        .await
+        .expect("the `leasehold-cluster` rule connects");
+    let lease = locker
+        .try_acquire("acl", &LockOptions::new())
+        .await
+        .expect("and takes a lease");
+    lease.release().await.expect("and releases it");
+}
