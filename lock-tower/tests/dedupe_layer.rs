@@ -427,6 +427,49 @@ fn claim_name(scope: &str, key: &str) -> String {
     format!("dedupe:{hex}")
 }
 
+/// The server keys of a claim (its lock key) and of the result stored beside it.
+fn claim_keys(locker: &lock_core::Locker, scope: &str, key: &str) -> (String, String) {
+    let lock_key = locker
+        .lock_key(&claim_name(scope, key))
+        .expect("key")
+        .lock_key()
+        .to_owned();
+    let result_key = format!("{}:result", lock_key.strip_suffix(":lock").expect("suffix"));
+    (lock_key, result_key)
+}
+
+/// A route `/hooks/{scope}` behind a `DedupeLayer` whose handler answers `201 run N` and
+/// calls `fault` during its first run (the fault then hits the layer's store step).
+fn faulting_on_first_run(
+    locker: &lock_core::Locker,
+    scope: &'static str,
+    claim_ttl: Duration,
+    fault: impl Fn() + Clone + Send + Sync + 'static,
+) -> (Router, Arc<AtomicUsize>) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r2 = runs.clone();
+    let app = Router::new()
+        .route(
+            &format!("/hooks/{scope}"),
+            post(move || {
+                let (fault, runs) = (fault.clone(), r2.clone());
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst);
+                    if n == 0 {
+                        fault();
+                    }
+                    (StatusCode::CREATED, format!("run {n}"))
+                }
+            }),
+        )
+        .layer(
+            DedupeLayer::new(locker.clone())
+                .scope(scope)
+                .claim_ttl(claim_ttl),
+        );
+    (app, runs)
+}
+
 async fn claim_loss_cancels_and_stores_nothing(h: Harness) {
     let locker = h.locker().await;
     let runs = Arc::new(AtomicUsize::new(0));
@@ -695,44 +738,23 @@ async fn store_write_failure_still_answers_and_frees_the_claim(h: Harness) {
         .await
         .expect("connect as the ACL user");
     let h = Arc::new(h);
-    let runs = Arc::new(AtomicUsize::new(0));
-    let (h2, r2) = (h.clone(), runs.clone());
-    let app = Router::new()
-        .route(
-            "/hooks/refused",
-            post(move || {
-                let (h, runs) = (h2.clone(), r2.clone());
-                async move {
-                    let n = runs.fetch_add(1, Ordering::SeqCst);
-                    if n == 0 {
-                        let _: () = server_cmd(
-                            &h,
-                            &[
-                                "ACL",
-                                "SETUSER",
-                                "dedupe",
-                                "resetkeys",
-                                "~{leasehold:*}:lock",
-                                "~{leasehold:*}:fence",
-                            ],
-                        );
-                    }
-                    (StatusCode::CREATED, format!("run {n}"))
-                }
-            }),
-        )
-        .layer(
-            DedupeLayer::new(locker.clone())
-                .scope("refused")
-                .claim_ttl(Duration::from_secs(60)),
-        );
+    let h2 = h.clone();
+    let (app, runs) =
+        faulting_on_first_run(&locker, "refused", Duration::from_secs(60), move || {
+            let _: () = server_cmd(
+                &h2,
+                &[
+                    "ACL",
+                    "SETUSER",
+                    "dedupe",
+                    "resetkeys",
+                    "~{leasehold:*}:lock",
+                    "~{leasehold:*}:fence",
+                ],
+            );
+        });
     let addr = serve(app).await;
-    let lock_key = locker
-        .lock_key(&claim_name("refused", "k"))
-        .expect("key")
-        .lock_key()
-        .to_owned();
-    let result_key = format!("{}:result", lock_key.strip_suffix(":lock").expect("suffix"));
+    let (lock_key, result_key) = claim_keys(&locker, "refused", "k");
 
     let first = deliver_to(addr, "/hooks/refused", r#""k""#).await;
     assert_eq!(
@@ -821,11 +843,7 @@ async fn client_hangs_up_while_the_result_is_stored(h: Harness) {
     go.add_permits(1);
     tokio::time::sleep(Duration::from_millis(200)).await;
     drop(conn);
-    let lock_key = locker
-        .lock_key(&claim_name("", "slow"))
-        .expect("key")
-        .lock_key()
-        .to_owned();
+    let (lock_key, _) = claim_keys(&locker, "", "slow");
     let released = eventually(Duration::from_secs(10), async || {
         server_cmd::<i64>(&h, &["EXISTS", &lock_key]) == 0
     })
@@ -916,12 +934,7 @@ async fn runs_as_its_acl_user(s: support::Server) {
     assert_eq!(later.body, bodies[0]);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 
-    let lock_key = locker
-        .lock_key(&claim_name("", "acl-1"))
-        .expect("key")
-        .lock_key()
-        .to_owned();
-    let result_key = format!("{}:result", lock_key.strip_suffix(":lock").expect("suffix"));
+    let (lock_key, result_key) = claim_keys(&locker, "", "acl-1");
     assert_eq!(
         s.cmd::<i64>(&["EXISTS", &result_key]),
         1,
@@ -1166,36 +1179,15 @@ async fn refused_before_the_handler(s: support::Server, how: Refusing) {
 /// duplicate meanwhile gets 409); after that the retry runs the handler again and is stored.
 async fn store_refused_while_read_only(s: support::Server) {
     let locker = lock_core::Locker::redis(&s.url()).await.expect("connect");
-    let runs = Arc::new(AtomicUsize::new(0));
     let s = Arc::new(s);
-    let (s2, r2) = (s.clone(), runs.clone());
-    let app = Router::new()
-        .route(
-            "/hooks/demoted",
-            post(move || {
-                let (s, runs) = (s2.clone(), r2.clone());
-                async move {
-                    let n = runs.fetch_add(1, Ordering::SeqCst);
-                    if n == 0 {
-                        set_refusing(&s, Refusing::ReadOnly, true);
-                    }
-                    (StatusCode::CREATED, format!("run {n}"))
-                }
-            }),
-        )
-        .layer(
-            DedupeLayer::new(locker.clone())
-                .scope("demoted")
-                // Long enough that the duplicate below meets the claim, short for the test.
-                .claim_ttl(Duration::from_secs(2)),
-        );
+    let s2 = s.clone();
+    // A claim long enough that the duplicate below meets it, short for the test.
+    let (app, runs) =
+        faulting_on_first_run(&locker, "demoted", Duration::from_secs(2), move || {
+            set_refusing(&s2, Refusing::ReadOnly, true)
+        });
     let addr = serve(app).await;
-    let lock_key = locker
-        .lock_key(&claim_name("demoted", "k"))
-        .expect("key")
-        .lock_key()
-        .to_owned();
-    let result_key = format!("{}:result", lock_key.strip_suffix(":lock").expect("suffix"));
+    let (lock_key, result_key) = claim_keys(&locker, "demoted", "k");
 
     let first = deliver_to(addr, "/hooks/demoted", r#""k""#).await;
     assert_eq!(
