@@ -180,8 +180,8 @@ struct InboxState {
     /// When the sleeping driver will look next; `None` while it is awake (it looks again
     /// before it sleeps).
     asleep_until: Option<Instant>,
-    /// The earliest due time among commands queued since the driver last took the queue,
-    /// including adds a release took back. A driver with nothing to renew sleeps until then
+    /// The earliest due time among the adds a release took back since the driver last took the
+    /// queue (the commands it takes are filed with their own times). A driver with nothing to renew sleeps until then
     /// rather than indefinitely: otherwise, while every lease is released before the driver
     /// looks, each new add would find it asleep "forever" and wake it, one task wake-up per
     /// lease for nothing.
@@ -217,9 +217,6 @@ impl Inbox {
     pub(crate) fn push(&self, cmd: Cmd) {
         let due = cmd.due();
         let mut st = self.lock();
-        if let Some(due) = due {
-            st.earliest = Some(st.earliest.map_or(due, |e| e.min(due)));
-        }
         if let Cmd::Remove { id, release: None } = cmd {
             // A lease released while its add still waits here (the common case) never reaches
             // the driver: both go at once, and the lease's key and state are freed now rather
@@ -230,6 +227,9 @@ impl Inbox {
                 .rposition(|c| matches!(c, Cmd::Add { id: added, .. } if *added == id))
             {
                 let add = st.cmds.remove(recent + i);
+                if let Some(due) = add.due() {
+                    st.earliest = Some(st.earliest.map_or(due, |e| e.min(due)));
+                }
                 drop(st);
                 drop(add);
                 return;
