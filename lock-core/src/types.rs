@@ -273,8 +273,9 @@ impl std::hash::Hash for LockKey {
     }
 }
 
-/// A hasher for maps keyed by [`LockKey`] alone: it passes on the hash each key carries, which
-/// was taken with a per-process random key when the key was built.
+/// A hasher for maps keyed by [`LockKey`] alone (the memory backend's; the carried hash exists
+/// for it): it passes on the hash each key carries, which was taken with a per-process random
+/// key when the key was built.
 #[derive(Default)]
 pub(crate) struct KeyHasher(u64);
 
@@ -283,11 +284,8 @@ impl std::hash::Hasher for KeyHasher {
         self.0
     }
 
-    fn write(&mut self, bytes: &[u8]) {
-        // Not reached for a `LockKey`, which writes one u64; folded in for any other key.
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(5) ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-        }
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("KeyHash serves maps keyed by LockKey, which hashes as one u64");
     }
 
     fn write_u64(&mut self, n: u64) {
