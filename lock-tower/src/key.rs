@@ -168,16 +168,9 @@ impl KeyExtractor {
                 .nth(*i)
                 .map(str::to_owned)
                 .ok_or_else(|| missing(format!("the path has no segment {i}"))),
-            Source::RouteParam(name) => {
-                let params = RawPathParams::from_request_parts(parts, &())
-                    .await
-                    .map_err(|e| missing(format!("no route parameters: {e}")))?;
-                params
-                    .iter()
-                    .find(|(k, _)| *k == &**name)
-                    .map(|(_, v)| v.to_owned())
-                    .ok_or_else(|| missing(format!("the route has no parameter `{name}`")))
-            }
+            Source::RouteParam(name) => route_param(parts, name)
+                .await
+                .map(|k| k.as_str().to_owned()),
             Source::Header(name) => header_text(parts, name)?
                 .ok_or_else(|| missing(format!("the `{name}` header is missing"))),
             Source::IdempotencyKey => {
@@ -245,16 +238,21 @@ impl KeyExtractor {
         parts: &mut Parts,
         body: Option<&Bytes>,
     ) -> Result<Key, KeyProblem> {
-        let Source::RouteParam(name) = &self.source else {
-            return self.extract(parts, body).await.map(Key::Owned);
-        };
-        let params = RawPathParams::from_request_parts(parts, &())
-            .await
-            .map_err(|e| missing(format!("no route parameters: {e}")))?;
-        match params.iter().position(|(k, _)| k == &**name) {
-            Some(i) => Ok(Key::Param(params, i)),
-            None => Err(missing(format!("the route has no parameter `{name}`"))),
+        match &self.source {
+            Source::RouteParam(name) => route_param(parts, name).await,
+            _ => self.extract(parts, body).await.map(Key::Owned),
         }
+    }
+}
+
+/// The route parameter `name`, left in the parameter list axum copied out.
+async fn route_param(parts: &mut Parts, name: &str) -> Result<Key, KeyProblem> {
+    let params = RawPathParams::from_request_parts(parts, &())
+        .await
+        .map_err(|e| missing(format!("no route parameters: {e}")))?;
+    match params.iter().position(|(k, _)| k == name) {
+        Some(i) => Ok(Key::Param(params, i)),
+        None => Err(missing(format!("the route has no parameter `{name}`"))),
     }
 }
 
