@@ -1022,6 +1022,30 @@ fn signal(pid: u32, sig: &str) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// A process stopped with SIGSTOP, continued when this is dropped: an error on the way must not
+/// leave a server stopped for the rest of the run.
+struct Stopped(Option<u32>);
+
+impl Stopped {
+    fn stop(pid: u32) -> Result<Stopped, BoxError> {
+        signal(pid, "STOP")?;
+        Ok(Stopped(Some(pid)))
+    }
+
+    /// Continues the process now, reporting a failure.
+    fn resume(mut self) -> Result<(), BoxError> {
+        self.0.take().map_or(Ok(()), |pid| signal(pid, "CONT"))
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0.take() {
+            let _ = signal(pid, "CONT");
+        }
+    }
+}
+
 /// Child indices that hold a lease right now, judged from the events so far.
 fn holding_children(events: &Events) -> Vec<usize> {
     let mut open: HashMap<(String, u64), usize> = HashMap::new();
@@ -1316,8 +1340,7 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
                         .as_ref()
                         .map(Child::id)
                         .ok_or("the replica is not running")?;
-                    signal(pid, "STOP")?;
-                    stopped = Some(pid);
+                    stopped = Some(Stopped::stop(pid)?);
                     let ballast = "x".repeat(1 << 20);
                     let mut mc = lock_servers[m].conn()?;
                     for _ in 0..32 {
@@ -1332,8 +1355,8 @@ fn parent_main(opts: &Opts) -> Result<bool, BoxError> {
                 if kind == "masterkill" {
                     // SIGKILL: whatever the replica had not received yet is lost with it.
                     lock_servers[m].kill();
-                    if let Some(pid) = stopped {
-                        signal(pid, "CONT")?;
+                    if let Some(s) = stopped.take() {
+                        s.resume()?;
                     }
                     if opts.force_failover {
                         // Without it the replica takes over only once the others agree the
