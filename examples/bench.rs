@@ -130,7 +130,8 @@ async fn fenced_cycle(
     names: &[String; 3],
 ) -> Result<(), BoxError> {
     let token = Token::generate();
-    let (granted, _fence): (i64, i64) = scripts
+    // One item per call: the scripts take many, and leasehold sends many when calls queue.
+    let [(granted, _fence)]: [(i64, i64); 1] = scripts
         .acquire
         .key(&names[0])
         .key(&names[1])
@@ -141,12 +142,12 @@ async fn fenced_cycle(
     if granted != 1 {
         return Err("raw fenced acquire found the key held".into());
     }
-    let released: i64 = scripts
+    let [released]: [i64; 1] = scripts
         .release
         .key(&names[0])
+        .arg("PUBLISH")
         .arg(token.as_str())
         .arg(&names[2])
-        .arg("PUBLISH")
         .invoke_async(conn)
         .await?;
     if released != 1 {

@@ -1,5 +1,5 @@
 //! Faults only a real server can show: restarts, script loss, killed connections, foreign key
-//! types, a server that goes away. Each runs on Redis and, where installed, on Valkey.
+//! types (alone and inside a shared script call), a server that goes away. Each runs on Redis and, where installed, on Valkey.
 
 mod support;
 
@@ -247,6 +247,114 @@ async fn waiters_woken_after_resubscribe(flavor: Flavor) {
     drop(held);
 }
 
+/// Calls of `command` the server has answered since its stats were last reset.
+fn calls(server: &Server, command: &str) -> u64 {
+    let info: String = server.cmd(&["INFO", "commandstats"]);
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|rest| rest.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+fn server_micros(server: &Server) -> u64 {
+    let t: Vec<u64> = server.cmd(&["TIME"]);
+    t[0] * 1_000_000 + t[1]
+}
+
+/// Acquires and releases that arrive while others are in flight share script calls, and each
+/// caller still gets its own grant, fence and release.
+async fn concurrent_calls_share_scripts(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    // Loads the scripts, so that NOSCRIPT retries do not count below.
+    let warm = locker
+        .try_acquire("warm", &opts(5_000))
+        .await
+        .expect("warm");
+    warm.release().await.expect("release");
+    let _: () = server.cmd(&["CONFIG", "RESETSTAT"]);
+
+    let keys: Vec<String> = (0..64).map(|i| format!("many:{i}")).collect();
+    let o = opts(30_000).renew(false);
+    let before = server_micros(&server);
+    let leases = futures_util::future::join_all(keys.iter().map(|k| locker.try_acquire(k, &o)))
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()
+        .expect("every distinct key is granted");
+    let acquire_calls = calls(&server, "evalsha");
+    assert!(
+        acquire_calls <= 8,
+        "64 acquires took {acquire_calls} script calls"
+    );
+    let after = server_micros(&server);
+    for lease in &leases {
+        let fence = lease.fence().0;
+        assert!(
+            (before..=after).contains(&fence),
+            "fence {fence} is not the server's clock during the acquires ({before}..={after})"
+        );
+    }
+    for (k, lease) in keys.iter().zip(&leases) {
+        let lock_key = locker.lock_key(k).expect("key");
+        let stored: String = server.cmd(&["GET", lock_key.lock_key()]);
+        assert_eq!(stored, lease.token().as_str(), "{k} holds its own token");
+    }
+
+    let released = futures_util::future::join_all(leases.into_iter().map(|l| l.release())).await;
+    for r in released {
+        assert_eq!(r.expect("release"), Release::Released);
+    }
+    let release_calls = calls(&server, "evalsha") - acquire_calls;
+    assert!(
+        release_calls <= 8,
+        "64 releases took {release_calls} script calls"
+    );
+    let left: Vec<String> = server.cmd(&["KEYS", "*:lock"]);
+    assert!(left.is_empty(), "locks left after release: {left:?}");
+}
+
+/// One item of a shared call that meets a foreign type fails alone: the others are granted,
+/// and nothing is written for it.
+async fn one_foreign_key_in_a_batch(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let keys: Vec<String> = (0..32).map(|i| format!("mixed:{i}")).collect();
+    let list = locker.lock_key(&keys[5]).expect("key");
+    let _: i64 = server.cmd(&["RPUSH", list.lock_key(), "precious"]);
+    let hash = locker.lock_key(&keys[9]).expect("key");
+    let _: i64 = server.cmd(&["HSET", hash.fence_key(), "f", "v"]);
+    let _: () = server.cmd(&["CONFIG", "RESETSTAT"]);
+
+    let o = opts(30_000).renew(false);
+    let results =
+        futures_util::future::join_all(keys.iter().map(|k| locker.try_acquire(k, &o))).await;
+    assert!(
+        calls(&server, "evalsha") + calls(&server, "eval") < 32,
+        "the acquires did not share calls, so this proves nothing about batches"
+    );
+    for (i, r) in results.into_iter().enumerate() {
+        match (i, r) {
+            (5, Err(Error::WrongType { key, found })) => {
+                assert_eq!((key.as_str(), found.as_str()), (list.lock_key(), "list"));
+            }
+            (9, Err(Error::WrongType { key, found })) => {
+                assert_eq!((key.as_str(), found.as_str()), (hash.fence_key(), "hash"));
+            }
+            (5 | 9, other) => panic!("item {i}: want WrongType, got {other:?}"),
+            (_, Ok(_)) => {}
+            (_, Err(e)) => panic!("item {i} failed beside a foreign key: {e}"),
+        }
+    }
+    let kept: Vec<String> = server.cmd(&["LRANGE", list.lock_key(), "0", "-1"]);
+    assert_eq!(kept, vec!["precious".to_owned()]);
+    assert_eq!(
+        server.cmd::<i64>(&["EXISTS", hash.lock_key()]),
+        0,
+        "the lock whose fence key is foreign was taken back"
+    );
+}
+
 macro_rules! faults {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -274,6 +382,14 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn waiters_woken_after_resubscribe() {
                 super::waiters_woken_after_resubscribe($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_calls_share_scripts() {
+                super::concurrent_calls_share_scripts($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn one_foreign_key_in_a_batch() {
+                super::one_foreign_key_in_a_batch($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn server_goes_away() {

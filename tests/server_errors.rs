@@ -30,9 +30,10 @@ enum Condition {
     NoPerm,
     /// `stop-writes-on-bgsave-error` after a background save that failed: every write refused.
     Misconf,
-    /// The client's ACL user keeps `EVALSHA` but loses the first command its scripts run (`GET`
-    /// for the locks, `TYPE` for the queue), as with a rule written for an older release: the
-    /// refusal arrives inside the script, where a `redis.pcall` sees it as a value.
+    /// The client's ACL user keeps `EVALSHA` but loses the first command its scripts run (`TIME`
+    /// for acquire, `GET` for release and extend, `TYPE` for the queue), as with a rule written
+    /// for an older release: the refusal arrives inside the script, where a `redis.pcall` sees it
+    /// as a value.
     DeniedInScript,
     /// The server turned into a replica (of a master that is not there, so it keeps its data):
     /// every write refused with `READONLY`, as after a failover demoted the server the client
@@ -92,7 +93,7 @@ fn set_condition(server: &Server, cond: Condition, on: bool) {
             let _: () = server.cmd(&["ACL", "SETUSER", QUEUE_USER, "-@all"]);
         }
         (Condition::DeniedInScript, true) => {
-            let _: () = server.cmd(&["ACL", "SETUSER", LOCK_USER, "-get"]);
+            let _: () = server.cmd(&["ACL", "SETUSER", LOCK_USER, "-get", "-time"]);
             let _: () = server.cmd(&["ACL", "SETUSER", QUEUE_USER, "-type"]);
         }
         (Condition::ReadOnly, true) => {

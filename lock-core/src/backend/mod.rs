@@ -8,6 +8,7 @@ use crate::error::Result;
 use crate::types::{LockKey, Token};
 use crate::wake::{Wakeups, Watch};
 
+mod batch;
 pub mod cluster;
 pub mod memory;
 pub mod quorum;

@@ -10,6 +10,7 @@ use redis::{Script, Value};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
+use super::batch::{Batcher, Flush};
 use super::{AcquireReply, Backend};
 use crate::error::{Error, Result, classify};
 use crate::types::{LockKey, Token};
@@ -95,8 +96,53 @@ pub struct RedisBackend {
     /// connection it runs on, and must run on the connection that wrote.
     dedicated: Arc<Dedicated>,
     scripts: Arc<Scripts>,
+    acquires: Arc<Batcher<Acquires>>,
+    releases: Arc<Batcher<Releases>>,
     wakeups: Arc<Wakeups>,
     sub_tx: mpsc::UnboundedSender<SubCmd>,
+}
+
+/// Acquires on the shared connection, coalesced while one is in flight.
+struct Acquires {
+    conn: ConnectionManager,
+    scripts: Arc<Scripts>,
+}
+
+impl Flush for Acquires {
+    type Item = (LockKey, Token, Duration);
+    type Reply = AcquireReply;
+    const SEND_ABANDONED: bool = false;
+
+    async fn flush(&self, items: &[Self::Item]) -> Vec<Result<AcquireReply>> {
+        let items = items.iter().map(|(key, token, ttl)| (key, token, *ttl));
+        ops::acquire_many(&mut self.conn.clone(), &self.scripts, items).await
+    }
+}
+
+/// Releases on the shared connection, coalesced while one is in flight.
+struct Releases {
+    conn: ConnectionManager,
+    scripts: Arc<Scripts>,
+}
+
+impl Flush for Releases {
+    type Item = (LockKey, Token);
+    type Reply = bool;
+    const SEND_ABANDONED: bool = true;
+
+    async fn flush(&self, items: &[Self::Item]) -> Vec<Result<bool>> {
+        let items = items.iter().map(|(key, token)| (key, token));
+        ops::release_many(&mut self.conn.clone(), &self.scripts, items, "PUBLISH").await
+    }
+}
+
+/// A batched call that came back without this item's answer: it may or may not have run.
+fn unanswered(op: &'static str, key: &LockKey) -> Error {
+    Error::OutcomeUnknown {
+        op,
+        key: key.user().to_owned(),
+        source: redis::RedisError::from(std::io::Error::other("the call was dropped unanswered")),
+    }
 }
 
 impl RedisBackend {
@@ -124,10 +170,19 @@ impl RedisBackend {
         let wakeups = Arc::new(Wakeups::default());
         let (sub_tx, sub_rx) = mpsc::unbounded_channel();
         tokio::spawn(subscriber(client, config, wakeups.clone(), sub_rx));
+        let scripts = Arc::new(Scripts::new());
         Ok(RedisBackend {
+            acquires: Batcher::new(Acquires {
+                conn: conn.clone(),
+                scripts: scripts.clone(),
+            }),
+            releases: Batcher::new(Releases {
+                conn: conn.clone(),
+                scripts: scripts.clone(),
+            }),
             conn,
             dedicated,
-            scripts: Arc::new(Scripts::new()),
+            scripts,
             wakeups,
             sub_tx,
         })
@@ -185,39 +240,70 @@ pub(super) mod ops {
         token: &Token,
         ttl: Duration,
     ) -> Result<AcquireReply> {
-        let reply: Value = scripts
-            .acquire
-            .key(key.lock_key())
-            .key(key.fence_key())
-            .arg(token.as_str())
-            .arg(ttl.as_millis() as u64)
-            .invoke_async(conn)
-            .await
-            .map_err(|e| classify("acquire", key.user(), e))?;
-        match pair(&reply) {
-            Some((1, fence)) => Ok(AcquireReply::Granted {
-                fence: int(fence).ok_or_else(|| unexpected("acquire", &reply))? as u64,
-            }),
-            Some((0, pttl)) => {
-                let pttl = int(pttl).unwrap_or(-1);
-                Ok(AcquireReply::Held {
-                    remaining: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
-                })
-            }
-            _ => match &reply {
-                // {-1, type, i}: KEYS[i] holds a foreign type; name the key that does.
-                Value::Array(items) if items.len() == 3 && int(&items[0]) == Some(-1) => {
-                    Err(Error::WrongType {
-                        key: if int(&items[2]) == Some(2) {
+        let mut answers = acquire_many(conn, scripts, [(key, token, ttl)].into_iter()).await;
+        answers
+            .pop()
+            .unwrap_or_else(|| Err(unexpected("acquire", &Value::Nil)))
+    }
+
+    /// One script call granting each of `items` (all in one slot on a cluster): one answer per
+    /// item, in order.
+    pub(crate) async fn acquire_many<'a, C, I>(
+        conn: &mut C,
+        scripts: &Scripts,
+        items: I,
+    ) -> Vec<Result<AcquireReply>>
+    where
+        C: ConnectionLike,
+        I: ExactSizeIterator<Item = (&'a LockKey, &'a Token, Duration)> + Clone,
+    {
+        let mut inv = scripts.acquire.prepare_invoke();
+        for (key, token, ttl) in items.clone() {
+            inv.key(key.lock_key())
+                .key(key.fence_key())
+                .arg(token.as_str())
+                .arg(ttl.as_millis() as u64);
+        }
+        match inv.invoke_async::<Value>(conn).await {
+            Ok(Value::Array(replies)) if replies.len() == items.len() => items
+                .zip(&replies)
+                .map(|((key, _, _), reply)| acquire_reply(key, reply))
+                .collect(),
+            Ok(reply) => items.map(|_| Err(unexpected("acquire", &reply))).collect(),
+            Err(e) => items
+                .map(|(key, _, _)| Err(classify("acquire", key.user(), e.clone())))
+                .collect(),
+        }
+    }
+
+    fn acquire_reply(key: &LockKey, reply: &Value) -> Result<AcquireReply> {
+        match reply {
+            Value::Array(items) => match items.as_slice() {
+                [code, rest @ ..] => match (int(code), rest) {
+                    (Some(1), [fence]) => Ok(AcquireReply::Granted {
+                        fence: int(fence).ok_or_else(|| unexpected("acquire", reply))? as u64,
+                    }),
+                    (Some(0), [pttl]) => {
+                        let pttl = int(pttl).unwrap_or(-1);
+                        Ok(AcquireReply::Held {
+                            remaining: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
+                        })
+                    }
+                    // {-1, type, k}: the item's k-th key holds a foreign type; name the key.
+                    (Some(-1), [found, k]) => Err(Error::WrongType {
+                        key: if int(k) == Some(2) {
                             key.fence_key().to_owned()
                         } else {
                             key.lock_key().to_owned()
                         },
-                        found: text(&items[1]),
-                    })
-                }
-                _ => Err(unexpected("acquire", &reply)),
+                        found: text(found),
+                    }),
+                    (Some(-2), [err]) => Err(classify("acquire", key.user(), refusal(err))),
+                    _ => Err(unexpected("acquire", reply)),
+                },
+                [] => Err(unexpected("acquire", reply)),
             },
+            _ => Err(unexpected("acquire", reply)),
         }
     }
 
@@ -229,16 +315,57 @@ pub(super) mod ops {
         token: &Token,
         publish: &str,
     ) -> Result<bool> {
-        let n: i64 = scripts
-            .release
-            .key(key.lock_key())
-            .arg(token.as_str())
-            .arg(key.channel())
-            .arg(publish)
-            .invoke_async(conn)
-            .await
-            .map_err(|e| classify("release", key.user(), e))?;
-        Ok(n == 1)
+        let mut answers = release_many(conn, scripts, [(key, token)].into_iter(), publish).await;
+        answers
+            .pop()
+            .unwrap_or_else(|| Err(unexpected("release", &Value::Nil)))
+    }
+
+    /// One script call releasing each of `items` (all in one slot on a cluster): whether each
+    /// token still held its lease, in order.
+    pub(crate) async fn release_many<'a, C, I>(
+        conn: &mut C,
+        scripts: &Scripts,
+        items: I,
+        publish: &str,
+    ) -> Vec<Result<bool>>
+    where
+        C: ConnectionLike,
+        I: ExactSizeIterator<Item = (&'a LockKey, &'a Token)> + Clone,
+    {
+        let mut inv = scripts.release.prepare_invoke();
+        inv.arg(publish);
+        for (key, token) in items.clone() {
+            inv.key(key.lock_key())
+                .arg(token.as_str())
+                .arg(key.channel());
+        }
+        match inv.invoke_async::<Value>(conn).await {
+            Ok(Value::Array(replies)) if replies.len() == items.len() => items
+                .zip(&replies)
+                .map(|((key, _), reply)| match reply {
+                    Value::Int(n) => Ok(*n == 1),
+                    Value::Array(e) if e.len() == 2 && int(&e[0]) == Some(-2) => {
+                        Err(classify("release", key.user(), refusal(&e[1])))
+                    }
+                    _ => Err(unexpected("release", reply)),
+                })
+                .collect(),
+            Ok(reply) => items.map(|_| Err(unexpected("release", &reply))).collect(),
+            Err(e) => items
+                .map(|(key, _)| Err(classify("release", key.user(), e.clone())))
+                .collect(),
+        }
+    }
+
+    /// The server's refusal of one item, as the error its own reply would have been: a script
+    /// that carries many items answers each one's refusal as text instead of failing them all.
+    fn refusal(err: &Value) -> redis::RedisError {
+        let line = text(err).replace(['\r', '\n'], " ");
+        match redis::parse_redis_value(format!("-{line}\r\n").as_bytes()) {
+            Ok(Value::ServerError(e)) => e.into(),
+            _ => redis::RedisError::from((redis::ErrorKind::Client, "refused", line)),
+        }
     }
 
     /// One script call for `items`, which must all sit in one slot on a cluster.
@@ -334,7 +461,8 @@ impl Dedicated {
 
 impl Backend for RedisBackend {
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
-        ops::acquire(&mut self.conn.clone(), &self.scripts, key, token, ttl).await
+        let item = (key.clone(), token.clone(), ttl);
+        (self.acquires.run(item).await).unwrap_or_else(|| Err(unanswered("acquire", key)))
     }
 
     async fn acquire_replicated(
@@ -381,7 +509,8 @@ impl Backend for RedisBackend {
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
-        ops::release(&mut self.conn.clone(), &self.scripts, key, token, "PUBLISH").await
+        let item = (key.clone(), token.clone());
+        (self.releases.run(item).await).unwrap_or_else(|| Err(unanswered("release", key)))
     }
 
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
