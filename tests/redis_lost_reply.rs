@@ -16,8 +16,11 @@ fn opts() -> LockOptions {
     LockOptions::new().ttl(Duration::from_secs(10)).renew(false)
 }
 
-/// A grant reply: `{1, fence}` as RESP.
-const GRANT: &[u8] = b"*2\r\n:1\r\n";
+/// A one-item acquire call's reply granting it: `{{1, fence}}` as RESP.
+const GRANT: &[u8] = b"*1\r\n*2\r\n:1\r\n";
+
+/// A one-item release call's reply: `{1}`, released.
+const RELEASED: &[u8] = b"*1\r\n:1\r\n";
 
 /// The grant's reply is lost once: the locker asks again with the same token, the script
 /// recognises it, and the caller gets the one grant that happened, with its fence.
@@ -101,7 +104,7 @@ async fn lost_release_reply(flavor: Flavor) {
     let proxy = Proxy::start(server.port).await;
     let locker = Locker::redis(&proxy.url()).await.expect("connect");
     let lease = locker.try_acquire("rel", &opts()).await.expect("lease");
-    proxy.drop_replies(b":1\r\n", 1);
+    proxy.drop_replies(RELEASED, 1);
     match lease.release().await {
         Err(Error::OutcomeUnknown { op, .. }) => assert_eq!(op, "release"),
         other => panic!("expected OutcomeUnknown, got {other:?}"),
