@@ -131,7 +131,7 @@ async fn fenced_cycle(
 ) -> Result<(), BoxError> {
     let token = Token::generate();
     // One item per call: the scripts take many, and leasehold sends many when calls queue.
-    let [(granted, _fence)]: [(i64, i64); 1] = scripts
+    let (granted, _fence): (i64, i64) = scripts
         .acquire
         .key(&names[0])
         .key(&names[1])

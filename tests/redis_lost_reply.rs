@@ -16,8 +16,8 @@ fn opts() -> LockOptions {
     LockOptions::new().ttl(Duration::from_secs(10)).renew(false)
 }
 
-/// A one-item acquire call's reply granting it: `{{1, fence}}` as RESP.
-const GRANT: &[u8] = b"*1\r\n*2\r\n:1\r\n";
+/// A one-item acquire call's reply granting it: `{1, fence}` as RESP.
+const GRANT: &[u8] = b"*2\r\n:1\r\n";
 
 /// A one-item release call's reply: `{1}`, released.
 const RELEASED: &[u8] = b"*1\r\n:1\r\n";

@@ -265,9 +265,9 @@ pub(super) mod ops {
                 .arg(ttl.as_millis() as u64);
         }
         match inv.invoke_async::<Value>(conn).await {
-            Ok(Value::Array(replies)) if replies.len() == items.len() => items
-                .zip(&replies)
-                .map(|((key, _, _), reply)| acquire_reply(key, reply))
+            Ok(Value::Array(replies)) if replies.len() == 2 * items.len() => items
+                .zip(replies.chunks_exact(2))
+                .map(|((key, _, _), reply)| acquire_reply(key, &reply[0], &reply[1]))
                 .collect(),
             Ok(reply) => items.map(|_| Err(unexpected("acquire", &reply))).collect(),
             Err(e) => items
@@ -276,34 +276,35 @@ pub(super) mod ops {
         }
     }
 
-    fn acquire_reply(key: &LockKey, reply: &Value) -> Result<AcquireReply> {
-        match reply {
-            Value::Array(items) => match items.as_slice() {
-                [code, rest @ ..] => match (int(code), rest) {
-                    (Some(1), [fence]) => Ok(AcquireReply::Granted {
-                        fence: int(fence).ok_or_else(|| unexpected("acquire", reply))? as u64,
-                    }),
-                    (Some(0), [pttl]) => {
-                        let pttl = int(pttl).unwrap_or(-1);
-                        Ok(AcquireReply::Held {
-                            remaining: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
-                        })
-                    }
-                    // {-1, type, k}: the item's k-th key holds a foreign type; name the key.
-                    (Some(-1), [found, k]) => Err(Error::WrongType {
-                        key: if int(k) == Some(2) {
-                            key.fence_key().to_owned()
-                        } else {
-                            key.lock_key().to_owned()
-                        },
-                        found: text(found),
-                    }),
-                    (Some(-2), [err]) => Err(classify("acquire", key.user(), refusal(err))),
-                    _ => Err(unexpected("acquire", reply)),
-                },
-                [] => Err(unexpected("acquire", reply)),
-            },
-            _ => Err(unexpected("acquire", reply)),
+    /// One item's answer: its status and value (see `acquire.lua`).
+    fn acquire_reply(key: &LockKey, status: &Value, value: &Value) -> Result<AcquireReply> {
+        let unexpected = || {
+            unexpected(
+                "acquire",
+                &Value::Array(vec![status.clone(), value.clone()]),
+            )
+        };
+        match int(status) {
+            Some(1) => Ok(AcquireReply::Granted {
+                fence: int(value).ok_or_else(unexpected)? as u64,
+            }),
+            Some(0) => {
+                let pttl = int(value).unwrap_or(-1);
+                Ok(AcquireReply::Held {
+                    remaining: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
+                })
+            }
+            // The item's lock (-1) or fence (-2) key holds a foreign type; name the key.
+            Some(-1) => Err(Error::WrongType {
+                key: key.lock_key().to_owned(),
+                found: text(value),
+            }),
+            Some(-2) => Err(Error::WrongType {
+                key: key.fence_key().to_owned(),
+                found: text(value),
+            }),
+            Some(-3) => Err(classify("acquire", key.user(), refusal(value))),
+            _ => Err(unexpected()),
         }
     }
 
@@ -345,9 +346,8 @@ pub(super) mod ops {
                 .zip(&replies)
                 .map(|((key, _), reply)| match reply {
                     Value::Int(n) => Ok(*n == 1),
-                    Value::Array(e) if e.len() == 2 && int(&e[0]) == Some(-2) => {
-                        Err(classify("release", key.user(), refusal(&e[1])))
-                    }
+                    // Text is the server's refusal of this item's command.
+                    Value::BulkString(_) => Err(classify("release", key.user(), refusal(reply))),
                     _ => Err(unexpected("release", reply)),
                 })
                 .collect(),

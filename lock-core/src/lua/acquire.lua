@@ -1,26 +1,29 @@
--- Grants many leases in one call: a busy Locker sends the acquires that queue behind one in
+-- Grants many leases in one call: a busy Locker sends the acquires that queue behind those in
 -- flight together (group commit), so the script's fixed cost is paid once for all of them.
 -- KEYS[2i-1] lock key and KEYS[2i] fence key of item i (same hash tag); ARGV[2i-1] its token,
 -- ARGV[2i] its ttl in ms.
--- Returns one reply per item: {1, fence} granted; {0, pttl} held by another; {-1, type, k} when
--- the item's KEYS k (1 lock, 2 fence) holds a foreign type (nothing written); {-2, error} when
--- the server refused a command (OOM, NOPERM, MISCONF...): the server's own error, passed on.
+-- Returns two values per item, flat (a table per item costs the server more than its
+-- commands): 1, fence: granted; 0, pttl: held by another; -1, type or -2, type: the item's
+-- lock or fence key holds a foreign type (nothing written); -3, error: the server refused a
+-- command (OOM, NOPERM, MISCONF...), its own error passed on.
 -- Each redis.call costs the server far more than the command itself, so a grant is two calls
--- beside one TIME for the whole batch: SET NX GET on the lock, SET GET on the fence.
+-- beside one TIME for the whole batch, and the items run inline, not as a function called per
+-- item: SET NX GET on the lock, SET GET on the fence.
 
-local function refusal(err, key, k)
-  -- Only WRONGTYPE means a foreign type; any other refusal is passed on as the server's error,
-  -- not reported as a type the key does not hold.
-  if string.sub(err, 1, 9) ~= 'WRONGTYPE' then return {-2, err} end
-  return {-1, redis.call('TYPE', key).ok, k}
+-- A refused command: only WRONGTYPE means a foreign type (status -1 for the lock key, -2 for the
+-- fence key); any other refusal is passed on as the server's error, not reported as a type the
+-- key does not hold.
+local function refusal(err, key, status)
+  if string.sub(err, 1, 9) ~= 'WRONGTYPE' then return -3, err end
+  return status, redis.call('TYPE', key).ok
 end
 
--- Read first, before anything is written: a TIME the ACL user may not run refuses every item
--- with nothing changed.
+local out = {}
+-- Read before anything is written: a TIME the ACL user may not run refuses every item with
+-- nothing changed.
 local t = redis.pcall('TIME')
 if t.err then
-  local out = {}
-  for i = 1, #KEYS / 2 do out[i] = {-2, t.err} end
+  for i = 1, #KEYS / 2 do out[2 * i - 1], out[2 * i] = -3, t.err end
   return out
 end
 -- Wall-clock microseconds keep the fence rising even when the counter was lost (restart
@@ -28,38 +31,48 @@ end
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now_text = string.format('%d', now)
 
-local function acquire(lock, fence_key, token, ttl)
+for i = 1, #KEYS / 2 do
+  local lock, fence_key, token, ttl = KEYS[2 * i - 1], KEYS[2 * i], ARGV[2 * i - 1], ARGV[2 * i]
+  local status, value
   -- SET NX GET (Redis 7+, Valkey): sets only when free and returns the value found either way.
   local current = redis.pcall('SET', lock, token, 'NX', 'PX', ttl, 'GET')
-  if type(current) == 'table' then return refusal(current.err, lock, 1) end
-  if current == token then
+  if not current then
+    local stored = redis.pcall('SET', fence_key, now_text, 'GET')
+    if type(stored) == 'table' then
+      -- The lock key was free a moment ago and holds our token: taking it back leaves nothing
+      -- written.
+      redis.pcall('DEL', lock)
+      status, value = refusal(stored.err, fence_key, -2)
+    else
+      local before = tonumber(stored or '0') or 0
+      status, value = 1, now
+      if before >= now then
+        -- The stored fence is ahead of the clock (a clock stepped back, or grants within one
+        -- microsecond): it still rises by one.
+        value = before + 1
+        local set = redis.pcall('SET', fence_key, string.format('%d', value))
+        if set.err then status, value = -3, set.err end
+      end
+    end
+  elseif type(current) == 'table' then
+    status, value = refusal(current.err, lock, -1)
+  elseif current == token then
     -- A retry of an acquire whose reply was lost: the grant is already ours, keep its fence.
     local stored = redis.pcall('GET', fence_key)
-    if type(stored) == 'table' then return refusal(stored.err, fence_key, 2) end
-    redis.call('PEXPIRE', lock, ttl)
-    return {1, tonumber(stored or '0') or 0}
+    if type(stored) == 'table' then
+      status, value = refusal(stored.err, fence_key, -2)
+    else
+      local renewed = redis.pcall('PEXPIRE', lock, ttl)
+      status, value = 1, tonumber(stored or '0') or 0
+      if type(renewed) == 'table' then status, value = -3, renewed.err end
+    end
+  else
+    -- pcall: a PTTL the ACL user may not run fails this item alone, not the grants already
+    -- made in this call.
+    value = redis.pcall('PTTL', lock)
+    status = 0
+    if type(value) == 'table' then status, value = -3, value.err end
   end
-  if current then return {0, redis.call('PTTL', lock)} end
-  local stored = redis.pcall('SET', fence_key, now_text, 'GET')
-  if type(stored) == 'table' then
-    -- The lock key was free a moment ago and holds our token: taking it back leaves nothing
-    -- written.
-    redis.call('DEL', lock)
-    return refusal(stored.err, fence_key, 2)
-  end
-  local before = tonumber(stored or '0') or 0
-  if before < now then return {1, now} end
-  -- The stored fence is ahead of the clock (a clock stepped back, or grants within one
-  -- microsecond): it still rises by one.
-  redis.call('SET', fence_key, string.format('%d', before + 1))
-  return {1, before + 1}
-end
-
-local out = {}
-for i = 1, #KEYS / 2 do
-  local ok, reply = pcall(acquire, KEYS[2 * i - 1], KEYS[2 * i], ARGV[2 * i - 1], ARGV[2 * i])
-  -- A command refused by redis.call (a PTTL the ACL user may not run) fails its item alone:
-  -- raised, it would fail the whole call and hide the grants already made in it.
-  out[i] = ok and reply or {-2, type(reply) == 'table' and reply.err or tostring(reply)}
+  out[2 * i - 1], out[2 * i] = status, value
 end
 return out
