@@ -209,19 +209,28 @@ mod tests {
         b.flush.sizes.lock().expect("sizes").clone()
     }
 
-    #[tokio::test]
-    async fn calls_that_queue_go_out_together() {
-        let b = echo::<false>(false);
-        let runs = (0..10).map(|i| {
+    /// Calls items `0..n` at once from one task, lets the calls through once all but the
+    /// first are queued, and returns the answers.
+    async fn run_at_once<const SEND: bool>(
+        b: &Arc<Batcher<Echo<SEND>>>,
+        n: u32,
+    ) -> Vec<Option<Result<u32>>> {
+        let runs = (0..n).map(|i| {
             let b = b.clone();
             async move { b.run(i).await }
         });
         let all = tokio::spawn(futures_util::future::join_all(runs));
-        until_queued(&b, 10 - IN_FLIGHT).await;
-        assert_eq!(sizes(&b), vec![1; IN_FLIGHT], "the first calls go alone");
+        until_queued(b, n as usize - IN_FLIGHT).await;
+        assert_eq!(sizes(b), vec![1; IN_FLIGHT], "the first calls go alone");
         b.flush.gate.add_permits(100);
-        let answers = all.await.expect("the callers' task");
-        let answers: Vec<u32> = answers
+        all.await.expect("the callers' task")
+    }
+
+    #[tokio::test]
+    async fn calls_that_queue_go_out_together() {
+        let b = echo::<false>(false);
+        let answers: Vec<u32> = run_at_once(&b, 10)
+            .await
             .into_iter()
             .map(|a| a.expect("answered").expect("echoed"))
             .collect();
@@ -250,59 +259,35 @@ mod tests {
     /// and returns the sizes of the calls made.
     async fn abandon_one<const SEND: bool>() -> Vec<usize> {
         let b = echo::<SEND>(false);
-        let in_flight: Vec<_> = (0..IN_FLIGHT as u32)
-            .map(|i| {
-                let b = b.clone();
-                tokio::spawn(async move { b.run(i).await })
-            })
-            .collect();
+        let spawn = |items: std::ops::Range<u32>| -> Vec<_> {
+            items
+                .map(|i| {
+                    let b = b.clone();
+                    tokio::spawn(async move { b.run(i).await })
+                })
+                .collect()
+        };
+        let in_flight = spawn(0..IN_FLIGHT as u32);
         while sizes(&b).len() < IN_FLIGHT {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let queued: Vec<_> = (10..13)
-            .map(|i| {
-                let b = b.clone();
-                tokio::spawn(async move { b.run(i).await })
-            })
-            .collect();
+        let mut queued = spawn(10..13);
         until_queued(&b, 3).await;
         queued[1].abort();
         while !queued[1].is_finished() {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         b.flush.gate.add_permits(100);
-        for (i, t) in in_flight.into_iter().enumerate() {
-            assert_eq!(
-                t.await.expect("task").expect("answered").expect("echoed"),
-                i as u32
-            );
+        let aborted = queued.remove(1);
+        assert!(aborted.await.expect_err("aborted").is_cancelled());
+        for (t, want) in in_flight
+            .into_iter()
+            .chain(queued)
+            .zip((0..IN_FLIGHT as u32).chain([10, 12]))
+        {
+            let answer = t.await.expect("task").expect("answered").expect("echoed");
+            assert_eq!(answer, want);
         }
-        let mut kept = queued.into_iter();
-        assert_eq!(
-            kept.next()
-                .expect("queued")
-                .await
-                .expect("task")
-                .expect("answered")
-                .expect("echoed"),
-            10
-        );
-        assert!(
-            kept.next()
-                .expect("queued")
-                .await
-                .expect_err("aborted")
-                .is_cancelled()
-        );
-        assert_eq!(
-            kept.next()
-                .expect("queued")
-                .await
-                .expect("task")
-                .expect("answered")
-                .expect("echoed"),
-            12
-        );
         sizes(&b)
     }
 
@@ -323,16 +308,8 @@ mod tests {
     #[tokio::test]
     async fn an_item_left_unanswered_is_told_so() {
         let b = echo::<false>(true);
-        let runs = (0..6).map(|i| {
-            let b = b.clone();
-            async move { b.run(i).await }
-        });
-        let all = tokio::spawn(futures_util::future::join_all(runs));
-        until_queued(&b, 6 - IN_FLIGHT).await;
-        b.flush.gate.add_permits(100);
-        let answers: Vec<Option<u32>> = all
+        let answers: Vec<Option<u32>> = run_at_once(&b, 6)
             .await
-            .expect("the callers' task")
             .into_iter()
             .map(|a| a.map(|r| r.expect("echoed")))
             .collect();
