@@ -3,10 +3,12 @@
 //! A script call costs the server a fixed price (reading the command, setting up the script,
 //! answering) beside the work for each lease in it, and that price is most of an acquire's cost:
 //! `redis-benchmark` on Redis 7.0 measured the acquire script at 8.8 us of server CPU per lease
-//! alone and 3.3 us per lease 64 to a call. So a call is sent at once while few of its kind are
-//! in flight (a lone caller waits for nothing); the calls that arrive meanwhile queue, and go
-//! out together in one script call when one in flight answers. Under load the fixed price is
-//! paid once per batch instead of once per lease; idle, nothing changes.
+//! alone and 3.3 us per lease 64 to a call. So a call is sent at once when none of its kind is in
+//! flight or queued (a lone caller waits for nothing). Otherwise it queues, and the first to
+//! queue schedules a flush: a task that yields once, so that the callers woken together with it
+//! (typically by one batch's answers) queue theirs too, then sends everything queued as one
+//! script call. Under load the fixed price is paid once per batch instead of once per lease, and
+//! batches do not wait for one another; idle, nothing changes.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -18,13 +20,6 @@ use crate::error::Result;
 /// Items per script call: enough to spread the fixed price, few enough not to hold the server
 /// long. A larger queue goes out as several calls at once.
 const MAX_BATCH: usize = 64;
-
-/// Calls of one kind in flight before new ones queue. One alone leaves the server idle while
-/// the client takes a batch's answers and builds the next; two overlap the two. More split the
-/// queue into smaller batches and cost the server more per lease than they gain (measured with
-/// `examples/bench.rs`, 64 tasks on distinct keys: one 86-94k cycles/s, two 100-104k, four
-/// 102-114k at 3-5% more server CPU per cycle).
-const IN_FLIGHT: usize = 2;
 
 /// One kind of script call that can carry many items.
 pub(super) trait Flush: Send + Sync + 'static {
@@ -42,14 +37,16 @@ pub(super) trait Flush: Send + Sync + 'static {
 }
 
 struct State<F: Flush> {
-    /// Calls of this kind in flight; at the limit, new items queue behind them.
+    /// Calls of this kind in flight.
     in_flight: usize,
+    /// A flush is scheduled and has not yet taken the queue.
+    scheduled: bool,
     items: Vec<F::Item>,
     /// Where each queued item's answer goes, in the same order.
     replies: Vec<oneshot::Sender<Result<F::Reply>>>,
 }
 
-/// Sends one kind of script call, coalescing the calls that arrive while one is in flight.
+/// Sends one kind of script call, coalescing the calls that arrive while others are in flight.
 pub(super) struct Batcher<F: Flush> {
     flush: F,
     state: Mutex<State<F>>,
@@ -61,6 +58,7 @@ impl<F: Flush> Batcher<F> {
             flush,
             state: Mutex::new(State {
                 in_flight: 0,
+                scheduled: false,
                 items: Vec::new(),
                 replies: Vec::new(),
             }),
@@ -71,60 +69,61 @@ impl<F: Flush> Batcher<F> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Sends `item` now if nothing of its kind is in flight, else with the next batch. `None`
-    /// when no answer came: the batch was dropped (its runtime shut down) or answered short,
-    /// so the item may or may not have been carried out.
+    /// Sends `item` now if nothing of its kind is in flight or queued, else with the next batch.
+    /// `None` when no answer came: the batch was dropped (its runtime shut down) or answered
+    /// short, so the item may or may not have been carried out.
     pub(super) async fn run(self: &Arc<Self>, item: F::Item) -> Option<Result<F::Reply>> {
         let queued = {
             let mut state = self.state();
-            if state.in_flight >= IN_FLIGHT {
+            if state.in_flight == 0 && !state.scheduled {
+                state.in_flight += 1;
+                Ok(item)
+            } else {
                 let (tx, rx) = oneshot::channel();
                 state.items.push(item);
                 state.replies.push(tx);
+                if !state.scheduled {
+                    state.scheduled = true;
+                    drop(state);
+                    self.schedule();
+                }
                 Err(rx)
-            } else {
-                state.in_flight += 1;
-                Ok(item)
             }
         };
         match queued {
             Ok(item) => {
-                // Hands the queue on however this ends, the caller's future dropped included.
-                let _turn = Turn(self.clone());
+                let _in_flight = InFlight(self.clone());
                 self.flush.flush(std::slice::from_ref(&item)).await.pop()
             }
             Err(rx) => rx.await.ok(),
         }
     }
 
-    /// Called when a call of this kind has answered: sends what queued meanwhile, or goes idle.
-    fn finish(self: &Arc<Self>) {
-        let (items, replies) = {
-            let mut state = self.state();
-            if state.items.is_empty() {
-                state.in_flight -= 1;
-                return;
-            }
-            (
-                std::mem::take(&mut state.items),
-                std::mem::take(&mut state.replies),
-            )
+    fn schedule(self: &Arc<Self>) {
+        let scheduled = Scheduled(Some(self.clone()));
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // No runtime to send from: dropped, the schedule lets the queue go.
+            return;
         };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                let turn = Turn(self.clone());
-                runtime.spawn(async move {
-                    turn.0.send(items, replies).await;
-                    drop(turn);
-                });
-            }
-            // No runtime to send from: the queued callers, their senders dropped, are told no
-            // answer came.
-            Err(_) => {
-                self.state().in_flight -= 1;
-                drop((items, replies));
-            }
-        }
+        runtime.spawn(async move {
+            // The callers woken with this one queue their calls before the batch is taken.
+            tokio::task::yield_now().await;
+            let mut scheduled = scheduled;
+            let Some(this) = scheduled.0.take() else {
+                return;
+            };
+            let (items, replies) = {
+                let mut state = this.state();
+                state.scheduled = false;
+                state.in_flight += 1;
+                (
+                    std::mem::take(&mut state.items),
+                    std::mem::take(&mut state.replies),
+                )
+            };
+            let _in_flight = InFlight(this.clone());
+            this.send(items, replies).await;
+        });
     }
 
     async fn send(
@@ -155,18 +154,41 @@ impl<F: Flush> Batcher<F> {
     }
 }
 
-/// The right to send a call of one kind; dropped, it hands on to what queued meanwhile.
-struct Turn<F: Flush>(Arc<Batcher<F>>);
+/// A call of one kind in flight, however it ends (the caller's future dropped included).
+struct InFlight<F: Flush>(Arc<Batcher<F>>);
 
-impl<F: Flush> Drop for Turn<F> {
+impl<F: Flush> Drop for InFlight<F> {
     fn drop(&mut self) {
-        self.0.finish();
+        self.0.state().in_flight -= 1;
+    }
+}
+
+/// A flush scheduled that has not taken the queue. Dropped so (its runtime shut down before it
+/// ran), it lets the queue go: each queued caller is told no answer came, and the next caller
+/// schedules afresh instead of queueing behind a flush that will never run.
+struct Scheduled<F: Flush>(Option<Arc<Batcher<F>>>);
+
+impl<F: Flush> Drop for Scheduled<F> {
+    fn drop(&mut self) {
+        if let Some(batcher) = self.0.take() {
+            let queue = {
+                let mut state = batcher.state();
+                state.scheduled = false;
+                (
+                    std::mem::take(&mut state.items),
+                    std::mem::take(&mut state.replies),
+                )
+            };
+            drop(queue);
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::pin::pin;
+    use std::task::Poll;
     use std::time::Duration;
     use tokio::sync::Semaphore;
 
@@ -199,18 +221,18 @@ mod tests {
         })
     }
 
-    async fn until_queued<F: Flush>(b: &Batcher<F>, n: usize) {
-        while b.state().items.len() < n {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    }
-
     fn sizes<const SEND: bool>(b: &Batcher<Echo<SEND>>) -> Vec<usize> {
         b.flush.sizes.lock().expect("sizes").clone()
     }
 
-    /// Calls items `0..n` at once from one task, lets the calls through once all but the
-    /// first are queued, and returns the answers.
+    async fn until_calls<const SEND: bool>(b: &Batcher<Echo<SEND>>, n: usize) {
+        while sizes(b).len() < n {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// Calls items `0..n` at once from one task (as the tasks one batch's answers wake do), lets
+    /// the calls through once both are made, and returns the answers.
     async fn run_at_once<const SEND: bool>(
         b: &Arc<Batcher<Echo<SEND>>>,
         n: u32,
@@ -220,8 +242,12 @@ mod tests {
             async move { b.run(i).await }
         });
         let all = tokio::spawn(futures_util::future::join_all(runs));
-        until_queued(b, n as usize - IN_FLIGHT).await;
-        assert_eq!(sizes(b), vec![1; IN_FLIGHT], "the first calls go alone");
+        until_calls(b, 2).await;
+        assert_eq!(
+            sizes(b),
+            vec![1, n as usize - 1],
+            "the first goes alone, the rest together"
+        );
         b.flush.gate.add_permits(100);
         all.await.expect("the callers' task")
     }
@@ -239,10 +265,8 @@ mod tests {
             (0..10).collect::<Vec<_>>(),
             "each caller gets its own answer"
         );
-        let mut want = vec![1; IN_FLIGHT];
-        want.push(10 - IN_FLIGHT);
-        assert_eq!(sizes(&b), want, "the queued items went out in one call");
-        assert_eq!(b.state().in_flight, 0);
+        let state = b.state();
+        assert_eq!((state.in_flight, state.scheduled), (0, false), "idle again");
     }
 
     #[tokio::test]
@@ -255,54 +279,74 @@ mod tests {
         assert_eq!(sizes(&b), vec![1; 5]);
     }
 
-    /// Queues `IN_FLIGHT` calls in flight and three behind them, drops the second queued one,
-    /// and returns the sizes of the calls made.
+    #[tokio::test]
+    async fn batches_do_not_wait_for_one_another() {
+        let b = echo::<false>(false);
+        let first = tokio::spawn(run_at_once_unopened(b.clone(), 0..4));
+        until_calls(&b, 2).await;
+        let second = tokio::spawn(run_at_once_unopened(b.clone(), 10..13));
+        until_calls(&b, 3).await;
+        assert_eq!(
+            sizes(&b),
+            vec![1, 3, 3],
+            "sent while the first batch was in flight"
+        );
+        b.flush.gate.add_permits(100);
+        let answers: Vec<u32> = [first, second]
+            .into_iter()
+            .map(|t| async { t.await.expect("task") })
+            .collect::<futures_util::future::JoinAll<_>>()
+            .await
+            .into_iter()
+            .flatten()
+            .map(|a| a.expect("answered").expect("echoed"))
+            .collect();
+        assert_eq!(answers, vec![0, 1, 2, 3, 10, 11, 12]);
+    }
+
+    async fn run_at_once_unopened<const SEND: bool>(
+        b: Arc<Batcher<Echo<SEND>>>,
+        items: std::ops::Range<u32>,
+    ) -> Vec<Option<Result<u32>>> {
+        futures_util::future::join_all(items.map(|i| b.run(i))).await
+    }
+
+    /// Sends one call alone and queues three behind it, the second of which its caller drops
+    /// before the flush takes the queue; returns the sizes of the calls made.
     async fn abandon_one<const SEND: bool>() -> Vec<usize> {
         let b = echo::<SEND>(false);
-        let spawn = |items: std::ops::Range<u32>| -> Vec<_> {
-            items
-                .map(|i| {
-                    let b = b.clone();
-                    tokio::spawn(async move { b.run(i).await })
-                })
-                .collect()
-        };
-        let in_flight = spawn(0..IN_FLIGHT as u32);
-        while sizes(&b).len() < IN_FLIGHT {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        let mut queued = spawn(10..13);
-        until_queued(&b, 3).await;
-        queued[1].abort();
-        while !queued[1].is_finished() {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        let mut alone = pin!(b.run(0));
+        let (mut kept, mut gone, mut last) =
+            (pin!(b.run(10)), Box::pin(b.run(11)), pin!(b.run(12)));
+        // One poll each, on this task, before the scheduled flush can run.
+        std::future::poll_fn(|cx| {
+            for f in [
+                alone.as_mut().poll(cx),
+                kept.as_mut().poll(cx),
+                gone.as_mut().poll(cx),
+                last.as_mut().poll(cx),
+            ] {
+                assert!(f.is_pending(), "nothing is answered before the gate opens");
+            }
+            Poll::Ready(())
+        })
+        .await;
+        drop(gone);
         b.flush.gate.add_permits(100);
-        let aborted = queued.remove(1);
-        assert!(aborted.await.expect_err("aborted").is_cancelled());
-        for (t, want) in in_flight
-            .into_iter()
-            .chain(queued)
-            .zip((0..IN_FLIGHT as u32).chain([10, 12]))
-        {
-            let answer = t.await.expect("task").expect("answered").expect("echoed");
-            assert_eq!(answer, want);
-        }
+        assert_eq!(alone.await.expect("answered").expect("echoed"), 0);
+        assert_eq!(kept.await.expect("answered").expect("echoed"), 10);
+        assert_eq!(last.await.expect("answered").expect("echoed"), 12);
         sizes(&b)
     }
 
     #[tokio::test]
     async fn an_abandoned_item_is_not_sent_when_the_flush_says_so() {
-        let mut want = vec![1; IN_FLIGHT];
-        want.push(2);
-        assert_eq!(abandon_one::<false>().await, want);
+        assert_eq!(abandon_one::<false>().await, vec![1, 2]);
     }
 
     #[tokio::test]
     async fn an_abandoned_item_is_sent_when_the_flush_says_so() {
-        let mut want = vec![1; IN_FLIGHT];
-        want.push(3);
-        assert_eq!(abandon_one::<true>().await, want);
+        assert_eq!(abandon_one::<true>().await, vec![1, 3]);
     }
 
     #[tokio::test]
@@ -313,11 +357,31 @@ mod tests {
             .into_iter()
             .map(|a| a.map(|r| r.expect("echoed")))
             .collect();
-        let mut want: Vec<Option<u32>> = (0..=IN_FLIGHT as u32).map(Some).collect();
-        want.resize(6, None);
         assert_eq!(
-            answers, want,
+            answers,
+            vec![Some(0), Some(1), None, None, None, None],
             "the queued batch answered only its first item"
         );
+    }
+
+    #[test]
+    fn a_flush_whose_runtime_is_gone_lets_the_queue_go() {
+        let b = echo::<false>(false);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let mut alone = Box::pin(b.run(0));
+        let mut queued = Box::pin(b.run(1));
+        runtime.block_on(std::future::poll_fn(|cx| {
+            assert!(alone.as_mut().poll(cx).is_pending());
+            assert!(queued.as_mut().poll(cx).is_pending());
+            Poll::Ready(())
+        }));
+        drop(alone);
+        // The scheduled flush never ran: shutting the runtime down dropped it.
+        drop(runtime);
+        assert!(!b.state().scheduled, "the next caller schedules afresh");
+        let answer = futures_util::FutureExt::now_or_never(queued).expect("answered at once");
+        assert!(answer.is_none(), "told that no answer came");
     }
 }
