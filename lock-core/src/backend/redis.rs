@@ -102,7 +102,7 @@ pub struct RedisBackend {
     sub_tx: mpsc::UnboundedSender<SubCmd>,
 }
 
-/// Acquires on the shared connection, coalesced while one is in flight.
+/// Acquires on the shared connection, coalesced while others are in flight.
 struct Acquires {
     conn: ConnectionManager,
     scripts: Arc<Scripts>,
@@ -119,7 +119,7 @@ impl Flush for Acquires {
     }
 }
 
-/// Releases on the shared connection, coalesced while one is in flight.
+/// Releases on the shared connection, coalesced while others are in flight.
 struct Releases {
     conn: ConnectionManager,
     scripts: Arc<Scripts>,

@@ -1,5 +1,5 @@
--- Grants many leases in one call: a busy Locker sends the acquires that queue behind those in
--- flight together (group commit), so the script's fixed cost is paid once for all of them.
+-- Grants many leases in one call: a busy Locker sends the acquires that queue while others are
+-- in flight together (group commit), so the script's fixed cost is paid once for all of them.
 -- KEYS[2i-1] lock key and KEYS[2i] fence key of item i (same hash tag); ARGV[2i-1] its token,
 -- ARGV[2i] its ttl in ms.
 -- Returns two values per item, flat (a table per item costs the server more than its
