@@ -261,18 +261,22 @@ fn server_micros(server: &Server) -> u64 {
     t[0] * 1_000_000 + t[1]
 }
 
-/// Acquires and releases that arrive while others are in flight share script calls, and each
-/// caller still gets its own grant, fence and release.
-async fn concurrent_calls_share_scripts(flavor: Flavor) {
-    let server = Server::start(flavor);
-    let locker = Locker::redis(&server.url()).await.expect("connect");
-    // Loads the scripts, so that NOSCRIPT retries do not count below.
+/// Loads the scripts (so that NOSCRIPT retries do not count), then zeroes the command counts.
+async fn start_counting(server: &Server, locker: &Locker) {
     let warm = locker
         .try_acquire("warm", &opts(5_000))
         .await
         .expect("warm");
     warm.release().await.expect("release");
     let _: () = server.cmd(&["CONFIG", "RESETSTAT"]);
+}
+
+/// Acquires and releases that arrive while others are in flight share script calls, and each
+/// caller still gets its own grant, fence and release.
+async fn concurrent_calls_share_scripts(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    start_counting(&server, &locker).await;
 
     let keys: Vec<String> = (0..64).map(|i| format!("many:{i}")).collect();
     let o = opts(30_000).renew(false);
@@ -324,13 +328,7 @@ async fn one_foreign_key_in_a_batch(flavor: Flavor) {
     let _: i64 = server.cmd(&["RPUSH", list.lock_key(), "precious"]);
     let hash = locker.lock_key(&keys[9]).expect("key");
     let _: i64 = server.cmd(&["HSET", hash.fence_key(), "f", "v"]);
-    // Loads the scripts, so that NOSCRIPT retries do not count below.
-    let warm = locker
-        .try_acquire("warm", &opts(5_000))
-        .await
-        .expect("warm");
-    warm.release().await.expect("release");
-    let _: () = server.cmd(&["CONFIG", "RESETSTAT"]);
+    start_counting(&server, &locker).await;
 
     let o = opts(30_000).renew(false);
     let results =
