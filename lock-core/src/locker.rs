@@ -569,16 +569,21 @@ mod tests {
             "the driver looked {looks} times for 500 short leases"
         );
         // Renewal still works for a lease that stays.
-        let kept = locker
-            .try_acquire("kept", &opts(Duration::from_millis(150)))
-            .await
-            .expect("free");
-        tokio::time::sleep(Duration::from_millis(600)).await;
-        assert!(!kept.is_lost(), "a lease taken after them was not renewed");
+        assert_renewed(&locker, "kept").await;
     }
 
     fn opts(ttl: Duration) -> LockOptions {
         LockOptions::new().ttl(ttl)
+    }
+
+    /// Takes a 150 ms lease on `key` and checks that renewal keeps it over four TTLs.
+    async fn assert_renewed(locker: &Locker, key: &str) {
+        let lease = locker
+            .try_acquire(key, &opts(Duration::from_millis(150)))
+            .await
+            .expect("free");
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert!(!lease.is_lost(), "the lease on {key} was not renewed");
     }
 
     /// The driver sleeps until the long lease's renewal, 20 s away; a short lease taken
@@ -591,12 +596,7 @@ mod tests {
             .await
             .expect("long");
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let short = locker
-            .try_acquire("short", &opts(Duration::from_millis(150)))
-            .await
-            .expect("short");
-        tokio::time::sleep(Duration::from_millis(600)).await;
-        assert!(!short.is_lost(), "the short lease was not renewed");
+        assert_renewed(&locker, "short").await;
     }
 
     /// A lease released while its add is still queued takes the add back: nothing is left

@@ -102,11 +102,14 @@ pub struct RedisBackend {
     sub_tx: mpsc::UnboundedSender<SubCmd>,
 }
 
-/// Acquires on the shared connection, coalesced while others are in flight.
-struct Acquires {
+/// What a batcher sends on: the shared connection and the scripts.
+struct Sender {
     conn: ConnectionManager,
     scripts: Arc<Scripts>,
 }
+
+/// Acquires on the shared connection, coalesced while others are in flight.
+struct Acquires(Sender);
 
 impl Flush for Acquires {
     type Item = (LockKey, Token, Duration);
@@ -115,15 +118,12 @@ impl Flush for Acquires {
 
     async fn flush(&self, items: &[Self::Item]) -> Vec<Result<AcquireReply>> {
         let items = items.iter().map(|(key, token, ttl)| (key, token, *ttl));
-        ops::acquire_many(&mut self.conn.clone(), &self.scripts, items).await
+        ops::acquire_many(&mut self.0.conn.clone(), &self.0.scripts, items).await
     }
 }
 
 /// Releases on the shared connection, coalesced while others are in flight.
-struct Releases {
-    conn: ConnectionManager,
-    scripts: Arc<Scripts>,
-}
+struct Releases(Sender);
 
 impl Flush for Releases {
     type Item = (LockKey, Token);
@@ -132,7 +132,7 @@ impl Flush for Releases {
 
     async fn flush(&self, items: &[Self::Item]) -> Vec<Result<bool>> {
         let items = items.iter().map(|(key, token)| (key, token));
-        ops::release_many(&mut self.conn.clone(), &self.scripts, items, "PUBLISH").await
+        ops::release_many(&mut self.0.conn.clone(), &self.0.scripts, items, "PUBLISH").await
     }
 }
 
@@ -171,15 +171,13 @@ impl RedisBackend {
         let (sub_tx, sub_rx) = mpsc::unbounded_channel();
         tokio::spawn(subscriber(client, config, wakeups.clone(), sub_rx));
         let scripts = Arc::new(Scripts::new());
+        let sender = || Sender {
+            conn: conn.clone(),
+            scripts: scripts.clone(),
+        };
         Ok(RedisBackend {
-            acquires: Batcher::new(Acquires {
-                conn: conn.clone(),
-                scripts: scripts.clone(),
-            }),
-            releases: Batcher::new(Releases {
-                conn: conn.clone(),
-                scripts: scripts.clone(),
-            }),
+            acquires: Batcher::new(Acquires(sender())),
+            releases: Batcher::new(Releases(sender())),
             conn,
             dedicated,
             scripts,
