@@ -449,7 +449,18 @@ async fn nothing_renews_after_release(h: Harness) {
             third - third / 5 + (i * 157) % (third * 3 / 5),
         ))
         .await;
-        assert_eq!(lease.release().await.expect("release"), Release::Released);
+        let left = lease.remaining();
+        let asked = Instant::now();
+        match lease.release().await.expect("release") {
+            Release::Released => {}
+            // A loaded machine can hold a renewal past a 30 ms TTL, and the lease runs out. Then
+            // its local validity must have ended before the server's answer came: a lease that
+            // still claimed time left when the server had let it go would be a broken promise.
+            Release::NotHeld => assert!(
+                left < asked.elapsed(),
+                "the server no longer held a lease that claimed {left:?} left"
+            ),
+        }
         assert!(
             !h.exists(&locker, "race-renew"),
             "a renewal outlived release"
