@@ -2,13 +2,13 @@
 //! where they refuse commands, never a mock. Out of memory (`maxmemory 1`, `noeviction`: OOM on
 //! writes that need memory), the connected ACL user stripped of every command at run time
 //! (NOPERM) or only of the first command its scripts run (refused inside the script), writes
-//! stopped after a failed background save (MISCONF), and the server turned into a replica
-//! (READONLY). Under each, every operation of the locks, the fence gate and the claim queue must
-//! answer a typed error or a full success, never a panic and never a misleading error (a foreign
-//! key type, a busy key, a lease not held); an error must leave every key as it was; a held
-//! lease whose renewals are refused must be reported lost before its deadline, and one refused
-//! for less than its validity must not be; and everything must work again once the condition
-//! clears.
+//! stopped after a failed background save (MISCONF), the server turned into a replica
+//! (READONLY), and a server still loading its dataset after a restart (LOADING). Under each,
+//! every operation of the locks, the fence gate and the claim queue must answer a typed error
+//! or a full success, never a panic and never a misleading error (a foreign key type, a busy
+//! key, a lease not held); an error must leave every key as it was; a held lease whose renewals
+//! are refused must be reported lost before its deadline, and one refused for less than its
+//! validity must not be; and everything must work again once the condition clears.
 
 mod support;
 
@@ -853,6 +853,148 @@ async fn redis_quorum_members_out_of_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn valkey_quorum_members_out_of_memory() {
     quorum_members_out_of_memory(Flavor::Valkey).await;
+}
+
+/// Whether `e` is the server's `LOADING` refusal.
+fn is_loading(e: &Error) -> bool {
+    matches!(e, Error::Refused { source, .. }
+        if source.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading))
+}
+
+fn refused_loading<T: std::fmt::Debug>(what: &str, r: leasehold::Result<T>) {
+    match r {
+        Err(e) if is_loading(&e) => assert!(e.is_transient(), "{what}: {e} is not transient"),
+        other => panic!("{what} while the server loads: want Refused (LOADING), got {other:?}"),
+    }
+}
+
+/// A server loading its dataset after a restart refuses every command of ours with `LOADING`.
+/// Each operation then answers `Refused` (transient), never a misleading error: not busy, not
+/// "not held", not a lost lease. A lease saved with the dataset is neither lost nor taken while
+/// the server loads; once loaded it is still its holder's, a release refused during the load
+/// left its key in place, and the next grant's fence is higher.
+async fn loading(flavor: Flavor) {
+    let mut server = Server::start(flavor);
+    // Loaded at 50 us a key, with the server's own overhead: seconds of `LOADING`.
+    let _: i64 = server.cmd(&[
+        "EVAL",
+        "for i = 1, tonumber(ARGV[1]) do redis.call('SET', 'pad:' .. i, 'x') end return 1",
+        "0",
+        "20000",
+    ]);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let other = Locker::redis(&server.url()).await.expect("connect");
+    let kept = locker
+        .try_acquire("kept", &opts(30_000))
+        .await
+        .expect("kept");
+    let dropped = locker
+        .try_acquire("dropped", &opts(30_000))
+        .await
+        .expect("dropped");
+    let dropped_key = locker
+        .lock_key("dropped")
+        .expect("key")
+        .lock_key()
+        .to_owned();
+    let gate = locker.fence_gate("ledger").expect("gate");
+    gate.admit(kept.fence()).await.expect("admit");
+    let q = Queue::redis(&server.url(), "jobs").await.expect("queue");
+    let job = q.enqueue(b"saved").await.expect("enqueue");
+    let _: String = server.cmd(&["SAVE"]);
+
+    server.restart_loading(Duration::from_micros(50));
+    // The first commands after the kill may meet the dead connection (or a reconnect); from
+    // the first `LOADING` on, the connection is the new one.
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        match locker.try_acquire("free", &opts(5_000)).await {
+            Err(e) if is_loading(&e) => break,
+            Err(e) if e.is_transient() && Instant::now() < give_up => {
+                sleep(Duration::from_millis(10)).await;
+            }
+            other => panic!("want LOADING after the restart, got {other:?}"),
+        }
+    }
+    refused_loading(
+        "try_acquire of a saved key",
+        other.try_acquire("kept", &opts(5_000)).await,
+    );
+    refused_loading(
+        "try_acquire of a free key",
+        other.try_acquire("free", &opts(5_000)).await,
+    );
+    refused_loading("extend", kept.extend(Duration::from_secs(30)).await);
+    refused_loading("release", dropped.release().await);
+    refused_loading("admit", gate.admit(kept.fence()).await);
+    // The queue's own connection meets the dead one first, as the locker's did.
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        match q.counts().await {
+            Err(e) if is_loading(&e) => break,
+            Err(e) if e.is_transient() && Instant::now() < give_up => {
+                sleep(Duration::from_millis(10)).await;
+            }
+            other => panic!("want LOADING from the queue, got {other:?}"),
+        }
+    }
+    refused_loading("enqueue", q.enqueue(b"new").await);
+    refused_loading("claim", q.claim(Duration::from_secs(60)).await);
+    assert!(!kept.is_lost(), "a refused extend marked the lease lost");
+    assert_eq!(
+        server.loading(),
+        Some(true),
+        "the load ended before the checks did: the answers above were not all read while it lasted"
+    );
+
+    let give_up = std::time::Instant::now() + Duration::from_secs(30);
+    while server.loading() != Some(false) {
+        assert!(std::time::Instant::now() < give_up, "the load never ended");
+        sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        matches!(
+            other.try_acquire("kept", &opts(5_000)).await,
+            Err(Error::Busy { .. })
+        ),
+        "the lease saved with the dataset is not held after the load"
+    );
+    assert_eq!(
+        server.cmd::<i64>(&["EXISTS", &dropped_key]),
+        1,
+        "a release refused while loading removed the key"
+    );
+    assert!(!kept.is_lost(), "the lease was reported lost");
+    let fence = kept.fence();
+    assert_eq!(kept.release().await.expect("release"), Release::Released);
+    let next = other
+        .try_acquire("kept", &opts(5_000))
+        .await
+        .expect("acquire after the release");
+    assert!(next.fence() > fence, "{} after {fence}", next.fence());
+    gate.admit(next.fence())
+        .await
+        .expect("admit the next fence");
+    assert!(
+        matches!(gate.admit(fence).await, Err(Error::Stale { .. })),
+        "the gate forgot the fence it admitted before the restart"
+    );
+    next.release().await.expect("release");
+    let claim = q.claim(Duration::from_secs(60)).await.expect("claim");
+    let claim = claim.expect("the job saved with the dataset");
+    assert_eq!((claim.id(), claim.payload()), (job, &b"saved"[..]));
+    let empty = q.claim(Duration::from_secs(60)).await.expect("claim");
+    assert!(empty.is_none(), "a refused enqueue left a job: {empty:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_loading() {
+    loading(Flavor::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_loading() {
+    loading(Flavor::Valkey).await;
 }
 
 macro_rules! hostile {

@@ -148,6 +148,12 @@ impl Server {
     }
 
     fn spawn(&mut self) {
+        self.launch(&[]);
+        self.wait_for("answer PING", Server::ping);
+    }
+
+    /// Starts the process with `more` arguments after the usual ones, without waiting for it.
+    fn launch(&mut self, more: &[&str]) {
         let mut cmd = Command::new(self.flavor.binary());
         cmd.arg("--port")
             .arg(self.port.to_string())
@@ -160,18 +166,22 @@ impl Server {
             .arg("--appendonly")
             .arg(if self.persist { "yes" } else { "no" })
             .args(&self.extra)
+            .args(more)
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         self.child = Some(cmd.spawn().expect("spawn server"));
+    }
+
+    fn wait_for(&self, what: &str, ready: impl Fn(&Server) -> bool) {
         let start = Instant::now();
         while start.elapsed() < Duration::from_secs(10) {
-            if self.ping() {
+            if ready(self) {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         panic!(
-            "{} on port {} did not answer PING",
+            "{} on port {} did not {what}",
             self.flavor.binary(),
             self.port
         );
@@ -270,6 +280,37 @@ impl Server {
     pub fn restart(&mut self) {
         self.kill();
         self.spawn();
+    }
+
+    /// Kills the server and starts it again on the dataset it last saved (`SAVE`), loading it
+    /// slowly (`key_load_delay` per key) so that it answers `LOADING` to most commands for a
+    /// while; returns as soon as it does, while it is still loading.
+    pub fn restart_loading(&mut self, key_load_delay: Duration) {
+        self.kill();
+        let delay = key_load_delay.as_micros().to_string();
+        self.launch(&[
+            "--key-load-delay",
+            &delay,
+            // Loading stops to serve clients every this many bytes (default 2 MiB: never, for a
+            // small dataset).
+            "--loading-process-events-interval-bytes",
+            "1024",
+        ]);
+        self.wait_for("start loading", |s| s.loading() == Some(true));
+    }
+
+    /// Whether the server is loading its dataset (`INFO persistence`, which it answers while
+    /// loading); `None` when it cannot be asked.
+    pub fn loading(&self) -> Option<bool> {
+        let mut c = self
+            .client()
+            .ok()?
+            .get_connection_with_timeout(Duration::from_millis(200))
+            .ok()?;
+        let info: String = redis::cmd("INFO").arg("persistence").query(&mut c).ok()?;
+        info.lines()
+            .find_map(|l| l.strip_prefix("loading:"))
+            .map(|v| v.trim() == "1")
     }
 
     /// A plain synchronous connection for test-side commands.
