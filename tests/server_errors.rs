@@ -997,6 +997,62 @@ async fn valkey_loading() {
     loading(Flavor::Valkey).await;
 }
 
+/// A release whose wake-up `PUBLISH` the server refuses (the ACL user may not publish) still
+/// releases: the answer is `Released` and the key is gone; the refused publish is only a
+/// wake-up missed, and a waiter still gets the lease from its timer.
+async fn refused_publish(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.acl_user_url())
+        .await
+        .expect("connect as the lock user");
+    let waiter = Locker::redis(&server.url()).await.expect("connect");
+    let lease = locker
+        .try_acquire("k", &opts(1_000))
+        .await
+        .expect("acquire");
+    let key = locker.lock_key("k").expect("key").lock_key().to_owned();
+    let waiting = tokio::spawn(async move {
+        waiter
+            .acquire("k", &opts(5_000).wait(Duration::from_secs(5)))
+            .await
+    });
+    sleep(Duration::from_millis(100)).await;
+    let _: () = server.cmd(&["ACL", "SETUSER", LOCK_USER, "-publish"]);
+    let _: () = server.cmd(&["ACL", "LOG", "RESET"]);
+
+    assert_eq!(lease.release().await.expect("release"), Release::Released);
+    assert_eq!(
+        server.cmd::<i64>(&["EXISTS", &key]),
+        0,
+        "the key is still there"
+    );
+    let log: Vec<std::collections::HashMap<String, redis::Value>> = server.cmd(&["ACL", "LOG"]);
+    let denied = |e: &std::collections::HashMap<String, redis::Value>, field, want: &str| {
+        e.get(field) == Some(&redis::Value::BulkString(want.as_bytes().to_vec()))
+    };
+    assert!(
+        log.iter()
+            .any(|e| denied(e, "object", "publish") && denied(e, "context", "lua")),
+        "the server did not refuse the release's PUBLISH: {log:?}"
+    );
+    let next = timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiter hung")
+        .expect("the waiter panicked")
+        .expect("the waiter gets the lease from its timer");
+    next.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_refused_publish() {
+    refused_publish(Flavor::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_refused_publish() {
+    refused_publish(Flavor::Valkey).await;
+}
+
 macro_rules! hostile {
     ($($name:ident: $flavor:expr, $cond:expr;)*) => {
         mod every_operation {
