@@ -370,6 +370,42 @@ async fn renewal_and_loss(h: Harness) {
     );
 }
 
+/// An extend to a shorter TTL shortens the lease: `remaining()` and `lost()` follow the new
+/// expiry, not the old, longer one; the key frees with it; and renewals go on at the new TTL.
+async fn extend_to_a_shorter_ttl(h: Harness) {
+    let locker = h.locker().await;
+    let short = Duration::from_millis(400);
+    let a = locker
+        .try_acquire("shortened", &opts(30_000).renew(false))
+        .await
+        .expect("a");
+    a.extend(short).await.expect("extend");
+    assert!(a.remaining() <= short, "{:?} left", a.remaining());
+    tokio::time::timeout(Duration::from_secs(2), a.lost())
+        .await
+        .expect("lost() fires with the shorter TTL");
+    locker
+        .acquire("shortened", &opts(1_000).wait(Duration::from_secs(2)))
+        .await
+        .expect("the key frees with the shorter TTL");
+
+    let b = locker
+        .try_acquire("shortened-renewed", &opts(30_000))
+        .await
+        .expect("b");
+    b.extend(short).await.expect("extend");
+    sleep(short * 4).await;
+    assert!(!b.is_lost(), "renewal at the new TTL should keep the lease");
+    assert!(b.remaining() <= short, "{:?} left", b.remaining());
+    match locker.try_acquire("shortened-renewed", &opts(1_000)).await {
+        Err(Error::Busy {
+            remaining: Some(r), ..
+        }) => assert!(r <= short, "the server holds it for {r:?}"),
+        other => panic!("want Busy with the holder's TTL, got {other:?}"),
+    }
+    b.release().await.expect("release");
+}
+
 /// A lease left to run out is reported lost before its local deadline, not at or after it.
 async fn lost_fires_before_the_deadline(h: Harness) {
     let locker = h.locker().await;
@@ -663,6 +699,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn renewal_and_loss() {
                 super::renewal_and_loss(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn extend_to_a_shorter_ttl() {
+                super::extend_to_a_shorter_ttl(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_fires_before_the_deadline() {

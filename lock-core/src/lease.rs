@@ -109,7 +109,9 @@ impl<B: Backend + Clone> Lease<B> {
     }
 
     /// Resets the lease's TTL to `ttl` if this holder still holds it; later automatic renewals
-    /// use the new TTL. Returns [`Error::LeaseLost`] (and marks the lease lost) if it does not.
+    /// use the new TTL. A shorter TTL shortens the lease: [`remaining`](Self::remaining) and
+    /// [`lost`](Self::lost) follow the new expiry. Returns [`Error::LeaseLost`] (and marks the
+    /// lease lost) if this holder no longer holds it.
     #[instrument(level = "debug", skip(self), fields(key = self.key.user()))]
     pub async fn extend(&self, ttl: Duration) -> Result<()> {
         validate_ttl(ttl)?;
@@ -121,7 +123,7 @@ impl<B: Backend + Clone> Lease<B> {
             .await?;
         if held.first().copied().unwrap_or(false) {
             self.state
-                .extend_to(start + ttl - drift(ttl), warn_ahead(ttl));
+                .extended(start, start + ttl - drift(ttl), warn_ahead(ttl));
             if self.renewing {
                 self.core.send(Cmd::Retune { id: self.id, ttl });
             }

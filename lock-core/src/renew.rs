@@ -59,6 +59,10 @@ struct Times {
     deadline: Instant,
     /// When the lease counts as lost if nothing renewed it: [`warn_ahead`] before the deadline.
     alarm: Instant,
+    /// When the reply of the last explicit [`Lease::extend`](crate::Lease::extend) arrived
+    /// (`None` before one). A request sent before then may have reached the server after that
+    /// extend and set the expiry last, so its reply may only shorten the deadline.
+    extended_at: Option<Instant>,
 }
 
 impl Times {
@@ -66,7 +70,19 @@ impl Times {
         Times {
             deadline,
             alarm: deadline.checked_sub(ahead).unwrap_or(deadline),
+            extended_at: None,
         }
+    }
+
+    fn set(&mut self, deadline: Instant, ahead: Duration) {
+        *self = Times {
+            extended_at: self.extended_at,
+            ..Times::new(deadline, ahead)
+        };
+    }
+
+    fn sent_before_extend(&self, sent: Instant) -> bool {
+        self.extended_at.is_some_and(|at| sent < at)
     }
 }
 
@@ -88,12 +104,34 @@ impl LeaseState {
         self.times().alarm
     }
 
-    /// Moves the deadline forward only: a late reply of an older renewal must not shorten it.
-    pub(crate) fn extend_to(&self, deadline: Instant, ahead: Duration) {
+    /// A renewal sent at `sent` succeeded. It moves the deadline forward only: a late reply of
+    /// an older renewal must not shorten it. But one sent before an explicit extend's reply
+    /// came may have run before or after that extend on the server, so it may only shorten.
+    pub(crate) fn renewed(&self, sent: Instant, deadline: Instant, ahead: Duration) {
         let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
-        if deadline > t.deadline {
-            *t = Times::new(deadline, ahead);
+        let takes = if t.sent_before_extend(sent) {
+            deadline < t.deadline
+        } else {
+            deadline > t.deadline
+        };
+        if takes {
+            t.set(deadline, ahead);
         }
+    }
+
+    /// An explicit extend sent at `sent` succeeded: the server's expiry is now the one it set,
+    /// shorter or longer than before, so the deadline is set outright. The same rule as
+    /// [`renewed`](Self::renewed) holds for an extend sent before another extend's reply.
+    pub(crate) fn extended(&self, sent: Instant, deadline: Instant, ahead: Duration) {
+        let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
+        if t.sent_before_extend(sent) {
+            if deadline < t.deadline {
+                t.set(deadline, ahead);
+            }
+            return;
+        }
+        t.set(deadline, ahead);
+        t.extended_at = Some(Instant::now());
     }
 
     /// Resolves once the lease is lost: cancelled by the driver or a failed extend, or its
@@ -531,7 +569,7 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                 };
                 if held {
                     e.state
-                        .extend_to(sent_at + ttl - drift(ttl), warn_ahead(ttl));
+                        .renewed(sent_at, sent_at + ttl - drift(ttl), warn_ahead(ttl));
                     let next = sent_at + e.ttl / 3;
                     d.file_deadline(*id);
                     d.file_renew(*id, next);
@@ -553,5 +591,57 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                 d.file_renew(*id, retry);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const AHEAD: Duration = Duration::ZERO;
+
+    fn deadline(state: &LeaseState) -> Instant {
+        state.times().deadline
+    }
+
+    #[test]
+    fn renewals_move_the_deadline_forward_only() {
+        let t0 = Instant::now();
+        let s = LeaseState::new(t0 + Duration::from_secs(10), AHEAD);
+        s.renewed(t0, t0 + Duration::from_secs(12), AHEAD);
+        assert_eq!(deadline(&s), t0 + Duration::from_secs(12));
+        // A late reply of an older renewal.
+        s.renewed(t0, t0 + Duration::from_secs(11), AHEAD);
+        assert_eq!(deadline(&s), t0 + Duration::from_secs(12));
+    }
+
+    #[test]
+    fn an_extend_sets_the_deadline_even_when_shorter() {
+        let t0 = Instant::now();
+        let s = LeaseState::new(t0 + Duration::from_secs(30), AHEAD);
+        s.extended(t0, t0 + Duration::from_secs(1), AHEAD);
+        assert_eq!(deadline(&s), t0 + Duration::from_secs(1));
+        assert!(s.remaining() <= Duration::from_secs(1));
+    }
+
+    #[test]
+    fn replies_sent_before_an_extend_came_back_only_shorten() {
+        let t0 = Instant::now();
+        let s = LeaseState::new(t0 + Duration::from_secs(30), AHEAD);
+        s.extended(t0, t0 + Duration::from_secs(5), AHEAD);
+        // Sent before the extend's reply, with the old TTL: it may have run first on the
+        // server, so it must not bring the old expiry back...
+        s.renewed(t0, t0 + Duration::from_secs(30), AHEAD);
+        assert_eq!(deadline(&s), t0 + Duration::from_secs(5));
+        // ...and may have run last, so a shorter expiry is taken.
+        s.renewed(t0, t0 + Duration::from_secs(2), AHEAD);
+        assert_eq!(deadline(&s), t0 + Duration::from_secs(2));
+        // The same for a second extend sent before the first one's reply.
+        s.extended(t0, t0 + Duration::from_secs(20), AHEAD);
+        assert_eq!(deadline(&s), t0 + Duration::from_secs(2));
+        // A renewal sent afterwards moves it forward again.
+        let later = Instant::now() + Duration::from_millis(1);
+        s.renewed(later, later + Duration::from_secs(5), AHEAD);
+        assert_eq!(deadline(&s), later + Duration::from_secs(5));
     }
 }
