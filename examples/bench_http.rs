@@ -188,7 +188,7 @@ async fn main() -> Result<(), BoxError> {
     let memory = Locker::memory();
     let redis = Locker::redis(&url)
         .await?
-        .with_prefix(format!("bench-http-{}", std::process::id()));
+        .with_prefix(format!("bench-http-{}", std::process::id()))?;
     let handler = || post(|| async { "ok" });
     let app = Router::new()
         .route("/bare/{id}", handler())

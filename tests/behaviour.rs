@@ -597,6 +597,58 @@ async fn bad_input(h: Harness) {
         locker.fence_gate(""),
         Err(Error::InvalidKey { .. })
     ));
+    // A wait of `Duration::MAX` means as long as it takes: granted at once when free, waiting
+    // (not panicking on the deadline's arithmetic) when held.
+    let forever = o.clone().ttl(Duration::from_secs(5)).wait(Duration::MAX);
+    let held = locker
+        .acquire("forever", &forever)
+        .await
+        .expect("a free key at once");
+    assert!(
+        tokio::time::timeout(
+            Duration::from_millis(200),
+            locker.acquire("forever", &forever)
+        )
+        .await
+        .is_err(),
+        "a held key is waited for"
+    );
+    held.release().await.expect("release");
+    // A prefix follows the rules of a key; lockers under two prefixes hold two locks (this one
+    // within the ACL rule's `{leasehold:*` keys).
+    for bad in ["", "p}x", "p{x", "p\nx"] {
+        assert!(
+            matches!(locker.with_prefix(bad), Err(Error::InvalidKey { .. })),
+            "prefix {bad:?}"
+        );
+    }
+    let other = locker.with_prefix("leasehold:other").expect("prefix");
+    let mine = locker.try_acquire("shared-name", &o).await.expect("mine");
+    let theirs = other
+        .try_acquire("shared-name", &o)
+        .await
+        .expect("the same name under another prefix is another lock");
+    mine.release().await.expect("release");
+    theirs.release().await.expect("release");
+    // The backend itself, called directly, refuses a TTL out of range before sending anything.
+    use leasehold::Backend;
+    let key = locker.lock_key("direct").expect("key");
+    let token = leasehold::Token::generate();
+    for ttl in [Duration::ZERO, Duration::MAX] {
+        let granted = locker.backend().acquire(&key, &token, ttl).await;
+        assert!(
+            matches!(granted, Err(Error::InvalidTtl { .. })),
+            "acquire {ttl:?}: {granted:?}"
+        );
+        let extended = locker
+            .backend()
+            .extend(&[(key.clone(), token.clone())], ttl)
+            .await;
+        assert!(
+            matches!(extended, Err(Error::InvalidTtl { .. })),
+            "extend {ttl:?}: {extended:?}"
+        );
+    }
 }
 
 /// Waiters of one locker take turns in arrival order, and a task that asks again right after

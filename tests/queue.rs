@@ -661,8 +661,36 @@ async fn bad_input(h: Harness) {
             .start(|_| async { Ok(()) }),
         Err(Error::InvalidTtl { .. })
     ));
+    assert!(matches!(
+        Worker::new(q.clone())
+            .reap_every(Duration::ZERO)
+            .start(|_| async { Ok(()) }),
+        Err(Error::InvalidDuration {
+            what: "reap interval",
+            ..
+        })
+    ));
+    assert!(matches!(
+        Queue::builder("q").keep_done(Duration::MAX).memory(),
+        Err(Error::InvalidDuration {
+            what: "keep_done",
+            ..
+        })
+    ));
     // Nothing above disturbed the job in flight.
     c.complete().await.expect("complete");
+    // A wait of `Duration::MAX` means as long as it takes.
+    let id = q.enqueue(b"forever").await.expect("enqueue");
+    let c = q.claim_wait(ms(5_000), Duration::MAX).await.expect("claim");
+    let c = c.expect("the pending job at once");
+    assert_eq!(c.id(), id);
+    c.complete().await.expect("complete");
+    assert!(
+        tokio::time::timeout(ms(200), q.claim_wait(ms(5_000), Duration::MAX))
+            .await
+            .is_err(),
+        "an empty queue is waited on"
+    );
     // keep_done(0): completed jobs vanish at once, and their late callers get UnknownJob.
     let q0 = h
         .open(Queue::builder("nodone").keep_done(Duration::ZERO))

@@ -78,6 +78,47 @@ async fn missing_replica_refuses_without_stalling(flavor: Flavor) {
     );
 }
 
+/// A `WAIT` the server refuses (an ACL user without it) fails the acquire with the server's
+/// refusal, and the grant made before it is given back, not left taken until its TTL.
+async fn refused_wait_gives_the_grant_back(flavor: Flavor) {
+    let master = Server::start(flavor);
+    let url = master.acl_user_url();
+    let _: () = master.cmd(&["ACL", "SETUSER", "leasehold", "-wait"]);
+    let locker = Locker::redis(&url).await.expect("connect");
+    match locker.try_acquire("repl", &replicated(500)).await {
+        Err(Error::Refused { op, .. }) => assert_eq!(op, "wait"),
+        other => panic!("expected the WAIT refused, got {other:?}"),
+    }
+    let k = locker.lock_key("repl").expect("key");
+    assert_eq!(
+        master.cmd::<i64>(&["EXISTS", k.lock_key()]),
+        0,
+        "the grant was left behind"
+    );
+}
+
+/// A replica timeout below 1 ms (`WAIT n 0` blocks for good) or above `MAX_TTL` is refused
+/// before any round trip; without replicas it is not used, so not checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_timeout_out_of_range() {
+    let locker = Locker::memory();
+    for bad in [Duration::ZERO, Duration::from_micros(999), Duration::MAX] {
+        let opts = LockOptions::new().replicas(1).replica_timeout(bad);
+        match locker.try_acquire("k", &opts).await {
+            Err(Error::InvalidDuration { what, value, .. }) => {
+                assert_eq!((what, value), ("replica timeout", bad));
+            }
+            other => panic!("{bad:?}: expected InvalidDuration, got {other:?}"),
+        }
+    }
+    let opts = LockOptions::new().replica_timeout(Duration::ZERO);
+    let lease = locker
+        .try_acquire("k", &opts)
+        .await
+        .expect("no replicas asked");
+    lease.release().await.expect("release");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_refuses_replicas() {
     let locker = Locker::memory();
@@ -98,6 +139,10 @@ macro_rules! replicated_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn missing_replica_refuses_without_stalling() {
                 super::missing_replica_refuses_without_stalling($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn refused_wait_gives_the_grant_back() {
+                super::refused_wait_gives_the_grant_back($flavor).await
             }
         }
     };

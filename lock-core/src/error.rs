@@ -55,6 +55,18 @@ pub enum Error {
         /// Why it was refused.
         reason: &'static str,
     },
+    /// A duration setting other than a lease's TTL is out of its range (a replica timeout of
+    /// zero, a done marker kept for more than a year, a reap interval of zero). Reported before
+    /// any round trip.
+    #[error("invalid {what} {value:?}: {reason}")]
+    InvalidDuration {
+        /// Which setting it was.
+        what: &'static str,
+        /// The value that was refused.
+        value: Duration,
+        /// Why it was refused.
+        reason: &'static str,
+    },
     /// The server key already holds a value of another type; nothing was overwritten.
     #[error("key `{key}` holds a {found}, not a leasehold value; nothing was changed")]
     WrongType {

@@ -56,7 +56,8 @@ impl LockOptions {
         self.ttl = ttl;
         self
     }
-    /// How long [`Locker::acquire`] waits for a busy key before [`Error::WaitTimeout`].
+    /// How long [`Locker::acquire`] waits for a busy key before [`Error::WaitTimeout`];
+    /// `Duration::MAX` waits as long as it takes.
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = wait;
         self
@@ -79,10 +80,32 @@ impl LockOptions {
         self.replicas = replicas;
         self
     }
-    /// How long an acquire waits for the replicas' acknowledgement (default 100 ms).
+    /// How long an acquire waits for the replicas' acknowledgement (default 100 ms; from 1 ms
+    /// to [`MAX_TTL`](crate::MAX_TTL), else [`Error::InvalidDuration`] when replicas are asked
+    /// for).
     pub fn replica_timeout(mut self, timeout: Duration) -> Self {
         self.replica_timeout = timeout;
         self
+    }
+    /// Checks the options before any round trip.
+    fn validate(&self) -> Result<()> {
+        validate_ttl(self.ttl)?;
+        if self.replicas > 0 {
+            let reason = if self.replica_timeout < Duration::from_millis(1) {
+                // `WAIT n 0` would block until the replicas answer, however long that takes.
+                "below 1 ms"
+            } else if self.replica_timeout > crate::MAX_TTL {
+                "above MAX_TTL"
+            } else {
+                return Ok(());
+            };
+            return Err(Error::InvalidDuration {
+                what: "replica timeout",
+                value: self.replica_timeout,
+                reason,
+            });
+        }
+        Ok(())
     }
     /// The configured TTL.
     pub fn ttl_value(&self) -> Duration {
@@ -209,17 +232,36 @@ impl<B: Backend + Clone> Locker<B> {
         }
     }
 
-    /// The same backend under another key prefix (server keys become `{prefix:key}:...`).
-    pub fn with_prefix(&self, prefix: impl Into<String>) -> Locker<B> {
-        Locker {
+    /// The same backend under another key prefix (server keys become `{prefix:key}:...`), so
+    /// that the same key names under two prefixes are two locks. The prefix obeys the rules of
+    /// a key (not empty, no braces, no control characters), else [`Error::InvalidKey`].
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    ///
+    /// let billing = Locker::memory();
+    /// let reports = billing.with_prefix("reports")?;
+    /// let opts = LockOptions::new();
+    /// let a = billing.try_acquire("nightly", &opts).await?;
+    /// let b = reports.try_acquire("nightly", &opts).await?; // another lock
+    /// # a.release().await?; b.release().await?;
+    /// assert!(billing.with_prefix("bad}prefix").is_err());
+    /// # Ok(()) }
+    /// ```
+    pub fn with_prefix(&self, prefix: impl Into<String>) -> Result<Locker<B>> {
+        let prefix = prefix.into();
+        // A brace would end the hash tag early and split a lock's keys across cluster slots.
+        validate_key(&prefix)?;
+        Ok(Locker {
             core: Arc::new(Core {
                 backend: self.core.backend.clone(),
-                prefix: prefix.into(),
+                prefix,
                 next_id: AtomicU64::new(1),
                 driver: OnceLock::new(),
                 turnstiles: Arc::default(),
             }),
-        }
+        })
     }
 
     /// The backend this locker runs on.
@@ -246,7 +288,7 @@ impl<B: Backend + Clone> Locker<B> {
     #[instrument(level = "debug", skip(self, opts), fields(ttl = ?opts.ttl))]
     pub async fn try_acquire(&self, key: &str, opts: &LockOptions) -> Result<Lease<B>> {
         let key = self.lock_key(key)?;
-        validate_ttl(opts.ttl)?;
+        opts.validate()?;
         let token = Token::generate();
         match self.attempt(&key, &token, opts).await? {
             Ok(lease) => Ok(lease),
@@ -269,10 +311,10 @@ impl<B: Backend + Clone> Locker<B> {
     #[instrument(level = "debug", skip(self, opts), fields(ttl = ?opts.ttl, wait = ?opts.wait))]
     pub async fn acquire(&self, key: &str, opts: &LockOptions) -> Result<Lease<B>> {
         let key = self.lock_key(key)?;
-        validate_ttl(opts.ttl)?;
+        opts.validate()?;
         let token = Token::generate();
         let started = Instant::now();
-        let give_up = started + opts.wait;
+        let give_up = crate::types::deadline_after(started, opts.wait);
         let turn = self.core.turnstiles.enter(key.user());
         let Some(permit) = turn.wait_turn(give_up).await else {
             return Err(Error::WaitTimeout {

@@ -126,6 +126,16 @@ pub(crate) fn validate_key(key: &str) -> Result<()> {
     Ok(())
 }
 
+/// What a wait of `Duration::MAX` ("as long as it takes") comes to: about thirty years, as
+/// tokio's own timers make of it.
+const FOREVER: Duration = Duration::from_secs(86_400 * 365 * 30);
+
+/// `after` from `from`, where an `after` too long to add waits [`FOREVER`] instead of
+/// panicking.
+pub(crate) fn deadline_after(from: tokio::time::Instant, after: Duration) -> tokio::time::Instant {
+    from.checked_add(after).unwrap_or_else(|| from + FOREVER)
+}
+
 /// Checks a TTL before any round trip.
 pub(crate) fn validate_ttl(ttl: Duration) -> Result<()> {
     if ttl.is_zero() {

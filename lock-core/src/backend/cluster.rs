@@ -378,6 +378,7 @@ fn slot(server_key: &str) -> u16 {
 
 impl Backend for ClusterBackend {
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
+        crate::types::validate_ttl(ttl)?;
         ops::acquire(&mut self.conn.clone(), &self.scripts, key, token, ttl).await
     }
 
@@ -409,6 +410,7 @@ impl Backend for ClusterBackend {
     /// A lease whose node failed is an error: the node's own (a refusal stays
     /// [`Error::Refused`]), or [`Error::Unavailable`] when it did not answer in time.
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
+        crate::types::validate_ttl(ttl)?;
         let (answers, first_error) = self.extend_all(items, ttl).await;
         if answers.iter().any(Option::is_none) {
             return Err(first_error.unwrap_or_else(|| {

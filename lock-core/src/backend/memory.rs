@@ -117,6 +117,7 @@ fn now_micros() -> u64 {
 
 impl Backend for MemoryBackend {
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
+        crate::types::validate_ttl(ttl)?;
         let now = Instant::now();
         let mut st = self.state();
         let slot = st.keys.entry(key.clone()).or_default();
@@ -170,6 +171,7 @@ impl Backend for MemoryBackend {
     }
 
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
+        crate::types::validate_ttl(ttl)?;
         let now = Instant::now();
         let mut st = self.state();
         Ok(items

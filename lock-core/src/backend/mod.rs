@@ -37,7 +37,9 @@ pub enum AcquireReply {
 /// The storage a [`Locker`](crate::Locker) runs on.
 ///
 /// Every operation is one atomic step on the backend. `release` and `extend` check the token and
-/// never touch a lease that is not the caller's; `extend` never recreates an expired lease.
+/// never touch a lease that is not the caller's; `extend` never recreates an expired lease. A
+/// `ttl` outside [`MIN_TTL`](crate::MIN_TTL)`..=`[`MAX_TTL`](crate::MAX_TTL) is refused with
+/// [`Error::InvalidTtl`](crate::Error::InvalidTtl) before anything is sent.
 pub trait Backend: Send + Sync + 'static {
     /// Grants the lease (`SET NX PX` semantics) and advances the fence, or reports the holder.
     fn acquire(

@@ -545,6 +545,7 @@ async fn reconnect(inner: Weak<Inner>, index: usize, url: String) {
 
 impl Backend for QuorumBackend {
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
+        crate::types::validate_ttl(ttl)?;
         let span = debug_span!("quorum_acquire", key = key.user(), members = self.members());
         async move {
             let started = Instant::now();
@@ -619,6 +620,7 @@ impl Backend for QuorumBackend {
     /// up to the validity (ttl less drift), as a single server's renewal would: a large batch on
     /// a busy server takes a while, and giving up early would only send the same work again.
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
+        crate::types::validate_ttl(ttl)?;
         let started = Instant::now();
         let limit = ttl.saturating_sub(drift(ttl));
         let batch_key = items.first().map_or("(batch)", |(k, _)| k.user());

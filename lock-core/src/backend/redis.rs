@@ -459,6 +459,7 @@ impl Dedicated {
 
 impl Backend for RedisBackend {
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
+        crate::types::validate_ttl(ttl)?;
         let item = (key.clone(), token.clone(), ttl);
         (self.acquires.run(item).await).unwrap_or_else(|| Err(unanswered("acquire", key)))
     }
@@ -471,6 +472,7 @@ impl Backend for RedisBackend {
         replicas: u32,
         timeout: Duration,
     ) -> Result<(AcquireReply, u32)> {
+        crate::types::validate_ttl(ttl)?;
         let mut conn = self.dedicated.take().await?;
         let bound = self.dedicated.config.response_timeout;
         let timed_out = |op| {
@@ -492,18 +494,30 @@ impl Backend for RedisBackend {
         }
         // WAIT counts the replicas that have every write this connection made, the grant's
         // lock and fence among them; it blocks only this connection.
-        let acked: i64 = tokio::time::timeout(
-            bound + timeout,
+        let acked: Result<i64> = tokio::time::timeout(
+            bound.saturating_add(timeout),
             redis::cmd("WAIT")
                 .arg(replicas)
-                .arg(timeout.as_millis() as u64)
+                .arg(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX))
                 .query_async(&mut conn),
         )
         .await
-        .map_err(|_| timed_out("wait"))?
-        .map_err(|e| classify("wait", key.user(), e))?;
-        self.dedicated.give_back(conn);
-        Ok((reply, u32::try_from(acked.max(0)).unwrap_or(u32::MAX)))
+        .map_err(|_| timed_out("wait"))
+        .and_then(|r| r.map_err(|e| classify("wait", key.user(), e)));
+        match acked {
+            Ok(acked) => {
+                self.dedicated.give_back(conn);
+                Ok((reply, u32::try_from(acked.max(0)).unwrap_or(u32::MAX)))
+            }
+            Err(e) => {
+                // No one will hold the grant: give the key back rather than leave it taken
+                // until its TTL runs out.
+                if let Err(release) = self.release(key, token).await {
+                    tracing::debug!(key = key.user(), error = %release, "grant not given back after a failed WAIT");
+                }
+                Err(e)
+            }
+        }
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
@@ -512,6 +526,7 @@ impl Backend for RedisBackend {
     }
 
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
+        crate::types::validate_ttl(ttl)?;
         // Chunks go out together on the multiplexed connection: one pipelined burst, no
         // per-lease round trip, and no single script long enough to stall the server.
         let calls = items

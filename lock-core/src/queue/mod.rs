@@ -88,6 +88,8 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 /// otherwise: long enough that a late worker is told it is stale rather than that the job is
 /// unknown.
 pub const DEFAULT_KEEP_DONE: Duration = Duration::from_secs(60 * 60);
+/// The longest [`QueueBuilder::keep_done`] accepted: a year.
+pub const MAX_KEEP_DONE: Duration = Duration::from_secs(365 * 86_400);
 /// How often a waiting claim looks again when no wake-up arrives (a lost subscription, a
 /// reaped job whose wake-up was missed).
 pub const CLAIM_POLL_FALLBACK: Duration = Duration::from_secs(1);
@@ -242,7 +244,8 @@ impl QueueBuilder {
 
     /// How long a completed job's marker stays (default [`DEFAULT_KEEP_DONE`]). While it stays,
     /// a late caller of an old attempt gets [`Error::Stale`]; afterwards
-    /// [`Error::UnknownJob`]. Zero deletes completed jobs at once.
+    /// [`Error::UnknownJob`]. Zero deletes completed jobs at once; above [`MAX_KEEP_DONE`] the
+    /// queue is not built ([`Error::InvalidDuration`]).
     pub fn keep_done(mut self, keep: Duration) -> Self {
         self.keep_done = keep;
         self
@@ -250,7 +253,16 @@ impl QueueBuilder {
 
     fn check(&self) -> Result<()> {
         validate_key(&self.name)?;
-        validate_key(&self.prefix)
+        validate_key(&self.prefix)?;
+        // The server would refuse the marker's expiry only after the job was deleted.
+        if self.keep_done > MAX_KEEP_DONE {
+            return Err(Error::InvalidDuration {
+                what: "keep_done",
+                value: self.keep_done,
+                reason: "above MAX_KEEP_DONE (a year)",
+            });
+        }
+        Ok(())
     }
 
     /// A queue held in this process. Clones of the returned queue share it; another call
@@ -526,7 +538,8 @@ impl Queue {
     /// otherwise when the next delayed job is due or after [`CLAIM_POLL_FALLBACK`].
     pub async fn claim_wait(&self, lease: Duration, wait: Duration) -> Result<Option<Claim>> {
         validate_ttl(lease)?;
-        self.claim_until(lease, Instant::now() + wait, None).await
+        let give_up = crate::types::deadline_after(Instant::now(), wait);
+        self.claim_until(lease, give_up, None).await
     }
 
     /// One claim round trip; `Err(next_due)` inside `Ok` means nothing was pending.

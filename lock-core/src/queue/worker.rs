@@ -250,7 +250,8 @@ impl Worker {
     }
 
     /// Starts claiming and running jobs on the current runtime. Fails at once with
-    /// [`Error::InvalidTtl`] if the lease is out of range.
+    /// [`Error::InvalidTtl`] if the lease is out of range, or [`Error::InvalidDuration`] if the
+    /// reap interval is zero.
     pub fn start<F, Fut>(self, handler: F) -> Result<WorkerHandle>
     where
         F: Fn(Job) -> Fut + Send + Sync + 'static,
@@ -258,8 +259,9 @@ impl Worker {
     {
         validate_ttl(self.lease)?;
         if self.reap_every.is_zero() {
-            return Err(Error::InvalidTtl {
-                ttl: self.reap_every,
+            return Err(Error::InvalidDuration {
+                what: "reap interval",
+                value: self.reap_every,
                 reason: "the reap interval must be above zero",
             });
         }
