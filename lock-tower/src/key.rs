@@ -80,8 +80,9 @@ fn invalid(detail: impl Into<String>) -> KeyProblem {
 }
 
 impl KeyExtractor {
-    /// The `index`-th non-empty segment of the request path, counting from 0, as sent
-    /// (percent-encoded). For `/accounts/7/withdraw`, segment 1 is `7`. Works with any Tower
+    /// The `index`-th non-empty segment of the request path, counting from 0, percent-decoded
+    /// as axum's router decodes it. For `/accounts/7/withdraw` and `/accounts/%37/withdraw`,
+    /// segment 1 is `7`; a segment that is not UTF-8 once decoded is an invalid key (400). Works with any Tower
     /// server and with `Router::layer` as well as `route_layer`.
     pub fn path_segment(index: usize) -> KeyExtractor {
         KeyExtractor {
@@ -160,14 +161,21 @@ impl KeyExtractor {
         body: Option<&Bytes>,
     ) -> Result<String, KeyProblem> {
         match &self.source {
-            Source::PathSegment(i) => parts
-                .uri
-                .path()
-                .split('/')
-                .filter(|s| !s.is_empty())
-                .nth(*i)
-                .map(str::to_owned)
-                .ok_or_else(|| missing(format!("the path has no segment {i}"))),
+            Source::PathSegment(i) => {
+                let raw = parts
+                    .uri
+                    .path()
+                    .split('/')
+                    .filter(|s| !s.is_empty())
+                    .nth(*i)
+                    .ok_or_else(|| missing(format!("the path has no segment {i}")))?;
+                // Decoded as axum's router decodes it: `%37` and `7` are one account to the
+                // handler, so they must be one key, or the encoded spelling slips past the lock.
+                percent_encoding::percent_decode_str(raw)
+                    .decode_utf8()
+                    .map(|k| k.into_owned())
+                    .map_err(|_| invalid(format!("path segment {i} is not UTF-8 once decoded")))
+            }
             Source::RouteParam(name) => route_param(parts, name)
                 .await
                 .map(|k| k.as_str().to_owned()),

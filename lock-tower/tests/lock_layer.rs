@@ -30,6 +30,7 @@ on_every_backend!(
     waiting_gets_the_key_after_the_holder,
     json_body_key_is_handed_on_untouched,
     lease_loss_while_streaming_cuts_the_body,
+    percent_encoded_paths_name_the_same_key,
 );
 
 /// A route whose handler reports it entered and then waits for `go`.
@@ -82,6 +83,36 @@ async fn held_key_gets_409_with_retry_after(h: Harness) {
     assert_eq!(first.status, StatusCode::OK, "{}", first.text());
     let other = other.await.expect("join");
     assert_eq!(other.status, StatusCode::OK);
+}
+
+/// `/accounts/%37/...` is the account axum routes as `7`: a path segment or route parameter is
+/// the key once percent-decoded, so the encoded spelling cannot slip past the lock. A segment
+/// that does not decode to UTF-8 is a 400.
+async fn percent_encoded_paths_name_the_same_key(h: Harness) {
+    for extractor in [
+        KeyExtractor::path_segment(1),
+        KeyExtractor::route_param("id"),
+    ] {
+        let locker = h.locker().await;
+        let (tx, mut entered) = mpsc::unbounded_channel();
+        let go = Arc::new(Semaphore::new(0));
+        let layer = LockLayer::new(locker, extractor).ttl(Duration::from_secs(20));
+        let addr = serve(gated(layer, tx, go.clone())).await;
+        let first = tokio::spawn(async move { post_to(addr, "/accounts/7/withdraw").await });
+        entered.recv().await.expect("first entered");
+        let second = tokio::time::timeout(
+            Duration::from_secs(10),
+            post_to(addr, "/accounts/%37/withdraw"),
+        )
+        .await
+        .expect("the encoded path got into the handler beside the plain one");
+        assert_eq!(second.status, StatusCode::CONFLICT, "{}", second.text());
+        go.add_permits(1);
+        let first = first.await.expect("join");
+        assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+        let bad = post_to(addr, "/accounts/%FF/withdraw").await;
+        assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{}", bad.text());
+    }
 }
 
 async fn sequential_requests_see_increasing_fences(h: Harness) {
