@@ -32,6 +32,10 @@ pub enum Reason {
     /// Dedupe only: the key was seen before with a different request (method, path or body;
     /// default 422).
     KeyReused,
+    /// The layer's own settings are out of range (a TTL below `MIN_TTL` or above `MAX_TTL`, a
+    /// retention of zero or above a year): every request would fail the same way, so this is
+    /// a server error (default 500, no `Retry-After`), logged at `error` level.
+    Misconfigured,
 }
 
 impl Reason {
@@ -43,6 +47,7 @@ impl Reason {
             Reason::Busy | Reason::WaitTimeout => StatusCode::CONFLICT,
             Reason::LeaseLost | Reason::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             Reason::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            Reason::Misconfigured => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -56,6 +61,7 @@ impl Reason {
             Reason::LeaseLost => "Lock lost while handling the request",
             Reason::Unavailable => "Lock service unavailable",
             Reason::KeyReused => "Idempotency key reused with a different request",
+            Reason::Misconfigured => "Lock layer misconfigured",
         }
     }
 
@@ -69,10 +75,11 @@ impl Reason {
             Reason::LeaseLost => "lease-lost",
             Reason::Unavailable => "unavailable",
             Reason::KeyReused => "key-reused",
+            Reason::Misconfigured => "misconfigured",
         }
     }
 
-    const ALL: usize = 8;
+    const ALL: usize = 9;
 
     fn index(self) -> usize {
         match self {
@@ -84,6 +91,7 @@ impl Reason {
             Reason::LeaseLost => 5,
             Reason::Unavailable => 6,
             Reason::KeyReused => 7,
+            Reason::Misconfigured => 8,
         }
     }
 }

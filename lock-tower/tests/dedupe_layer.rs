@@ -1314,3 +1314,53 @@ mod acl_user {
         .await
     }
 }
+
+/// A retention or claim TTL out of range is the layer's own misconfiguration: a 500 naming it,
+/// before the handler runs (its result could not be stored).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_out_of_range_are_a_500() {
+    let layers = [
+        (
+            "retention",
+            DedupeLayer::new(lock_core::Locker::memory()).retention(Duration::ZERO),
+        ),
+        (
+            "retention",
+            DedupeLayer::new(lock_core::Locker::memory()).retention(Duration::MAX),
+        ),
+        (
+            "ttl",
+            DedupeLayer::new(lock_core::Locker::memory()).claim_ttl(Duration::MAX),
+        ),
+    ];
+    for (named, layer) in layers {
+        let ran = Arc::new(AtomicUsize::new(0));
+        let r = ran.clone();
+        let app = Router::new().route(
+            "/hook",
+            post(move || {
+                r.fetch_add(1, Ordering::SeqCst);
+                async { "ok" }
+            })
+            .layer(layer.key(KeyExtractor::webhook_id())),
+        );
+        let addr = serve(app).await;
+        let res = send(
+            addr,
+            Method::POST,
+            "/hook",
+            &[("webhook-id", "msg_1")],
+            Bytes::new(),
+        )
+        .await;
+        assert_eq!(res.status, StatusCode::INTERNAL_SERVER_ERROR, "{named}");
+        let problem: serde_json::Value = serde_json::from_slice(&res.body).expect("json");
+        assert!(
+            problem["detail"]
+                .as_str()
+                .is_some_and(|d| d.contains(named)),
+            "{problem}"
+        );
+        assert_eq!(ran.load(Ordering::SeqCst), 0, "the handler ran");
+    }
+}

@@ -574,3 +574,37 @@ async fn rejections_can_be_customised() {
     go.add_permits(1);
     assert_eq!(first.await.expect("join").status, StatusCode::OK);
 }
+
+/// A TTL out of lock-core's range is the layer's own misconfiguration: every request gets a
+/// 500 naming it, not a 503 that reads like an outage, and the handler never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ttl_out_of_range_is_a_500() {
+    for ttl in [Duration::ZERO, Duration::from_secs(365 * 86_400)] {
+        let ran = Arc::new(AtomicUsize::new(0));
+        let r = ran.clone();
+        let app = Router::new()
+            .route(
+                "/accounts/{id}/withdraw",
+                post(move || {
+                    r.fetch_add(1, Ordering::SeqCst);
+                    async { "ok" }
+                }),
+            )
+            .route_layer(
+                LockLayer::new(lock_core::Locker::memory(), KeyExtractor::route_param("id"))
+                    .ttl(ttl),
+            );
+        let addr = serve(app).await;
+        let res = post_to(addr, "/accounts/7/withdraw").await;
+        assert_eq!(res.status, StatusCode::INTERNAL_SERVER_ERROR, "{ttl:?}");
+        assert_eq!(res.header("retry-after"), None);
+        let problem: serde_json::Value = serde_json::from_slice(&res.body).expect("json");
+        assert!(
+            problem["detail"]
+                .as_str()
+                .is_some_and(|d| d.contains("ttl")),
+            "{problem}"
+        );
+        assert_eq!(ran.load(Ordering::SeqCst), 0, "the handler ran");
+    }
+}

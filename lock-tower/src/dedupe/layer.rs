@@ -14,6 +14,8 @@ use crate::reject::{Reason, Rejection, Rejections};
 
 /// How long a completed result is replayed, unless configured otherwise: 24 hours.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+/// The longest retention accepted: a year.
+pub const MAX_RETENTION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 /// The largest response body stored for replay, unless configured otherwise: 256 KiB.
 pub const DEFAULT_STORED_BODY_LIMIT: usize = 256 * 1024;
 /// The largest request body read (for the fingerprint and JSON keys): 1 MiB.
@@ -166,7 +168,8 @@ impl DedupeLayer {
     }
 
     /// How long a completed result is replayed (default 24 h). Standard Webhooks suggests at
-    /// least 5 minutes.
+    /// least 5 minutes. From 1 ms to [`MAX_RETENTION`]; out of that range every request is
+    /// answered 500 ([`Reason::Misconfigured`]) before the handler runs.
     pub fn retention(self, retention: Duration) -> Self {
         self.with(|c| c.retention = retention)
     }

@@ -9,6 +9,7 @@ mod store;
 
 pub use self::layer::{
     DEFAULT_REQUEST_BODY_LIMIT, DEFAULT_RETENTION, DEFAULT_STORED_BODY_LIMIT, DedupeLayer,
+    MAX_RETENTION,
 };
 pub use self::service::Dedupe;
 pub use crate::future::ResponseFuture;

@@ -103,6 +103,15 @@ where
         return Ok(res.map(LockBody::pass));
     }
     let rejections = &cfg.rejections;
+    if cfg.retention.is_zero() || cfg.retention > super::layer::MAX_RETENTION {
+        // Checked before the handler runs: its result could not be stored.
+        let detail = format!(
+            "the retention {:?} is out of range (1 ms to a year)",
+            cfg.retention
+        );
+        tracing::error!(%detail, "the layer's settings are out of range");
+        return Ok(reject(rejections, Reason::Misconfigured, None, detail));
+    }
     let (mut parts, body) = req.into_parts();
     let bytes = match read_capped(body, cfg.request_limit).await {
         Ok(b) => b,

@@ -321,6 +321,10 @@ pub(crate) fn refuse<B>(
             e.to_string(),
         ),
         Error::InvalidKey { .. } => reject(rejections, Reason::InvalidKey, None, e.to_string()),
+        Error::InvalidTtl { .. } | Error::InvalidDuration { .. } => {
+            tracing::error!(error = %e, "the layer's lease settings are out of range");
+            reject(rejections, Reason::Misconfigured, None, e.to_string())
+        }
         other => {
             tracing::warn!(error = %other, "lock backend failed");
             reject(
