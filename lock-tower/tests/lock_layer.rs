@@ -31,6 +31,7 @@ on_every_backend!(
     json_body_key_is_handed_on_untouched,
     lease_loss_while_streaming_cuts_the_body,
     percent_encoded_paths_name_the_same_key,
+    renewed_through_a_long_handler_and_body,
 );
 
 /// A route whose handler reports it entered and then waits for `go`.
@@ -379,6 +380,49 @@ async fn client_disconnect_during_body_releases(h: Harness) {
     );
 }
 
+/// A handler, or a response body, that outlasts the TTL three times over keeps the key: the
+/// lease is renewed throughout. It is released when the handler answers, or when the body
+/// ends, before the client sees the end: a request sent right after gets the key.
+async fn renewed_through_a_long_handler_and_body(h: Harness) {
+    let locker = h.locker().await;
+    let ttl = Duration::from_millis(300);
+    let app = Router::new()
+        .route(
+            "/slow/{id}",
+            post(move || async move {
+                tokio::time::sleep(ttl * 3).await;
+                "slow"
+            }),
+        )
+        .route(
+            "/feed/{id}",
+            post(move || async move { Response::new(Body::new(Drip::new(ttl / 3, 9))) }),
+        )
+        .route("/quick/{id}", post(|| async { "quick" }))
+        .route_layer(LockLayer::new(locker, KeyExtractor::route_param("id")).ttl(ttl));
+    let addr = serve(app).await;
+    for (path, want) in [("/slow/1", "slow"), ("/feed/1", &"chunk\n".repeat(9))] {
+        let want = want.to_owned();
+        let long = tokio::spawn(async move { post_to(addr, path).await });
+        tokio::time::sleep(ttl * 2).await;
+        let during = post_to(addr, "/quick/1").await;
+        assert_eq!(
+            during.status,
+            StatusCode::CONFLICT,
+            "{path}: the key was free two TTLs in"
+        );
+        let long = long.await.expect("join");
+        assert_eq!(long.status, StatusCode::OK, "{path}: {}", long.text());
+        assert_eq!(long.text(), want);
+        let after = post_to(addr, "/quick/1").await;
+        assert_eq!(
+            after.status,
+            StatusCode::OK,
+            "{path}: not released at the end"
+        );
+    }
+}
+
 async fn waiting_gets_the_key_after_the_holder(h: Harness) {
     let locker = h.locker().await;
     let (tx, mut entered) = mpsc::unbounded_channel();
@@ -607,4 +651,36 @@ async fn a_ttl_out_of_range_is_a_500() {
         );
         assert_eq!(ran.load(Ordering::SeqCst), 0, "the handler ran");
     }
+}
+
+/// A key from a closure over the request head: here the `account` query parameter. Requests
+/// with the same value take turns, another value runs beside them, and `None` is a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_from_a_closure() {
+    let account = KeyExtractor::from_fn(|parts| {
+        parts
+            .uri
+            .query()?
+            .split('&')
+            .find_map(|kv| kv.strip_prefix("account="))
+            .map(str::to_owned)
+    });
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let go = Arc::new(Semaphore::new(0));
+    let layer = LockLayer::new(lock_core::Locker::memory(), account);
+    let addr = serve(gated(layer, tx, go.clone())).await;
+    let first = tokio::spawn(async move { post_to(addr, "/accounts/x/withdraw?account=7").await });
+    entered.recv().await.expect("first entered");
+    let same = post_to(addr, "/accounts/y/withdraw?account=7").await;
+    assert_eq!(same.status, StatusCode::CONFLICT, "{}", same.text());
+    let other = tokio::spawn(async move { post_to(addr, "/accounts/x/withdraw?account=8").await });
+    entered
+        .recv()
+        .await
+        .expect("another account runs beside it");
+    let none = post_to(addr, "/accounts/x/withdraw").await;
+    assert_eq!(none.status, StatusCode::BAD_REQUEST, "{}", none.text());
+    go.add_permits(2);
+    assert_eq!(first.await.expect("join").status, StatusCode::OK);
+    assert_eq!(other.await.expect("join").status, StatusCode::OK);
 }
