@@ -32,6 +32,7 @@ on_every_backend!(
     claim_loss_cancels_and_stores_nothing,
     result_is_not_stored_when_the_claim_changed_hands,
     client_hangs_up_while_the_result_is_collected,
+    client_hangs_up_while_the_handler_runs,
 );
 
 /// A webhook endpoint that counts its runs and answers something unique per run.
@@ -696,6 +697,73 @@ async fn client_hangs_up_while_the_result_is_collected(h: Harness) {
     );
     assert_eq!(last.text(), "chunk\n".repeat(5));
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran again");
+}
+
+/// A client that hangs up while the handler still runs: the handler is cancelled (its future
+/// dropped, as axum does), the claim is released at once, nothing is stored, and the sender's
+/// retry runs the handler again.
+async fn client_hangs_up_while_the_handler_runs(h: Harness) {
+    struct Cancelled(Arc<AtomicUsize>);
+    impl Drop for Cancelled {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let locker = h.locker().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let cancelled = Arc::new(AtomicUsize::new(0));
+    let go = Arc::new(Semaphore::new(0));
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let (r2, c2, g2) = (runs.clone(), cancelled.clone(), go.clone());
+    let app = Router::new()
+        .route(
+            "/hooks/slow",
+            post(move || {
+                let (runs, cancelled, go, tx) = (r2.clone(), c2.clone(), g2.clone(), tx.clone());
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                    let guard = Cancelled(cancelled);
+                    let _ = tx.send(());
+                    go.acquire().await.expect("gate").forget();
+                    std::mem::forget(guard);
+                    format!("run {n}")
+                }
+            }),
+        )
+        // A long TTL: only a release can free the claim within the test.
+        .layer(DedupeLayer::new(locker).claim_ttl(Duration::from_secs(60)));
+    let addr = serve(app).await;
+    let conn = raw_deliver(addr, "/hooks/slow", r#""hang-up""#).await;
+    entered.recv().await.expect("entered");
+    drop(conn);
+    let dropped = eventually(Duration::from_secs(10), async || {
+        cancelled.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    assert!(
+        dropped,
+        "the handler was not cancelled when the client hung up"
+    );
+    // The retry soon stops getting 409 (the claim is released, not left to its 60 s TTL) and
+    // is not a replay (nothing was stored): it runs the handler.
+    go.add_permits(100);
+    let mut last = None;
+    let answered = eventually(Duration::from_secs(10), async || {
+        let r = deliver_to(addr, "/hooks/slow", r#""hang-up""#).await;
+        let done = r.status != StatusCode::CONFLICT;
+        last = Some(r);
+        done
+    })
+    .await;
+    let last = last.expect("at least one retry");
+    assert!(answered, "the claim stayed held: {}", last.text());
+    assert_eq!(last.status, StatusCode::OK, "{}", last.text());
+    assert_eq!(last.text(), "run 2");
+    assert_eq!(last.header("idempotent-replayed"), None);
+    assert!(
+        entered.try_recv().is_ok(),
+        "the retry did not run the handler"
+    );
 }
 
 async fn deliver_to(addr: std::net::SocketAddr, path: &str, key: &str) -> Reply {
