@@ -651,6 +651,44 @@ async fn bad_input(h: Harness) {
     }
 }
 
+/// `try_acquire` never queues: a free key is taken at once even while a task of the same
+/// locker waits for it in `acquire` (here the key was deleted without a wake-up, so the waiter
+/// sleeps on its timer, ten seconds away).
+async fn try_acquire_does_not_queue_behind_waiters(h: Harness) {
+    let locker = h.locker().await;
+    let holder = h.locker().await;
+    let held = holder
+        .try_acquire("no-queue", &opts(10_000).renew(false))
+        .await
+        .expect("held");
+    let waiter = {
+        let locker = locker.clone();
+        tokio::spawn(async move {
+            locker
+                .acquire("no-queue", &opts(5_000).wait(Duration::from_secs(20)))
+                .await
+        })
+    };
+    sleep(Duration::from_millis(200)).await;
+    h.delete(&holder, "no-queue");
+    let got = tokio::time::timeout(
+        Duration::from_secs(2),
+        locker.try_acquire("no-queue", &opts(5_000)),
+    )
+    .await
+    .expect("try_acquire queued behind the waiter")
+    .expect("the free key");
+    assert!(!waiter.is_finished(), "the sleeping waiter got the key");
+    got.release().await.expect("release");
+    let next = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the release woke the waiter")
+        .expect("join")
+        .expect("the waiter gets the key");
+    next.release().await.expect("release");
+    drop(held);
+}
+
 /// Waiters of one locker take turns in arrival order, and a task that asks again right after
 /// releasing queues behind them instead of winning the key back.
 async fn waiters_take_turns(h: Harness) {
@@ -779,6 +817,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn many_leases_renew() {
                 super::many_leases_renew(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn try_acquire_does_not_queue_behind_waiters() {
+                super::try_acquire_does_not_queue_behind_waiters(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn waiters_take_turns() {
