@@ -112,6 +112,19 @@ impl<B: Backend + Clone> Lease<B> {
     /// use the new TTL. A shorter TTL shortens the lease: [`remaining`](Self::remaining) and
     /// [`lost`](Self::lost) follow the new expiry. Returns [`Error::LeaseLost`] (and marks the
     /// lease lost) if this holder no longer holds it.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() -> lock_core::Result<()> {
+    /// use std::time::Duration;
+    /// use lock_core::{LockOptions, Locker};
+    ///
+    /// let locker = Locker::memory();
+    /// let lease = locker.try_acquire("batch", &LockOptions::new().renew(false)).await?;
+    /// lease.extend(Duration::from_secs(5)).await?;
+    /// assert!(lease.remaining() <= Duration::from_secs(5));
+    /// lease.release().await?;
+    /// # Ok(()) }
+    /// ```
     #[instrument(level = "debug", skip(self), fields(key = self.key.user()))]
     pub async fn extend(&self, ttl: Duration) -> Result<()> {
         validate_ttl(ttl)?;
@@ -214,6 +227,25 @@ impl<B: Backend + Clone> Drop for Lease<B> {
 }
 
 /// A cloneable view of a held lease: its key, fence, time left and lost signal.
+///
+/// ```
+/// # #[tokio::main] async fn main() -> lock_core::Result<()> {
+/// use lock_core::{LockOptions, Locker};
+///
+/// let locker = Locker::memory();
+/// let lease = locker.try_acquire("export", &LockOptions::new()).await?;
+/// let info = lease.info();
+/// // Handed to code that must not own the guard (a spawned task, a request extension).
+/// let watcher = tokio::spawn(async move {
+///     tokio::select! {
+///         _ = info.lost() => "lost",
+///         _ = tokio::time::sleep(std::time::Duration::from_millis(10)) => "still held",
+///     }
+/// });
+/// assert_eq!(watcher.await.unwrap(), "still held");
+/// lease.release().await?;
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct LeaseInfo {
     key: LockKey,

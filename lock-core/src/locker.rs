@@ -269,7 +269,17 @@ impl<B: Backend + Clone> Locker<B> {
         &self.core.backend
     }
 
-    /// The server-side names of `key` under this locker's prefix.
+    /// The server-side names of `key` under this locker's prefix: one hash tag, so that the
+    /// lock and fence keys share a cluster slot.
+    ///
+    /// ```
+    /// let locker = lock_core::Locker::memory();
+    /// let names = locker.lock_key("invoice-42")?;
+    /// assert_eq!(names.lock_key(), "{leasehold:invoice-42}:lock");
+    /// assert_eq!(names.fence_key(), "{leasehold:invoice-42}:fence");
+    /// assert!(locker.lock_key("").is_err());
+    /// # Ok::<(), lock_core::Error>(())
+    /// ```
     pub fn lock_key(&self, key: &str) -> Result<LockKey> {
         validate_key(key)?;
         Ok(LockKey::new(&self.core.prefix, key))
@@ -285,6 +295,21 @@ impl<B: Backend + Clone> Locker<B> {
     /// request), or so near its end that it would count as lost at once (see
     /// [`Lease::lost`]), is released and reported as [`Error::LeaseLost`]: a lease is never
     /// handed out already expired.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{Error, LockOptions, Locker};
+    ///
+    /// let locker = Locker::memory();
+    /// let opts = LockOptions::new();
+    /// let lease = locker.try_acquire("report", &opts).await?;
+    /// match locker.try_acquire("report", &opts).await {
+    ///     Err(Error::Busy { remaining, .. }) => assert!(remaining.is_some()),
+    ///     other => panic!("want Busy, got {other:?}"),
+    /// }
+    /// lease.release().await?;
+    /// # Ok(()) }
+    /// ```
     #[instrument(level = "debug", skip(self, opts), fields(ttl = ?opts.ttl))]
     pub async fn try_acquire(&self, key: &str, opts: &LockOptions) -> Result<Lease<B>> {
         let key = self.lock_key(key)?;

@@ -56,7 +56,13 @@ pub fn current_fence() -> Option<Fence> {
 }
 
 /// A view of the lease the current task runs under (key, fence, time left, lost signal), inside a
-/// `#[locked]` function's body; `None` elsewhere. Same scope rules as [`current_fence`].
+/// `#[locked]` function's body; `None` elsewhere. Same scope rules as [`current_fence`]. The
+/// `#[locked]` attribute is in `lock-macros` (the `leasehold` facade's `macros` feature), whose
+/// docs show it inside a body.
+///
+/// ```
+/// assert!(lock_core::current_lease().is_none());
+/// ```
 pub fn current_lease() -> Option<LeaseInfo> {
     CURRENT.try_with(LeaseInfo::clone).ok()
 }

@@ -97,7 +97,19 @@ impl MemoryBackend {
     }
 
     /// Deletes a lease whoever holds it, as an operator's `DEL` would; returns whether there
-    /// was an unexpired one. For tests and tools.
+    /// was an unexpired one. For tests and tools. Waiters are not woken, as by a `DEL`.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{AnyBackend, LockOptions, Locker, MemoryBackend, Release};
+    ///
+    /// let memory = MemoryBackend::new();
+    /// let locker = Locker::new(AnyBackend::Memory(memory.clone()));
+    /// let lease = locker.try_acquire("job", &LockOptions::new()).await?;
+    /// assert!(memory.force_delete(&locker.lock_key("job")?));
+    /// assert_eq!(lease.release().await?, Release::NotHeld);
+    /// # Ok(()) }
+    /// ```
     pub fn force_delete(&self, key: &LockKey) -> bool {
         let now = Instant::now();
         self.state()

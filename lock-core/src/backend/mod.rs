@@ -36,6 +36,11 @@ pub enum AcquireReply {
 
 /// The storage a [`Locker`](crate::Locker) runs on.
 ///
+/// Implemented by the backends of this crate (memory, Redis/Valkey, cluster, quorum), and
+/// public so that code generic over them can call it. A backend of your own cannot be written
+/// yet: [`watch`](Backend::watch) must return a [`Watch`](crate::Watch), which only this crate
+/// can make.
+///
 /// Every operation is one atomic step on the backend. `release` and `extend` check the token and
 /// never touch a lease that is not the caller's; `extend` never recreates an expired lease. A
 /// `ttl` outside [`MIN_TTL`](crate::MIN_TTL)`..=`[`MAX_TTL`](crate::MAX_TTL) is refused with

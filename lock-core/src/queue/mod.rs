@@ -532,7 +532,21 @@ impl Queue {
         Ok(self.claim_once(lease).await?.ok())
     }
 
-    /// Claims the oldest pending job, waiting up to `wait` for one to arrive.
+    /// Claims the oldest pending job, waiting up to `wait` for one to arrive
+    /// (`Duration::MAX`: as long as it takes).
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() -> lock_core::Result<()> {
+    /// use std::time::Duration;
+    /// use lock_core::queue::Queue;
+    ///
+    /// let q = Queue::memory("orders")?;
+    /// let producer = q.clone();
+    /// tokio::spawn(async move { producer.enqueue(b"order 1").await });
+    /// let job = q.claim_wait(Duration::from_secs(30), Duration::from_secs(5)).await?;
+    /// assert_eq!(job.expect("woken by the enqueue").payload(), b"order 1");
+    /// # Ok(()) }
+    /// ```
     ///
     /// Waiters wake on enqueue (and on retries and reaps that return jobs to pending), and
     /// otherwise when the next delayed job is due or after [`CLAIM_POLL_FALLBACK`].
@@ -671,6 +685,21 @@ impl Queue {
     /// Gives the job back: pending at once (at its original place) when `delay` is zero,
     /// delayed otherwise, or dead when it has used all its attempts. Returns where it went.
     /// Refused as [`Queue::complete`] is.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() -> lock_core::Result<()> {
+    /// use std::time::Duration;
+    /// use lock_core::queue::{JobState, Queue};
+    ///
+    /// let q = Queue::memory("mail")?;
+    /// q.enqueue(b"welcome").await?;
+    /// let job = q.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// let to = q.retry(job.id(), job.attempts(), Duration::ZERO).await?;
+    /// assert_eq!(to, JobState::Pending);
+    /// let again = q.claim(Duration::from_secs(30)).await?.expect("the same job");
+    /// assert_eq!((again.id(), again.attempts()), (job.id(), 2));
+    /// # Ok(()) }
+    /// ```
     pub async fn retry(&self, id: JobId, attempts: u64, delay: Duration) -> Result<JobState> {
         self.retry_because(id, attempts, delay, "").await
     }
@@ -717,6 +746,21 @@ impl Queue {
     /// Moves every active job whose deadline has passed on the store's clock back to pending,
     /// keeping its attempts, or to the dead set when it has used all its attempts. Returns what
     /// it moved. Safe to run from many workers at once: each job is moved once.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() -> lock_core::Result<()> {
+    /// use std::time::Duration;
+    /// use lock_core::queue::{JobState, Queue};
+    ///
+    /// let q = Queue::memory("thumbnails")?;
+    /// q.enqueue(b"cat.png").await?;
+    /// // A worker claims it and dies: its lease runs out.
+    /// let lost = q.claim(Duration::from_millis(20)).await?.expect("a job");
+    /// tokio::time::sleep(Duration::from_millis(50)).await;
+    /// let reaped = q.reap().await?;
+    /// assert_eq!((reaped[0].id, reaped[0].to), (lost.id(), JobState::Pending));
+    /// # Ok(()) }
+    /// ```
     #[instrument(level = "debug", skip(self), fields(queue = %self.inner.name))]
     pub async fn reap(&self) -> Result<Vec<Reaped>> {
         let mut all = Vec::new();
