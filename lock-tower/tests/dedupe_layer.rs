@@ -33,6 +33,7 @@ on_every_backend!(
     result_is_not_stored_when_the_claim_changed_hands,
     client_hangs_up_while_the_result_is_collected,
     client_hangs_up_while_the_handler_runs,
+    results_expire_after_the_retention,
 );
 
 /// A webhook endpoint that counts its runs and answers something unique per run.
@@ -764,6 +765,49 @@ async fn client_hangs_up_while_the_handler_runs(h: Harness) {
         entered.try_recv().is_ok(),
         "the retry did not run the handler"
     );
+}
+
+/// A stored result is replayed for the retention only: after it, the same delivery runs the
+/// handler again.
+async fn results_expire_after_the_retention(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = DedupeLayer::new(h.locker().await).retention(Duration::from_millis(300));
+    let addr = serve(counting(layer, runs.clone(), Duration::ZERO)).await;
+    let first = deliver(addr, r#""short-lived""#, "{}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = deliver(addr, r#""short-lived""#, "{}").await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let again = deliver(addr, r#""short-lived""#, "{}").await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_eq!(
+        again.header("idempotent-replayed"),
+        None,
+        "replayed after the retention"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// By default a result is kept 24 hours: the TTL of its key on the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_retention_is_a_day_on_redis() {
+    let h = Harness::redis();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let addr = serve(counting(
+        DedupeLayer::new(h.locker().await),
+        runs,
+        Duration::ZERO,
+    ))
+    .await;
+    assert_eq!(
+        deliver(addr, r#""kept""#, "{}").await.status,
+        StatusCode::CREATED
+    );
+    let keys: Vec<String> = server_cmd(&h, &["KEYS", "*:result"]);
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let pttl: i64 = server_cmd(&h, &["PTTL", &keys[0]]);
+    let day = 24 * 60 * 60 * 1000;
+    assert!((day - 60_000..=day).contains(&pttl), "PTTL {pttl} ms");
 }
 
 async fn deliver_to(addr: std::net::SocketAddr, path: &str, key: &str) -> Reply {
