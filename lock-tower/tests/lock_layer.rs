@@ -684,3 +684,40 @@ async fn key_from_a_closure() {
     assert_eq!(first.await.expect("join").status, StatusCode::OK);
     assert_eq!(other.await.expect("join").status, StatusCode::OK);
 }
+
+/// The fence without axum's extractors, as a non-axum Tower service reads it
+/// (`Fence::from_extensions`); and `Option<HeldLease>` on a route without the layer is `None`,
+/// not a rejection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fence_from_extensions_and_optional_lease() {
+    let read = |req: axum::extract::Request| async move {
+        Fence::from_extensions(req.extensions()).map_or("none".to_owned(), |f| f.0.0.to_string())
+    };
+    let optional = |lease: Option<HeldLease>| async move {
+        lease.map_or("none".to_owned(), |HeldLease(l)| l.key().to_owned())
+    };
+    let guarded = Router::new()
+        .route("/guarded/{id}", post(read))
+        .route("/guarded-view/{id}", post(optional))
+        .route_layer(LockLayer::new(
+            lock_core::Locker::memory(),
+            KeyExtractor::route_param("id"),
+        ));
+    let app = guarded
+        .route("/bare", post(read))
+        .route("/bare-view", post(optional));
+    let addr = serve(app).await;
+    let fence: u64 = post_to(addr, "/guarded/1")
+        .await
+        .text()
+        .parse()
+        .expect("a fence");
+    assert!(fence > 0);
+    assert_eq!(post_to(addr, "/guarded-view/1").await.text(), "1");
+    assert_eq!(post_to(addr, "/bare").await.text(), "none");
+    let bare = post_to(addr, "/bare-view").await;
+    assert_eq!(
+        (bare.status, bare.text()),
+        (StatusCode::OK, "none".to_owned())
+    );
+}
