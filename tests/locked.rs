@@ -245,6 +245,29 @@ async fn settle(locker: &Locker, order_id: u64, amount: &str) -> Result<u64, App
     Ok(amount * 2)
 }
 
+/// The return type may be an alias of a `Result` whose error takes `leasehold::Error`.
+type AppResult<T> = Result<T, AppError>;
+
+#[locked(key = "aliased:{id}", locker = locker)]
+async fn aliased(locker: &Locker, id: u64) -> AppResult<u64> {
+    Ok(id + 1)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_alias_as_return_type() {
+    let locker = Locker::memory();
+    assert_eq!(aliased(&locker, 1).await.expect("ran"), 2);
+    let held = locker
+        .try_acquire("aliased:1", &LockOptions::default())
+        .await
+        .expect("held");
+    assert!(matches!(
+        aliased(&locker, 1).await,
+        Err(AppError::Lock(Error::Busy { .. }))
+    ));
+    held.release().await.expect("release");
+}
+
 async fn question_mark_and_return(h: Harness) {
     let locker = h.locker().await;
     assert_eq!(settle(&locker, 1, "21").await.expect("ok"), 42);
