@@ -474,11 +474,20 @@ async fn nothing_renews_after_release(h: Harness) {
         Harness::Quorum(_) => 90,
         _ => 30,
     };
+    let mut late = 0;
     for i in 0..60u64 {
-        let lease = locker
-            .try_acquire("race-renew", &opts(ttl_ms))
-            .await
-            .expect("acquire");
+        let lease = match locker.try_acquire("race-renew", &opts(ttl_ms)).await {
+            Ok(lease) => lease,
+            // A grant whose reply came too near the end of its 30 ms (a loaded machine, TLS) is
+            // released in the background and reported lost, never handed out: nothing to race
+            // this round. Within a TTL the key is gone either way.
+            Err(Error::LeaseLost { .. }) => {
+                late += 1;
+                sleep(Duration::from_millis(ttl_ms)).await;
+                continue;
+            }
+            Err(e) => panic!("acquire: {e:?}"),
+        };
         // Around the renewal point (ttl/3), so releases land before, during and after.
         let third = ttl_ms * 1_000 / 3;
         sleep(Duration::from_micros(
@@ -501,14 +510,22 @@ async fn nothing_renews_after_release(h: Harness) {
             !h.exists(&locker, "race-renew"),
             "a renewal outlived release"
         );
-        let again = locker
+        match locker
             .try_acquire("race-renew", &opts(ttl_ms).renew(false))
             .await
-            .expect("free right after release");
-        // Released in the foreground: a dropped guard's background release could still be in
-        // flight when the next round asks (the drop path has its own test).
-        assert_eq!(again.release().await.expect("release"), Release::Released);
+        {
+            // Released in the foreground: a dropped guard's background release could still be
+            // in flight when the next round asks (the drop path has its own test).
+            Ok(again) => assert_eq!(again.release().await.expect("release"), Release::Released),
+            // Granted, so free, but too late to hand out (see above).
+            Err(Error::LeaseLost { .. }) => {
+                late += 1;
+                sleep(Duration::from_millis(ttl_ms)).await;
+            }
+            Err(e) => panic!("the key is not free right after release: {e:?}"),
+        }
     }
+    assert!(late < 20, "{late} grants of 120 came too late to use");
 }
 
 /// One driver keeps 10,000 leases alive: none is lost over several TTLs.

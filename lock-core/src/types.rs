@@ -320,6 +320,19 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_forked_child_reads_afresh_instead_of_replaying_the_parents_bytes() {
+        let _ = Token::generate();
+        // What `fork` leaves the child: the parent's unread bytes, marked with the parent's pid.
+        ENTROPY.with_borrow_mut(|e| {
+            e.bytes = [0xab; 4096];
+            e.next = 0;
+            e.pid = e.pid.wrapping_add(1);
+        });
+        assert_ne!(os_random_16(), [0xab; 16], "replayed the parent's bytes");
+        ENTROPY.with_borrow(|e| assert_eq!((e.pid, e.next), (std::process::id(), 16)));
+    }
+
+    #[test]
     fn tokens_are_128_bit_hex_and_distinct() {
         let a = Token::generate();
         let b = Token::generate();
