@@ -680,16 +680,7 @@ async fn client_hangs_up_while_the_result_is_collected(h: Harness) {
     entered.recv().await.expect("entered");
     tokio::time::sleep(Duration::from_millis(150)).await;
     drop(conn);
-    let mut last = None;
-    let answered = eventually(Duration::from_secs(10), async || {
-        let r = deliver_to(addr, "/hooks/drip", r#""gone""#).await;
-        let done = r.status != StatusCode::CONFLICT;
-        last = Some(r);
-        done
-    })
-    .await;
-    let last = last.expect("at least one retry");
-    assert!(answered, "the claim stayed held: {}", last.text());
+    let last = deliver_until_not_busy(addr, "/hooks/drip", r#""gone""#).await;
     assert_eq!(last.status, StatusCode::OK, "{}", last.text());
     assert_eq!(
         last.header("idempotent-replayed"),
@@ -748,16 +739,7 @@ async fn client_hangs_up_while_the_handler_runs(h: Harness) {
     // The retry soon stops getting 409 (the claim is released, not left to its 60 s TTL) and
     // is not a replay (nothing was stored): it runs the handler.
     go.add_permits(100);
-    let mut last = None;
-    let answered = eventually(Duration::from_secs(10), async || {
-        let r = deliver_to(addr, "/hooks/slow", r#""hang-up""#).await;
-        let done = r.status != StatusCode::CONFLICT;
-        last = Some(r);
-        done
-    })
-    .await;
-    let last = last.expect("at least one retry");
-    assert!(answered, "the claim stayed held: {}", last.text());
+    let last = deliver_until_not_busy(addr, "/hooks/slow", r#""hang-up""#).await;
     assert_eq!(last.status, StatusCode::OK, "{}", last.text());
     assert_eq!(last.text(), "run 2");
     assert_eq!(last.header("idempotent-replayed"), None);
@@ -808,6 +790,22 @@ async fn default_retention_is_a_day_on_redis() {
     let pttl: i64 = server_cmd(&h, &["PTTL", &keys[0]]);
     let day = 24 * 60 * 60 * 1000;
     assert!((day - 60_000..=day).contains(&pttl), "PTTL {pttl} ms");
+}
+
+/// Delivers `key` to `path` until the answer is no longer 409 (the claim was freed), for up to
+/// 10 s, and returns that answer.
+async fn deliver_until_not_busy(addr: std::net::SocketAddr, path: &str, key: &str) -> Reply {
+    let mut last = None;
+    let answered = eventually(Duration::from_secs(10), async || {
+        let r = deliver_to(addr, path, key).await;
+        let done = r.status != StatusCode::CONFLICT;
+        last = Some(r);
+        done
+    })
+    .await;
+    let last = last.expect("at least one retry");
+    assert!(answered, "the claim stayed held: {}", last.text());
+    last
 }
 
 async fn deliver_to(addr: std::net::SocketAddr, path: &str, key: &str) -> Reply {
