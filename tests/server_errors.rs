@@ -681,16 +681,6 @@ async fn cluster_brief_refusal_in_script(flavor: Flavor) {
     assert_eq!(lease.release().await.expect("release"), Release::Released);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_cluster_brief_refusal_in_script() {
-    cluster_brief_refusal_in_script(Flavor::Redis).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn valkey_cluster_brief_refusal_in_script() {
-    cluster_brief_refusal_in_script(Flavor::Valkey).await;
-}
-
 /// A worker's job lease on a server that starts refusing: the worker cancels the handler while
 /// the lease still holds on the server (its renewal needs a write, refused under all three
 /// conditions, OOM included: `ZADD` may need memory), and once the condition clears the reaper
@@ -845,16 +835,6 @@ async fn quorum_members_out_of_memory(flavor: Flavor) {
     again.release().await.expect("release");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_quorum_members_out_of_memory() {
-    quorum_members_out_of_memory(Flavor::Redis).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn valkey_quorum_members_out_of_memory() {
-    quorum_members_out_of_memory(Flavor::Valkey).await;
-}
-
 /// Whether `e` is the server's `LOADING` refusal.
 fn is_loading(e: &Error) -> bool {
     matches!(e, Error::Refused { source, .. }
@@ -987,16 +967,6 @@ async fn loading(flavor: Flavor) {
     assert!(empty.is_none(), "a refused enqueue left a job: {empty:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_loading() {
-    loading(Flavor::Redis).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn valkey_loading() {
-    loading(Flavor::Valkey).await;
-}
-
 /// A release whose wake-up `PUBLISH` the server refuses (the ACL user may not publish) still
 /// releases: the answer is `Released` and the key is gone; the refused publish is only a
 /// wake-up missed, and a waiter still gets the lease from its timer.
@@ -1043,14 +1013,29 @@ async fn refused_publish(flavor: Flavor) {
     next.release().await.expect("release");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_refused_publish() {
-    refused_publish(Flavor::Redis).await;
+/// For each scenario `name`, the tests `redis_name` and `valkey_name`.
+macro_rules! on_redis_and_valkey {
+    ($($name:ident: $redis:ident, $valkey:ident;)*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $redis() {
+                $name(Flavor::Redis).await;
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $valkey() {
+                $name(Flavor::Valkey).await;
+            }
+        )*
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn valkey_refused_publish() {
-    refused_publish(Flavor::Valkey).await;
+on_redis_and_valkey! {
+    cluster_brief_refusal_in_script: redis_cluster_brief_refusal_in_script,
+        valkey_cluster_brief_refusal_in_script;
+    quorum_members_out_of_memory: redis_quorum_members_out_of_memory,
+        valkey_quorum_members_out_of_memory;
+    loading: redis_loading, valkey_loading;
+    refused_publish: redis_refused_publish, valkey_refused_publish;
 }
 
 macro_rules! hostile {
