@@ -78,6 +78,7 @@ impl DedupeConfig {
 /// | client hangs up after the handler answered | the result is still stored and the claim released (a task of its own finishes them), so the retry gets the replay |
 /// | result store write fails (backend refuses it or is down) | the first caller still gets the handler's answer; nothing is stored; the claim is released (with the backend down, it expires with its TTL), so a retry runs the handler again |
 /// | result store unreachable when a request arrives | 503 with `Retry-After: 1`; the handler does not run |
+/// | [`retention`](Self::retention) or [`claim_ttl`](Self::claim_ttl) out of range | 500 ([`Reason::Misconfigured`]), logged at `error`; the handler does not run |
 /// | request body above the cap (1 MiB) | 413 |
 /// | response body above the stored cap (256 KiB) | the first caller gets the full body; the stored result keeps status and headers only, and replays carry an empty body with `Idempotent-Body-Omitted: true` |
 ///

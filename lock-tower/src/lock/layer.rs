@@ -63,6 +63,7 @@ impl LockConfig {
 /// | lease lost while the handler ran | handler cancelled (its future dropped), 503 |
 /// | lease lost while the body streamed | the body ends with an error (the response is cut off) |
 /// | lock backend unreachable | 503 with `Retry-After: 1` |
+/// | the layer's [`ttl`](Self::ttl) out of range (below `MIN_TTL`, above `MAX_TTL`) | 500 ([`Reason::Misconfigured`]), logged at `error` |
 ///
 /// Every status is configurable ([`reject_status`](Self::reject_status)); bodies are
 /// `application/problem+json` unless a [`rejection_response`](Self::rejection_response) is set.
@@ -123,7 +124,9 @@ impl LockLayer {
     }
 
     /// The lease TTL (default 30 s). The lease is renewed at about a third of it while the
-    /// request runs, so this only bounds how long a crashed process keeps the key.
+    /// request runs, so this only bounds how long a crashed process keeps the key. From
+    /// lock-core's `MIN_TTL` to `MAX_TTL` (10 ms to 24 h); out of that range every request is
+    /// answered 500 ([`Reason::Misconfigured`]).
     pub fn ttl(self, ttl: Duration) -> Self {
         self.with(|c| c.opts = c.opts.clone().ttl(ttl))
     }
