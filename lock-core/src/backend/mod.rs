@@ -38,7 +38,7 @@ pub enum AcquireReply {
 ///
 /// Implemented by the backends of this crate (memory, Redis/Valkey, cluster, quorum), and
 /// public so that code generic over them can call it. A backend of your own cannot be written
-/// yet: [`watch`](Backend::watch) must return a [`Watch`](crate::Watch), which only this crate
+/// yet: [`watch`](Backend::watch) must return a [`Watch`], which only this crate
 /// can make.
 ///
 /// Every operation is one atomic step on the backend. `release` and `extend` check the token and
