@@ -18,6 +18,9 @@ use crate::types::{LockKey, Token, drift, warn_ahead};
 pub(crate) struct LeaseState {
     times: Mutex<Times>,
     pub(crate) lost: Lost,
+    /// Woken when the alarm moves earlier (an extend to a shorter TTL), so that a `lost()`
+    /// already asleep until the old alarm wakes at the new one.
+    earlier: Notify,
 }
 
 /// A one-way flag with waiters: set once, when the lease is lost. Lighter than a
@@ -92,6 +95,7 @@ impl LeaseState {
         Arc::new(LeaseState {
             times: Mutex::new(Times::new(deadline, ahead)),
             lost: Lost::default(),
+            earlier: Notify::new(),
         })
     }
 
@@ -109,6 +113,7 @@ impl LeaseState {
     /// came may have run before or after that extend on the server, so it may only shorten.
     pub(crate) fn renewed(&self, sent: Instant, deadline: Instant, ahead: Duration) {
         let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
+        let before = t.alarm;
         let takes = if t.sent_before_extend(sent) {
             deadline < t.deadline
         } else {
@@ -117,6 +122,15 @@ impl LeaseState {
         if takes {
             t.set(deadline, ahead);
         }
+        self.woken_if_earlier(t, before);
+    }
+
+    fn woken_if_earlier(&self, t: std::sync::MutexGuard<'_, Times>, before: Instant) {
+        let earlier = t.alarm < before;
+        drop(t);
+        if earlier {
+            self.earlier.notify_waiters();
+        }
     }
 
     /// An explicit extend sent at `sent` succeeded: the server's expiry is now the one it set,
@@ -124,23 +138,30 @@ impl LeaseState {
     /// [`renewed`](Self::renewed) holds for an extend sent before another extend's reply.
     pub(crate) fn extended(&self, sent: Instant, deadline: Instant, ahead: Duration) {
         let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
+        let before = t.alarm;
         if t.sent_before_extend(sent) {
             if deadline < t.deadline {
                 t.set(deadline, ahead);
             }
-            return;
+        } else {
+            t.set(deadline, ahead);
+            t.extended_at = Some(Instant::now());
         }
-        t.set(deadline, ahead);
-        t.extended_at = Some(Instant::now());
+        self.woken_if_earlier(t, before);
     }
 
     /// Resolves once the lease is lost: cancelled by the driver or a failed extend, or its
     /// alarm passed (the only signal a lease without renewal gets).
     pub(crate) async fn wait_lost(&self) {
         loop {
+            // Registered before the alarm is read, so a move in between still wakes us.
+            let earlier = self.earlier.notified();
+            tokio::pin!(earlier);
+            earlier.as_mut().enable();
             let alarm = self.alarm();
             tokio::select! {
                 _ = self.lost.cancelled() => return,
+                _ = earlier => {}
                 _ = tokio::time::sleep_until(alarm) => {
                     // An extend may have moved the deadline while we slept.
                     if self.alarm() <= Instant::now() {
