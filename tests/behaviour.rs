@@ -635,6 +635,14 @@ async fn bad_input(h: Harness) {
         .is_err(),
         "a held key is waited for"
     );
+    for ttl in [Duration::ZERO, Duration::MAX] {
+        let extended = held.extend(ttl).await;
+        assert!(
+            matches!(extended, Err(Error::InvalidTtl { .. })),
+            "extend {ttl:?}: {extended:?}"
+        );
+    }
+    assert!(!held.is_lost(), "a refused extend marked the lease lost");
     held.release().await.expect("release");
     // A prefix follows the rules of a key; lockers under two prefixes hold two locks (this one
     // within the ACL rule's `{leasehold:*` keys).

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::locker::Core;
 use crate::renew::{Cmd, LeaseState};
 use crate::turnstile::TurnHandle;
-use crate::types::{Fence, LockKey, Token, drift, validate_ttl, warn_ahead};
+use crate::types::{Fence, LockKey, Token, drift, warn_ahead};
 
 /// What [`Lease::release`] found on the server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -127,7 +127,7 @@ impl<B: Backend + Clone> Lease<B> {
     /// ```
     #[instrument(level = "debug", skip(self), fields(key = self.key.user()))]
     pub async fn extend(&self, ttl: Duration) -> Result<()> {
-        validate_ttl(ttl)?;
+        // The TTL is checked by the backend, before anything is sent.
         let start = Instant::now();
         let held = self
             .core

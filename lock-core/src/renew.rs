@@ -112,42 +112,39 @@ impl LeaseState {
     /// an older renewal must not shorten it. But one sent before an explicit extend's reply
     /// came may have run before or after that extend on the server, so it may only shorten.
     pub(crate) fn renewed(&self, sent: Instant, deadline: Instant, ahead: Duration) {
-        let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
-        let before = t.alarm;
-        let takes = if t.sent_before_extend(sent) {
-            deadline < t.deadline
-        } else {
-            deadline > t.deadline
-        };
-        if takes {
-            t.set(deadline, ahead);
-        }
-        self.woken_if_earlier(t, before);
-    }
-
-    fn woken_if_earlier(&self, t: std::sync::MutexGuard<'_, Times>, before: Instant) {
-        let earlier = t.alarm < before;
-        drop(t);
-        if earlier {
-            self.earlier.notify_waiters();
-        }
+        self.answered(sent, deadline, ahead, false);
     }
 
     /// An explicit extend sent at `sent` succeeded: the server's expiry is now the one it set,
     /// shorter or longer than before, so the deadline is set outright. The same rule as
     /// [`renewed`](Self::renewed) holds for an extend sent before another extend's reply.
     pub(crate) fn extended(&self, sent: Instant, deadline: Instant, ahead: Duration) {
+        self.answered(sent, deadline, ahead, true);
+    }
+
+    /// A renewal or, with `explicit`, an extend sent at `sent` succeeded with `deadline`.
+    fn answered(&self, sent: Instant, deadline: Instant, ahead: Duration, explicit: bool) {
         let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
         let before = t.alarm;
-        if t.sent_before_extend(sent) {
-            if deadline < t.deadline {
-                t.set(deadline, ahead);
-            }
+        // Sent before the last extend's reply came: it may have run before or after that extend
+        // on the server, so it may only shorten.
+        let overtaken = t.sent_before_extend(sent);
+        let takes = if overtaken {
+            deadline < t.deadline
         } else {
+            explicit || deadline > t.deadline
+        };
+        if takes {
             t.set(deadline, ahead);
-            t.extended_at = Some(Instant::now());
+            if explicit && !overtaken {
+                t.extended_at = Some(Instant::now());
+            }
         }
-        self.woken_if_earlier(t, before);
+        let earlier = t.alarm < before;
+        drop(t);
+        if earlier {
+            self.earlier.notify_waiters();
+        }
     }
 
     /// Resolves once the lease is lost: cancelled by the driver or a failed extend, or its
@@ -398,9 +395,6 @@ impl Driver {
     }
 }
 
-/// How far ahead "no timer" is, for senders comparing their due time with the driver's.
-const FAR: Duration = Duration::from_secs(86_400 * 365);
-
 pub(crate) async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
     let mut d = Driver::default();
     let mut inflight = FuturesUnordered::new();
@@ -483,7 +477,8 @@ pub(crate) async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
                 drop(st);
                 inbox.wake.notify_one();
             } else {
-                st.asleep_until = Some(next_wake.unwrap_or_else(|| Instant::now() + FAR));
+                st.asleep_until =
+                    Some(next_wake.unwrap_or_else(|| Instant::now() + crate::types::FOREVER));
             }
         }
         let sleep = async {

@@ -127,8 +127,9 @@ pub(crate) fn validate_key(key: &str) -> Result<()> {
 }
 
 /// What a wait of `Duration::MAX` ("as long as it takes") comes to: about thirty years, as
-/// tokio's own timers make of it.
-const FOREVER: Duration = Duration::from_secs(86_400 * 365 * 30);
+/// tokio's own timers make of it. Also how far ahead the renewal driver's "no timer" is, for
+/// senders comparing their due time with the driver's.
+pub(crate) const FOREVER: Duration = Duration::from_secs(86_400 * 365 * 30);
 
 /// `after` from `from`, where an `after` too long to add waits [`FOREVER`] instead of
 /// panicking.
