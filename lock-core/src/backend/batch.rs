@@ -225,8 +225,16 @@ mod tests {
         b.flush.sizes.lock().expect("sizes").clone()
     }
 
+    /// Waits until `n` calls were made; a batcher that never makes them fails the test instead
+    /// of hanging it.
     async fn until_calls<const SEND: bool>(b: &Batcher<Echo<SEND>>, n: usize) {
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(5);
         while sizes(b).len() < n {
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "{n} calls never made: {:?}",
+                sizes(b)
+            );
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
     }
@@ -274,9 +282,42 @@ mod tests {
         let b = echo::<false>(false);
         b.flush.gate.add_permits(100);
         for i in 0..5 {
-            assert_eq!(b.run(i).await.expect("answered").expect("echoed"), i);
+            // Answered on its first poll: sent by its caller, not handed to a scheduled flush.
+            let answer = futures_util::FutureExt::now_or_never(b.run(i)).expect("sent at once");
+            assert_eq!(answer.expect("answered").expect("echoed"), i);
         }
         assert_eq!(sizes(&b), vec![1; 5]);
+        let state = b.state();
+        assert_eq!((state.in_flight, state.scheduled), (0, false), "idle again");
+    }
+
+    /// A queue longer than `MAX_BATCH` goes out as several calls at once, and each answer
+    /// reaches its own caller, also when a call answers short.
+    #[tokio::test]
+    async fn a_long_queue_goes_out_in_calls_of_max_batch() {
+        for short in [false, true] {
+            let b = echo::<false>(short);
+            // One alone, then MAX_BATCH, MAX_BATCH and 2.
+            let n = 2 * MAX_BATCH as u32 + 3;
+            let runs = (0..n).map(|i| {
+                let b = b.clone();
+                async move { b.run(i).await }
+            });
+            let all = tokio::spawn(futures_util::future::join_all(runs));
+            until_calls(&b, 4).await;
+            assert_eq!(sizes(&b), vec![1, MAX_BATCH, MAX_BATCH, 2]);
+            b.flush.gate.add_permits(1000);
+            let answers = all.await.expect("the callers' task");
+            for (i, answer) in answers.into_iter().enumerate() {
+                let first_of_its_call = i == 0 || (i - 1) % MAX_BATCH == 0;
+                let want = (!short || first_of_its_call).then_some(i as u32);
+                assert_eq!(
+                    answer.map(|r| r.expect("echoed")),
+                    want,
+                    "item {i}, short {short}"
+                );
+            }
+        }
     }
 
     #[tokio::test]
