@@ -380,37 +380,39 @@ async fn client_disconnect_during_body_releases(h: Harness) {
     );
 }
 
-/// A handler, or a response body, that outlasts the TTL three times over keeps the key: the
+/// A handler, or a response body, that outlasts the TTL four times over keeps the key: the
 /// lease is renewed throughout. It is released when the handler answers, or when the body
 /// ends, before the client sees the end: a request sent right after gets the key.
 async fn renewed_through_a_long_handler_and_body(h: Harness) {
     let locker = h.locker().await;
-    let ttl = Duration::from_millis(300);
+    let ttl = Duration::from_millis(500);
     let app = Router::new()
         .route(
             "/slow/{id}",
             post(move || async move {
-                tokio::time::sleep(ttl * 3).await;
+                tokio::time::sleep(ttl * 4).await;
                 "slow"
             }),
         )
         .route(
             "/feed/{id}",
-            post(move || async move { Response::new(Body::new(Drip::new(ttl / 3, 9))) }),
+            post(move || async move { Response::new(Body::new(Drip::new(ttl / 3, 12))) }),
         )
         .route("/quick/{id}", post(|| async { "quick" }))
         .route_layer(LockLayer::new(locker, KeyExtractor::route_param("id")).ttl(ttl));
     let addr = serve(app).await;
-    for (path, want) in [("/slow/1", "slow"), ("/feed/1", &"chunk\n".repeat(9))] {
+    for (path, want) in [("/slow/1", "slow"), ("/feed/1", &"chunk\n".repeat(12))] {
         let want = want.to_owned();
         let long = tokio::spawn(async move { post_to(addr, path).await });
-        tokio::time::sleep(ttl * 2).await;
+        tokio::time::sleep(ttl * 3).await;
         let during = post_to(addr, "/quick/1").await;
         assert_eq!(
             during.status,
             StatusCode::CONFLICT,
-            "{path}: the key was free two TTLs in"
+            "{path}: the key was free three TTLs in"
         );
+        // The holder's time left, rounded up: the layer's short TTL, not the 30 s default.
+        assert_eq!(during.header("retry-after"), Some("1"), "{path}");
         let long = long.await.expect("join");
         assert_eq!(long.status, StatusCode::OK, "{path}: {}", long.text());
         assert_eq!(long.text(), want);
@@ -624,21 +626,9 @@ async fn rejections_can_be_customised() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ttl_out_of_range_is_a_500() {
     for ttl in [Duration::ZERO, Duration::from_secs(365 * 86_400)] {
-        let ran = Arc::new(AtomicUsize::new(0));
-        let r = ran.clone();
-        let app = Router::new()
-            .route(
-                "/accounts/{id}/withdraw",
-                post(move || {
-                    r.fetch_add(1, Ordering::SeqCst);
-                    async { "ok" }
-                }),
-            )
-            .route_layer(
-                LockLayer::new(lock_core::Locker::memory(), KeyExtractor::route_param("id"))
-                    .ttl(ttl),
-            );
-        let addr = serve(app).await;
+        let (tx, mut entered) = mpsc::unbounded_channel();
+        let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::route_param("id"));
+        let addr = serve(gated(layer.ttl(ttl), tx, Arc::new(Semaphore::new(1)))).await;
         let res = post_to(addr, "/accounts/7/withdraw").await;
         assert_eq!(res.status, StatusCode::INTERNAL_SERVER_ERROR, "{ttl:?}");
         assert_eq!(res.header("retry-after"), None);
@@ -649,7 +639,7 @@ async fn a_ttl_out_of_range_is_a_500() {
                 .is_some_and(|d| d.contains("ttl")),
             "{problem}"
         );
-        assert_eq!(ran.load(Ordering::SeqCst), 0, "the handler ran");
+        assert!(entered.try_recv().is_err(), "the handler ran");
     }
 }
 
@@ -657,32 +647,38 @@ async fn a_ttl_out_of_range_is_a_500() {
 /// with the same value take turns, another value runs beside them, and `None` is a 400.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn key_from_a_closure() {
-    let account = KeyExtractor::from_fn(|parts| {
-        parts
-            .uri
-            .query()?
-            .split('&')
-            .find_map(|kv| kv.strip_prefix("account="))
-            .map(str::to_owned)
-    });
-    let (tx, mut entered) = mpsc::unbounded_channel();
-    let go = Arc::new(Semaphore::new(0));
-    let layer = LockLayer::new(lock_core::Locker::memory(), account);
-    let addr = serve(gated(layer, tx, go.clone())).await;
-    let first = tokio::spawn(async move { post_to(addr, "/accounts/x/withdraw?account=7").await });
-    entered.recv().await.expect("first entered");
-    let same = post_to(addr, "/accounts/y/withdraw?account=7").await;
-    assert_eq!(same.status, StatusCode::CONFLICT, "{}", same.text());
-    let other = tokio::spawn(async move { post_to(addr, "/accounts/x/withdraw?account=8").await });
-    entered
-        .recv()
-        .await
-        .expect("another account runs beside it");
-    let none = post_to(addr, "/accounts/x/withdraw").await;
-    assert_eq!(none.status, StatusCode::BAD_REQUEST, "{}", none.text());
-    go.add_permits(2);
-    assert_eq!(first.await.expect("join").status, StatusCode::OK);
-    assert_eq!(other.await.expect("join").status, StatusCode::OK);
+    // A lock that wrongly held the other account would leave a wait below hanging.
+    common::bounded(async {
+        let account = KeyExtractor::from_fn(|parts| {
+            parts
+                .uri
+                .query()?
+                .split('&')
+                .find_map(|kv| kv.strip_prefix("account="))
+                .map(str::to_owned)
+        });
+        let (tx, mut entered) = mpsc::unbounded_channel();
+        let go = Arc::new(Semaphore::new(0));
+        let layer = LockLayer::new(lock_core::Locker::memory(), account);
+        let addr = serve(gated(layer, tx, go.clone())).await;
+        let first =
+            tokio::spawn(async move { post_to(addr, "/accounts/x/withdraw?account=7").await });
+        entered.recv().await.expect("first entered");
+        let same = post_to(addr, "/accounts/y/withdraw?account=7").await;
+        assert_eq!(same.status, StatusCode::CONFLICT, "{}", same.text());
+        let other =
+            tokio::spawn(async move { post_to(addr, "/accounts/x/withdraw?account=8").await });
+        entered
+            .recv()
+            .await
+            .expect("another account runs beside it");
+        let none = post_to(addr, "/accounts/x/withdraw").await;
+        assert_eq!(none.status, StatusCode::BAD_REQUEST, "{}", none.text());
+        go.add_permits(2);
+        assert_eq!(first.await.expect("join").status, StatusCode::OK);
+        assert_eq!(other.await.expect("join").status, StatusCode::OK);
+    })
+    .await;
 }
 
 /// The fence without axum's extractors, as a non-axum Tower service reads it
