@@ -20,10 +20,7 @@ fn ms(n: u64) -> Duration {
 
 /// The server's clock in ms, from `TIME`.
 fn server_ms(server: &Server) -> u64 {
-    let t: Vec<String> = server.cmd(&["TIME"]);
-    let secs: u64 = t[0].parse().expect("seconds");
-    let micros: u64 = t[1].parse().expect("micros");
-    secs * 1000 + micros / 1000
+    server.time_micros() / 1_000
 }
 
 fn local_ms() -> u64 {

@@ -249,16 +249,11 @@ async fn waiters_woken_after_resubscribe(flavor: Flavor) {
 
 /// Calls of `command` the server has answered since its stats were last reset.
 fn calls(server: &Server, command: &str) -> u64 {
-    let info: String = server.cmd(&["INFO", "commandstats"]);
-    info.lines()
-        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+    let stats = server.info_field("commandstats", &format!("cmdstat_{command}"));
+    stats
+        .strip_prefix("calls=")
         .and_then(|rest| rest.split(',').next()?.parse().ok())
         .unwrap_or(0)
-}
-
-fn server_micros(server: &Server) -> u64 {
-    let t: Vec<u64> = server.cmd(&["TIME"]);
-    t[0] * 1_000_000 + t[1]
 }
 
 /// Loads the scripts (so that NOSCRIPT retries do not count), then zeroes the command counts.
@@ -280,7 +275,7 @@ async fn concurrent_calls_share_scripts(flavor: Flavor) {
 
     let keys: Vec<String> = (0..64).map(|i| format!("many:{i}")).collect();
     let o = opts(30_000).renew(false);
-    let before = server_micros(&server);
+    let before = server.time_micros();
     let leases = futures_util::future::join_all(keys.iter().map(|k| locker.try_acquire(k, &o)))
         .await
         .into_iter()
@@ -291,7 +286,7 @@ async fn concurrent_calls_share_scripts(flavor: Flavor) {
         acquire_calls, 2,
         "64 acquires: one alone, then the 63 queued behind it in one call"
     );
-    let after = server_micros(&server);
+    let after = server.time_micros();
     for lease in &leases {
         let fence = lease.fence().0;
         assert!(

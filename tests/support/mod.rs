@@ -308,9 +308,19 @@ impl Server {
             .get_connection_with_timeout(Duration::from_millis(200))
             .ok()?;
         let info: String = redis::cmd("INFO").arg("persistence").query(&mut c).ok()?;
-        info.lines()
-            .find_map(|l| l.strip_prefix("loading:"))
-            .map(|v| v.trim() == "1")
+        info_line(&info, "loading").map(|v| v == "1")
+    }
+
+    /// One field of `INFO section` (empty when the server does not report it).
+    pub fn info_field(&self, section: &str, field: &str) -> String {
+        let info: String = self.cmd(&["INFO", section]);
+        info_line(&info, field).unwrap_or_default().to_owned()
+    }
+
+    /// The server's clock (`TIME`), in microseconds.
+    pub fn time_micros(&self) -> u64 {
+        let t: Vec<u64> = self.cmd(&["TIME"]);
+        t[0] * 1_000_000 + t[1]
     }
 
     /// A plain synchronous connection for test-side commands.
@@ -333,6 +343,15 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The value of `field` in an `INFO` reply.
+fn info_line<'a>(info: &'a str, field: &str) -> Option<&'a str> {
+    info.lines().find_map(|l| {
+        l.strip_prefix(field)
+            .and_then(|rest| rest.strip_prefix(':'))
+            .map(str::trim)
+    })
 }
 
 /// A cluster of real server processes, made with `redis-cli --cluster create`.
