@@ -34,6 +34,7 @@ on_every_backend!(
     client_hangs_up_while_the_result_is_collected,
     client_hangs_up_while_the_handler_runs,
     results_expire_after_the_retention,
+    a_failing_body_stores_nothing,
 );
 
 /// A webhook endpoint that counts its runs and answers something unique per run.
@@ -747,6 +748,60 @@ async fn client_hangs_up_while_the_handler_runs(h: Harness) {
         entered.try_recv().is_ok(),
         "the retry did not run the handler"
     );
+}
+
+/// A response body that sends one chunk and then fails, as one cut off by tower-http's
+/// `ResponseBodyTimeoutLayer` does.
+struct Broken(bool);
+
+impl http_body::Body for Broken {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        let frame = if self.0 {
+            Err(std::io::Error::other("the body broke"))
+        } else {
+            self.0 = true;
+            Ok(http_body::Frame::data(Bytes::from_static(b"partial")))
+        };
+        std::task::Poll::Ready(Some(frame))
+    }
+}
+
+/// A response body that fails while the layer collects it (the README's advice for stalled
+/// bodies relies on this): the caller gets a 500, nothing is stored, and the claim is released
+/// at once, so the retry runs the handler again instead of meeting a 409 or a replay.
+async fn a_failing_body_stores_nothing(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let app = Router::new().route(
+        "/hooks/broken",
+        post(move || {
+            r.fetch_add(1, Ordering::SeqCst);
+            async { Response::new(Body::new(Broken(false))) }
+        })
+        .layer(DedupeLayer::new(h.locker().await)),
+    );
+    let addr = serve(app).await;
+    for run in 1..=2 {
+        let res = deliver_to(addr, "/hooks/broken", r#""broken""#).await;
+        assert_eq!(
+            res.status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "run {run}: {}",
+            res.text()
+        );
+        assert_eq!(res.header("idempotent-replayed"), None);
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            run,
+            "the handler did not run again"
+        );
+    }
 }
 
 /// A stored result is replayed for the retention only: after it, the same delivery runs the
