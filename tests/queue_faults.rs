@@ -43,9 +43,9 @@ async fn foreign_types(flavor: Flavor) {
         q.reap().await.map(|_| ()),
     ] {
         match res {
-            Err(Error::WrongType { key, found }) => {
+            Err(Error::WrongType { server_key, found }) => {
                 assert_eq!(
-                    (key.as_str(), found.as_str()),
+                    (server_key.as_str(), found.as_str()),
                     ("{leasehold:wt}:pending", "string")
                 )
             }

@@ -101,9 +101,9 @@ async fn wrong_type(flavor: Flavor) {
     let k = locker.lock_key("typed").expect("key");
     let _: i64 = server.cmd(&["RPUSH", k.lock_key(), "precious"]);
     match locker.try_acquire("typed", &opts(1_000)).await {
-        Err(Error::WrongType { found, key }) => {
+        Err(Error::WrongType { found, server_key }) => {
             assert_eq!(found, "list");
-            assert_eq!(key, k.lock_key());
+            assert_eq!(server_key, k.lock_key());
         }
         other => panic!("expected WrongType, got {other:?}"),
     }
@@ -112,10 +112,10 @@ async fn wrong_type(flavor: Flavor) {
     let _: i64 = server.cmd(&["DEL", k.lock_key()]);
     let _: i64 = server.cmd(&["HSET", k.fence_key(), "f", "v"]);
     match locker.try_acquire("typed", &opts(1_000)).await {
-        Err(Error::WrongType { found, key }) => {
+        Err(Error::WrongType { found, server_key }) => {
             assert_eq!(found, "hash");
             assert_eq!(
-                key,
+                server_key,
                 k.fence_key(),
                 "the error names the key that holds the hash"
             );
@@ -335,11 +335,17 @@ async fn one_foreign_key_in_a_batch(flavor: Flavor) {
     );
     for (i, r) in results.into_iter().enumerate() {
         match (i, r) {
-            (5, Err(Error::WrongType { key, found })) => {
-                assert_eq!((key.as_str(), found.as_str()), (list.lock_key(), "list"));
+            (5, Err(Error::WrongType { server_key, found })) => {
+                assert_eq!(
+                    (server_key.as_str(), found.as_str()),
+                    (list.lock_key(), "list")
+                );
             }
-            (9, Err(Error::WrongType { key, found })) => {
-                assert_eq!((key.as_str(), found.as_str()), (hash.fence_key(), "hash"));
+            (9, Err(Error::WrongType { server_key, found })) => {
+                assert_eq!(
+                    (server_key.as_str(), found.as_str()),
+                    (hash.fence_key(), "hash")
+                );
             }
             (5 | 9, other) => panic!("item {i}: want WrongType, got {other:?}"),
             (_, Ok(_)) => {}

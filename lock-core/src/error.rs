@@ -68,10 +68,14 @@ pub enum Error {
         reason: &'static str,
     },
     /// The server key already holds a value of another type; nothing was overwritten.
-    #[error("key `{key}` holds a {found}, not a leasehold value; nothing was changed")]
+    #[error(
+        "server key `{server_key}` holds a {found}, not a leasehold value; nothing was changed"
+    )]
     WrongType {
-        /// The server key (with prefix and hash tag).
-        key: String,
+        /// The server key that holds the foreign type, with prefix and hash tag (a lease's lock
+        /// or fence key, a gate's key, a queue's key): named apart from the `key` of the other
+        /// variants, which is the key as the caller named it.
+        server_key: String,
         /// The Redis type found there.
         found: String,
     },

@@ -387,7 +387,7 @@ impl QuorumBackend {
                 })
             }
             (Some(-1), 3) => Err(Error::WrongType {
-                key: if int(&items[2]) == Some(2) {
+                server_key: if int(&items[2]) == Some(2) {
                     key.fence_key().to_owned()
                 } else {
                     key.lock_key().to_owned()

@@ -294,11 +294,11 @@ pub(super) mod ops {
             }
             // The item's lock (-1) or fence (-2) key holds a foreign type; name the key.
             Some(-1) => Err(Error::WrongType {
-                key: key.lock_key().to_owned(),
+                server_key: key.lock_key().to_owned(),
                 found: text(value),
             }),
             Some(-2) => Err(Error::WrongType {
-                key: key.fence_key().to_owned(),
+                server_key: key.fence_key().to_owned(),
                 found: text(value),
             }),
             Some(-3) => Err(classify("acquire", key.user(), refusal(value))),
@@ -409,7 +409,7 @@ pub(super) mod ops {
                 int(highest).ok_or_else(|| unexpected("admit", &reply))? as u64,
             )),
             Some((-1, found)) => Err(Error::WrongType {
-                key: gate_key.to_owned(),
+                server_key: gate_key.to_owned(),
                 found: text(found),
             }),
             _ => Err(unexpected("admit", &reply)),

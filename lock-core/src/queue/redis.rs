@@ -130,7 +130,7 @@ fn status<'a>(what: &str, reply: &'a Value) -> Result<(i64, &'a [Value])> {
     let code = int(head).ok_or_else(|| unexpected(what, reply))?;
     if code == -1 {
         return Err(Error::WrongType {
-            key: rest.first().and_then(text).unwrap_or_default(),
+            server_key: rest.first().and_then(text).unwrap_or_default(),
             found: rest.get(1).and_then(text).unwrap_or_default(),
         });
     }
