@@ -401,15 +401,54 @@ async fn expiry_without_renewal_cancels(h: Harness) {
     assert!(!finished.load(Ordering::SeqCst));
 }
 
+/// What a body saw of its lease: time left at the start, and whether it was lost at the end.
+type Seen = (Duration, bool);
+
 #[locked(key = "renewed", locker = locker, ttl = "1s")]
-async fn outlives_its_ttl(locker: &Locker) -> Result<bool, Error> {
+async fn outlives_its_ttl(locker: &Locker) -> Result<Seen, Error> {
+    let at_start = current_lease().expect("lease").remaining();
     sleep(Duration::from_secs(3)).await;
-    Ok(!current_lease().expect("lease").is_lost())
+    Ok((at_start, current_lease().expect("lease").is_lost()))
 }
 
+/// A bare `renew` means `true`: the same three TTLs of sleep as above, at 600 ms written in
+/// milliseconds.
+#[locked(key = "renewed_bare", locker = locker, ttl = "600ms", renew)]
+async fn renewed_by_bare_flag(locker: &Locker) -> Result<Seen, Error> {
+    let at_start = current_lease().expect("lease").remaining();
+    sleep(Duration::from_millis(1_800)).await;
+    Ok((at_start, current_lease().expect("lease").is_lost()))
+}
+
+#[locked(key = "default_ttl", locker = locker)]
+async fn default_settings(locker: &Locker) -> Result<Duration, Error> {
+    Ok(current_lease().expect("lease").remaining())
+}
+
+/// The TTL written as text is the one in force (time left at the start is within it, so a
+/// silently ignored `ttl` would show the 30 s default), and renewal carries the body through
+/// three of them; absent, the TTL is 30 s.
 async fn renewal_keeps_the_body_running(h: Harness) {
     let locker = h.locker().await;
-    assert!(outlives_its_ttl(&locker).await.expect("renewed throughout"));
+    let (at_start, lost) = outlives_its_ttl(&locker).await.expect("renewed throughout");
+    assert!(
+        at_start <= Duration::from_secs(1) && at_start > Duration::from_millis(500),
+        "{at_start:?} left of a 1 s lease"
+    );
+    assert!(!lost, "lost although renewed");
+    let (at_start, lost) = renewed_by_bare_flag(&locker)
+        .await
+        .expect("renewed throughout");
+    assert!(
+        at_start <= Duration::from_millis(600) && at_start > Duration::from_millis(300),
+        "{at_start:?} left of a 600 ms lease"
+    );
+    assert!(!lost, "lost although a bare `renew` was given");
+    let left = default_settings(&locker).await.expect("default");
+    assert!(
+        left <= Duration::from_secs(30) && left > Duration::from_secs(25),
+        "{left:?} left of the default 30 s lease"
+    );
 }
 
 #[locked(key = "panicky", locker = locker, ttl = "30s")]
@@ -543,9 +582,36 @@ async fn bad_input_is_a_typed_error(h: Harness) {
     assert!(ran.load(Ordering::SeqCst));
 }
 
-/// Code that reaches leasehold under another path names it with `crate = ...`.
+/// Code that reaches leasehold under another path names it with `crate = ...`. The path here
+/// re-exports leasehold's macro runtime with its entry point wrapped to count its calls, so a
+/// macro that ignored `crate = ...` (and went to `::leasehold` itself) would leave the count at
+/// zero.
 mod renamed {
-    pub use leasehold as lh;
+    pub mod lh {
+        pub mod __private {
+            use std::sync::atomic::{AtomicUsize, Ordering};
+
+            pub use leasehold::__private::*;
+            use leasehold::{Backend, Locker};
+
+            pub static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+            pub async fn locked<B, R, Fut>(
+                locker: leasehold::Result<Locker<B>>,
+                key: String,
+                settings: Settings,
+                from_lock_error: fn(Error) -> R,
+                body: Fut,
+            ) -> R
+            where
+                B: Backend + Clone,
+                Fut: Future<Output = R>,
+            {
+                CALLS.fetch_add(1, Ordering::SeqCst);
+                leasehold::__private::locked(locker, key, settings, from_lock_error, body).await
+            }
+        }
+    }
 }
 
 #[locked(key = "renamed", locker = locker, crate = crate::renamed::lh)]
@@ -564,6 +630,11 @@ async fn crate_override() {
     let a = through_a_path(&locker).await.expect("path");
     let b = through_a_string(&locker).await.expect("string");
     assert!(b > a);
+    assert_eq!(
+        renamed::lh::__private::CALLS.load(Ordering::SeqCst),
+        2,
+        "both calls went through the path named by `crate = ...`"
+    );
 }
 
 macro_rules! suite {
