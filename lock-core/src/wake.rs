@@ -30,6 +30,18 @@ pub(crate) enum Registered {
 
 impl Wakeups {
     pub(crate) fn register(&self, channel: &str) -> (watch::Receiver<u64>, Registered) {
+        self.register_then(channel, || {})
+    }
+
+    /// Registers a watcher of `channel`; for its first, runs `on_first` (which must not touch
+    /// this registry) before the registry is unlocked. A subscribe sent from there cannot be
+    /// overtaken by the unsubscribe of a last watcher leaving on another thread: see
+    /// [`Wakeups::unregister_then`].
+    pub(crate) fn register_then(
+        &self,
+        channel: &str,
+        on_first: impl FnOnce(),
+    ) -> (watch::Receiver<u64>, Registered) {
         let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         match keys.get_mut(channel) {
             Some(slot) => {
@@ -39,22 +51,26 @@ impl Wakeups {
             None => {
                 let (tx, rx) = watch::channel(0);
                 keys.insert(channel.to_owned(), Slot { tx, watchers: 1 });
+                on_first();
                 (rx, Registered::First)
             }
         }
     }
 
-    /// Returns true when the last watcher left and the subscription can go.
-    pub(crate) fn unregister(&self, channel: &str) -> bool {
+    /// Unregisters a watcher of `channel`; when it was the last, runs `on_last` (which must not
+    /// touch this registry) before the registry is unlocked. So the commands these two send
+    /// reach a subscription task in the order the registry changed: an unsubscribe sent after
+    /// unlocking could arrive behind the subscribe of the next first watcher and leave a watched
+    /// channel unsubscribed until all its watchers left.
+    pub(crate) fn unregister_then(&self, channel: &str, on_last: impl FnOnce()) {
         let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(slot) = keys.get_mut(channel) {
             slot.watchers -= 1;
             if slot.watchers == 0 {
                 keys.remove(channel);
-                return true;
+                on_last();
             }
         }
-        false
     }
 
     /// Wakes every waiter of one channel.
@@ -80,8 +96,10 @@ impl Wakeups {
     }
 }
 
-/// A request to a backend's one subscription task, which handles them in order so that a late
-/// unsubscribe of a channel's last waiter can never undo the subscribe of its next first one.
+/// A request to a backend's one subscription task, which handles them in the order they were
+/// sent; they are sent with the registry locked ([`Wakeups::register_then`],
+/// [`Wakeups::unregister_then`]), so a late unsubscribe of a channel's last waiter can never
+/// undo the subscribe of its next first one.
 pub(crate) enum SubCmd {
     /// Subscribe to the channel; the sender is answered once the server confirmed it.
     Subscribe(String, oneshot::Sender<()>),
@@ -99,21 +117,24 @@ pub(crate) async fn watch_through(
     key: &LockKey,
 ) -> Watch {
     let channel = key.channel().to_owned();
-    let (rx, reg) = wakeups.register(&channel);
+    let (ack_tx, ack_rx) = oneshot::channel();
+    let mut subscribing = false;
+    let (rx, _) = wakeups.register_then(&channel, || {
+        subscribing = sub_tx
+            .send(SubCmd::Subscribe(channel.clone(), ack_tx))
+            .is_ok();
+    });
     let tx = sub_tx.clone();
     let watch = Watch {
         rx,
-        channel: channel.clone(),
+        channel,
         wakeups: wakeups.clone(),
         on_last: Some(Box::new(move |ch| {
             let _ = tx.send(SubCmd::Unsubscribe(ch));
         })),
     };
-    if let Registered::First = reg {
-        let (ack_tx, ack_rx) = oneshot::channel();
-        if sub_tx.send(SubCmd::Subscribe(channel, ack_tx)).is_ok() {
-            let _ = tokio::time::timeout(Duration::from_secs(1), ack_rx).await;
-        }
+    if subscribing {
+        let _ = tokio::time::timeout(Duration::from_secs(1), ack_rx).await;
     }
     watch
 }
@@ -123,6 +144,8 @@ pub struct Watch {
     pub(crate) rx: watch::Receiver<u64>,
     pub(crate) channel: String,
     pub(crate) wakeups: Arc<Wakeups>,
+    /// Run when this was the channel's last watcher, with the registry locked (see
+    /// [`Wakeups::unregister_then`]): it must not touch the registry.
     pub(crate) on_last: Option<Box<dyn Fn(String) + Send + Sync>>,
 }
 
@@ -142,10 +165,56 @@ impl Watch {
 
 impl Drop for Watch {
     fn drop(&mut self) {
-        if self.wakeups.unregister(&self.channel)
-            && let Some(f) = &self.on_last
-        {
-            f(std::mem::take(&mut self.channel));
-        }
+        let channel = std::mem::take(&mut self.channel);
+        self.wakeups.unregister_then(&channel, || {
+            if let Some(f) = &self.on_last {
+                f(channel.clone());
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The unsubscribe of a channel's last watcher is sent while the registry is locked, so no
+    /// new first watcher can register between the two and send its subscribe first: the
+    /// channel would then end unsubscribed while watched. (That window is a few instructions
+    /// wide, too narrow for a test to hit by racing two threads: 150,000 rounds of it never
+    /// did here, so the test checks the lock instead.)
+    #[tokio::test]
+    async fn commands_are_sent_with_the_registry_locked() {
+        let wakeups = Arc::new(Wakeups::default());
+        let (sub_tx, mut sub_rx) = mpsc::unbounded_channel::<SubCmd>();
+        let locked_at_send = Arc::new(Mutex::new(Vec::new()));
+        let key = LockKey::new("t", "locked");
+        let answering = tokio::spawn(async move {
+            let mut seen = Vec::new();
+            while let Some(cmd) = sub_rx.recv().await {
+                match cmd {
+                    SubCmd::Subscribe(ch, ack) => {
+                        seen.push((ch, true));
+                        let _ = ack.send(());
+                    }
+                    SubCmd::Unsubscribe(ch) => seen.push((ch, false)),
+                }
+            }
+            seen
+        });
+        let mut watch = watch_through(&wakeups, &sub_tx, &key).await;
+        // The unsubscribe, sent by the watch's own drop, checks the lock as it is sent.
+        let (wakeups2, sent) = (wakeups.clone(), locked_at_send.clone());
+        let tx = sub_tx.clone();
+        watch.on_last = Some(Box::new(move |ch| {
+            sent.lock().unwrap().push(wakeups2.keys.try_lock().is_err());
+            let _ = tx.send(SubCmd::Unsubscribe(ch));
+        }));
+        drop(watch);
+        assert_eq!(*locked_at_send.lock().unwrap(), vec![true]);
+        drop(sub_tx);
+        let seen = answering.await.unwrap();
+        let channel = key.channel().to_owned();
+        assert_eq!(seen, vec![(channel.clone(), true), (channel, false)]);
     }
 }
