@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use leasehold::Error;
+use leasehold::RedisConfig;
 use leasehold::queue::{JobId, JobState, Queue, Worker};
+use support::proxy::Proxy;
 use support::{Flavor, Server, has_binary};
 use tokio::time::{Instant, sleep};
 
@@ -253,6 +255,138 @@ async fn worker_process_killed(flavor: Flavor) {
     rescuer.shutdown(Duration::from_secs(5)).await;
 }
 
+/// The worker's link stalls mid-job (a proxy stops forwarding, connections open): its extends
+/// hang until the connection's response timeout (10 s here). The handler must still be
+/// cancelled at the local deadline, before the server lets the lease go and another worker,
+/// reaping every 50 ms on a link of its own, is given the job. Ending the handler when the
+/// hung extend timed out would leave both handlers running at once for seconds.
+async fn stalled_extend_cancels_in_time(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let config = RedisConfig {
+        response_timeout: Duration::from_secs(10),
+        ..RedisConfig::default()
+    };
+    let stalled_link = leasehold::RedisBackend::connect_with(&proxy.url(), config)
+        .await
+        .expect("connect through the proxy");
+    let q = Queue::builder("stalled")
+        .on_redis(stalled_link)
+        .expect("queue");
+    let id = q.enqueue(b"job").await.expect("enqueue");
+    // When the first handler started and when it was dropped; when the second one started.
+    let first: Arc<Mutex<(Option<Instant>, Option<Instant>)>> = Arc::default();
+    let second: Arc<Mutex<Option<Instant>>> = Arc::default();
+    struct Dropped(Arc<Mutex<(Option<Instant>, Option<Instant>)>>);
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            self.0.lock().expect("first").1 = Some(Instant::now());
+        }
+    }
+    let rec = first.clone();
+    let stalled = Worker::new(q.clone())
+        .lease(ms(600))
+        .reap_every(Duration::from_secs(60))
+        .start(move |_| {
+            let rec = rec.clone();
+            async move {
+                rec.lock().expect("first").0 = Some(Instant::now());
+                let _dropped = Dropped(rec);
+                sleep(Duration::from_secs(60)).await;
+                Ok(())
+            }
+        })
+        .expect("start");
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while first.lock().expect("first").0.is_none() && Instant::now() < give_up {
+        sleep(ms(5)).await;
+    }
+    let started = first
+        .lock()
+        .expect("first")
+        .0
+        .expect("the first worker claimed the job");
+    proxy.stall(true);
+    let direct = Queue::redis(&server.url(), "stalled")
+        .await
+        .expect("connect");
+    let rec = second.clone();
+    let rescuer = Worker::new(direct)
+        .lease(ms(5_000))
+        .reap_every(ms(50))
+        .start(move |job| {
+            let rec = rec.clone();
+            async move {
+                assert_eq!(job.attempts(), 2);
+                rec.lock().expect("second").get_or_insert(Instant::now());
+                Ok(())
+            }
+        })
+        .expect("start");
+    while rescuer.report().completed == 0 && Instant::now() < give_up {
+        sleep(ms(10)).await;
+    }
+    assert_eq!(rescuer.report().completed, 1, "the job never came back");
+    let second_started = second.lock().expect("second").expect("second handler ran");
+    let dropped = first.lock().expect("first").1;
+    let dropped = dropped
+        .expect("the stalled worker's handler was still running when the job went to another");
+    assert!(
+        dropped < second_started,
+        "the stalled handler was dropped {:?} after the other one started",
+        dropped - second_started
+    );
+    assert!(
+        dropped - started < ms(600),
+        "cancelled {:?} after the handler started, past its 600 ms lease",
+        dropped - started
+    );
+    proxy.stall(false);
+    // Completed by the other worker.
+    let direct = Queue::redis(&server.url(), "stalled")
+        .await
+        .expect("connect");
+    assert_eq!(direct.job(id).await.expect("job").state, JobState::Done);
+    rescuer.shutdown(Duration::from_secs(5)).await;
+    stalled.shutdown(Duration::from_secs(5)).await;
+}
+
+/// A slow link (350 ms round trips against a 900 ms lease): the first extend is due a third of
+/// the lease after the claim was sent, not after its slow reply came. Counted from the reply,
+/// it would go out at 650 ms and answer at 1,000 ms, past the 889 ms local deadline, and a
+/// healthy job would be cancelled on its first extend.
+async fn slow_link_keeps_the_lease(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let q = Queue::redis(&proxy.url(), "slow").await.expect("connect");
+    // The scripts loaded first: a script's first call answers NOSCRIPT and is sent again, a
+    // second round trip that is not what this test is about.
+    q.enqueue(b"warm").await.expect("enqueue");
+    let mut warm = q.claim(ms(900)).await.expect("claim").expect("job");
+    warm.extend(ms(900)).await.expect("extend");
+    warm.complete().await.expect("complete");
+    q.enqueue(b"job").await.expect("enqueue");
+    proxy.set_latency(ms(175));
+    let worker = Worker::new(q)
+        .lease(ms(900))
+        .start(|_| async {
+            sleep(ms(2_000)).await;
+            Ok(())
+        })
+        .expect("start");
+    let give_up = Instant::now() + Duration::from_secs(15);
+    while worker.report().completed + worker.report().lost == 0 && Instant::now() < give_up {
+        sleep(ms(20)).await;
+    }
+    let report = worker.report();
+    assert_eq!(
+        (report.completed, report.lost),
+        (1, 0),
+        "the job did not survive a slow link: {report:?}"
+    );
+    worker.shutdown(Duration::from_secs(5)).await;
+}
+
 /// The child side of `skewed_clients`: claims one job and leaves it, claims and completes
 /// another, and reports its own wall clock beside the deadlines it was given.
 #[tokio::test]
@@ -389,6 +523,14 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn skewed_clients() {
                 super::skewed_clients($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn stalled_extend_cancels_in_time() {
+                super::stalled_extend_cancels_in_time($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn slow_link_keeps_the_lease() {
+                super::slow_link_keeps_the_lease($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn shares_backend_with_locks() {

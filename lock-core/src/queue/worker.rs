@@ -484,7 +484,7 @@ where
 }
 
 /// Extends the lease every third of it; returns only when the lease is lost: an extend was
-/// refused, or the local deadline passed while extends kept failing.
+/// refused, or the local deadline passed while extends kept failing or hung.
 async fn keep_alive(
     queue: &Queue,
     id: JobId,
@@ -492,17 +492,31 @@ async fn keep_alive(
     lease: Duration,
     mut local_deadline: Instant,
 ) -> Error {
+    let lost = || Error::LeaseLost {
+        key: format!("{}/job:{}", queue.name(), id.0),
+    };
     let every = lease / 3;
-    let mut next = Instant::now() + every;
+    // A third of the lease after the claim was sent (the local deadline counts from then, less
+    // the drift allowance), not after its reply came: a slow reply must not use up the time
+    // for the first extend.
+    let mut next = local_deadline
+        .checked_sub(lease.saturating_sub(drift(lease)).saturating_sub(every))
+        .unwrap_or_else(Instant::now);
     loop {
         sleep_until(next.min(local_deadline)).await;
         if Instant::now() >= local_deadline {
-            return Error::LeaseLost {
-                key: format!("{}/job:{}", queue.name(), id.0),
-            };
+            return lost();
         }
         let start = Instant::now();
-        match queue.extend(id, attempts, lease).await {
+        // An extend that hangs (a stalled link, a paused server) is cut off at the deadline: the
+        // handler must stop before the server can give the job to another worker, not when the
+        // connection's response timeout ends the call.
+        let extended = tokio::select! {
+            biased;
+            () = sleep_until(local_deadline) => return lost(),
+            extended = queue.extend(id, attempts, lease) => extended,
+        };
+        match extended {
             Ok(_) => {
                 local_deadline = start + lease - drift(lease);
                 next = start + every;
