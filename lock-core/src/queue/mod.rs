@@ -243,9 +243,10 @@ impl QueueBuilder {
     }
 
     /// How long a completed job's marker stays (default [`DEFAULT_KEEP_DONE`]). While it stays,
-    /// a late caller of an old attempt gets [`Error::Stale`]; afterwards
-    /// [`Error::UnknownJob`]. Zero deletes completed jobs at once; above [`MAX_KEEP_DONE`] the
-    /// queue is not built ([`Error::InvalidDuration`]).
+    /// a late caller of an old attempt gets [`Error::Stale`] and a repeated complete of the last
+    /// attempt succeeds; afterwards both get [`Error::UnknownJob`]. Zero deletes completed jobs
+    /// at once, so a complete whose reply was lost cannot be confirmed (a worker counts it as
+    /// lost); above [`MAX_KEEP_DONE`] the queue is not built ([`Error::InvalidDuration`]).
     pub fn keep_done(mut self, keep: Duration) -> Self {
         self.keep_done = keep;
         self
@@ -673,7 +674,10 @@ impl Queue {
     /// Refused with [`Error::Stale`] when a newer attempt exists, [`Error::LeaseLost`] when the
     /// attempt's lease ended without a newer claim (reaped back to pending, or already retried
     /// or failed), and [`Error::UnknownJob`] when no such job exists. Completing the same
-    /// attempt twice succeeds, so a complete whose reply was lost can be sent again.
+    /// attempt twice succeeds while the job's done marker is kept
+    /// ([`QueueBuilder::keep_done`]), so a complete whose reply was lost can be sent again;
+    /// with `keep_done` zero, or once the marker has expired, the repeat finds no job
+    /// ([`Error::UnknownJob`]) and cannot tell a completion that landed from one that did not.
     #[instrument(level = "debug", skip(self), fields(queue = %self.inner.name))]
     pub async fn complete(&self, id: JobId, attempts: u64) -> Result<()> {
         let keep_done_ms = ms(self.inner.keep_done);

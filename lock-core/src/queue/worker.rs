@@ -128,7 +128,9 @@ pub struct WorkerReport {
     /// Jobs failed for good by their handler.
     pub failed: u64,
     /// Jobs whose lease was lost: the handler was cancelled, or its result was refused as
-    /// stale. The reaper returns them; another worker runs them again.
+    /// stale or could not be settled. The reaper returns them; another worker runs them again.
+    /// A complete whose reply was lost on a queue with `keep_done` zero counts here too, though
+    /// it may have landed (its repeat finds no job).
     pub lost: u64,
     /// Handlers still running when the report was taken; after a shutdown, the ones cut off at
     /// the grace deadline (their jobs are left to the reaper).
@@ -462,9 +464,9 @@ where
     .await
 }
 
-/// Settling is idempotent per attempt (a repeated complete succeeds; a repeated retry or fail
-/// is refused as no longer held, which the caller then reports), so transient failures are
-/// worth a few more tries before the reaper has to step in.
+/// Settling is idempotent per attempt (a repeated complete succeeds while the done marker is
+/// kept; a repeated retry or fail is refused as no longer held, which the caller then reports),
+/// so transient failures are worth a few more tries before the reaper has to step in.
 async fn with_retries<T, Fut>(mut op: impl FnMut() -> Fut) -> Result<T>
 where
     Fut: Future<Output = Result<T>>,
