@@ -601,6 +601,27 @@ async fn shutdown_is_graceful(h: Harness) {
     assert_eq!(q.job(c).await.expect("job").state, JobState::Pending);
 }
 
+/// A stop that comes together with a wake-up claims nothing. On memory an enqueue's wake-up is
+/// delivered before `enqueue` returns, so with the worker asleep in its claim wait and the stop
+/// sent right after, both are ready at the worker's next poll. Twenty rounds; a wait that
+/// picked between the two at random would claim in about half of them.
+#[tokio::test(flavor = "current_thread")]
+async fn a_stop_with_a_wake_up_claims_nothing() {
+    for round in 0..20 {
+        let q = Queue::memory("stop_and_wake").expect("queue");
+        let w = Worker::new(q.clone())
+            .concurrency(1)
+            .start(|_| async { Ok(()) })
+            .expect("start");
+        // The worker runs while this task sleeps: it finds nothing, subscribes and waits.
+        sleep(ms(50)).await;
+        let id = q.enqueue(b"x").await.expect("enqueue");
+        let r = w.shutdown(ms(500)).await;
+        assert_eq!(r.claimed, 0, "round {round}: claimed after shutdown: {r:?}");
+        assert_eq!(q.job(id).await.expect("job").state, JobState::Pending);
+    }
+}
+
 async fn bad_input(h: Harness) {
     assert!(matches!(Queue::memory(""), Err(Error::InvalidKey { .. })));
     assert!(matches!(

@@ -600,6 +600,11 @@ impl Queue {
             if let Some(w) = watch.as_mut() {
                 w.mark_seen();
             }
+            // A stop is honoured before every claim: the wake-up that ended the last wait may
+            // have come together with it.
+            if stop.is_some_and(CancellationToken::is_cancelled) {
+                return Ok(None);
+            }
             let next_due = match self.claim_once(lease).await? {
                 Ok(claim) => return Ok(Some(claim)),
                 Err(next_due) => next_due,
@@ -627,9 +632,10 @@ impl Queue {
                 }
             };
             tokio::select! {
+                biased;
+                _ = stopped => return Ok(None),
                 _ = w.changed() => {},
                 _ = tokio::time::sleep_until(wake_at) => {},
-                _ = stopped => return Ok(None),
             }
         }
     }
