@@ -442,6 +442,40 @@ async fn worker_settles_by_outcome(h: Harness) {
 }
 
 /// A batch larger than one round trip (by count and by bytes) lands whole and in order.
+/// A claim moves at most 100 due retries back to pending, the earliest due first, on every
+/// backend alike: with 150 due, the 100 that came due first are claimable at once (the lowest
+/// id among them first), and the other 50 join with the next claim.
+async fn due_retries_return_a_hundred_a_claim(h: Harness) {
+    let q = h.open(Queue::builder("due")).await;
+    let ids = q.enqueue_many(vec![b"x"; 150]).await.expect("enqueue");
+    let mut claims = Vec::new();
+    for _ in 0..150 {
+        claims.push(q.claim(ms(30_000)).await.expect("claim").expect("job"));
+    }
+    // Ids 51..=150 come due first, 1..=50 later.
+    let (due_first, due_later): (Vec<_>, Vec<_>) =
+        claims.into_iter().partition(|c| c.id() > ids[49]);
+    for c in due_first {
+        assert_eq!(c.retry(ms(100)).await.expect("retry"), JobState::Delayed);
+    }
+    for c in due_later {
+        assert_eq!(c.retry(ms(400)).await.expect("retry"), JobState::Delayed);
+    }
+    sleep(ms(600)).await;
+    let first = q.claim(ms(30_000)).await.expect("claim").expect("job");
+    assert_eq!(
+        first.id(),
+        ids[50],
+        "the lowest id of the 100 that came due first"
+    );
+    let second = q.claim(ms(30_000)).await.expect("claim").expect("job");
+    assert_eq!(
+        second.id(),
+        ids[0],
+        "the other 50 joined with the next claim"
+    );
+}
+
 async fn enqueue_many_in_order(h: Harness) {
     let q = h.open(Queue::builder("batch")).await;
     let mut payloads: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; MAX_PAYLOAD]).collect();
@@ -784,6 +818,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn worker_settles_by_outcome() {
                 super::worker_settles_by_outcome(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn due_retries_return_a_hundred_a_claim() {
+                super::due_retries_return_a_hundred_a_claim(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn enqueue_many_in_order() {

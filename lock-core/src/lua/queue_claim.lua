@@ -4,6 +4,8 @@ local bad = check_keys()
 if bad then return bad end
 local now = now_ms()
 -- Delayed retries that are due join pending at their original place (their id).
+-- At most 100 a claim, the earliest due first (the memory queue's PROMOTE_PER_CLAIM): a claim's
+-- script must stay short.
 local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 100)
 for _, id in ipairs(due) do
   bad = foreign(ARGV[1] .. id, 'hash')

@@ -17,6 +17,9 @@ pub(crate) struct MemoryQueue {
     channel: String,
 }
 
+/// Due delayed jobs a claim moves back to pending, as `queue_claim.lua`'s `LIMIT 0 100`.
+const PROMOTE_PER_CLAIM: usize = 100;
+
 struct Job {
     state: JobState,
     attempts: u64,
@@ -91,8 +94,13 @@ impl State {
         }
     }
 
+    /// Moves due delayed jobs back to pending, at most [`PROMOTE_PER_CLAIM`] of them, the
+    /// earliest due first, as `queue_claim.lua` does (a claim's script must stay short).
     fn promote_due(&mut self, now: u64) {
-        while let Some(&(ready, id)) = self.delayed.first() {
+        for _ in 0..PROMOTE_PER_CLAIM {
+            let Some(&(ready, id)) = self.delayed.first() else {
+                break;
+            };
             if ready > now {
                 break;
             }
