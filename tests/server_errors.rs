@@ -1020,6 +1020,65 @@ macro_rules! on_redis_and_valkey {
     };
 }
 
+/// A `#[locked]` body on a server that starts refusing its renewals (the ACL user loses every
+/// command) once it has been renewed past its 2 s TTL: the body is dropped and the call returns
+/// `LeaseLost` within that TTL of the first refusal, through the same loss signal as a plain
+/// lease.
+#[cfg(feature = "macros")]
+async fn locked_body_cancelled_when_renewal_is_refused(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let (lock_url, _) = urls(&server, Condition::NoPerm);
+    let locker = Locker::redis(&lock_url).await.expect("connect");
+    let started = Arc::new(tokio::sync::Notify::new());
+    let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let call = tokio::spawn(renewed_until_refused(
+        locker,
+        started.clone(),
+        finished.clone(),
+    ));
+    started.notified().await;
+    // Renewed past its TTL before the refusals start.
+    sleep(Duration::from_secs(3)).await;
+    assert!(
+        !call.is_finished(),
+        "the body ended before renewals were refused"
+    );
+    let refused_at = Instant::now();
+    set_condition(&server, Condition::NoPerm, true);
+    let out = timeout(Duration::from_secs(6), call)
+        .await
+        .expect("the body still ran seconds after its lease's deadline")
+        .expect("the call's task");
+    let took = refused_at.elapsed();
+    assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+    assert!(
+        took < Duration::from_secs(2),
+        "LeaseLost came {took:?} after renewals were refused, past the 2 s lease"
+    );
+    assert!(!finished.load(Ordering::SeqCst), "the body ran to its end");
+    set_condition(&server, Condition::NoPerm, false);
+}
+
+#[cfg(feature = "macros")]
+#[leasehold::locked(key = "refused-renewal", locker = locker, ttl = "2s")]
+async fn renewed_until_refused(
+    locker: Locker,
+    started: Arc<tokio::sync::Notify>,
+    finished: Arc<std::sync::atomic::AtomicBool>,
+) -> Result<(), Error> {
+    started.notify_one();
+    sleep(Duration::from_secs(8)).await;
+    finished.store(true, Ordering::SeqCst);
+    Ok(())
+}
+
+#[cfg(feature = "macros")]
+on_redis_and_valkey! {
+    locked_body_cancelled_when_renewal_is_refused:
+        redis_locked_body_cancelled_when_renewal_is_refused,
+        valkey_locked_body_cancelled_when_renewal_is_refused;
+}
+
 on_redis_and_valkey! {
     cluster_brief_refusal_in_script: redis_cluster_brief_refusal_in_script,
         valkey_cluster_brief_refusal_in_script;
