@@ -32,6 +32,7 @@ on_every_backend!(
     lease_loss_while_streaming_cuts_the_body,
     percent_encoded_paths_name_the_same_key,
     renewed_through_a_long_handler_and_body,
+    a_body_that_ends_at_once_is_not_polled_again,
 );
 
 /// A route whose handler reports it entered and then waits for `go`.
@@ -549,6 +550,47 @@ async fn lease_loss_while_streaming_cuts_the_body(h: Harness) {
         "cut only after {:?}: {err}",
         started.elapsed()
     );
+}
+
+/// A streaming body with nothing in it (an export of zero rows), which does not tell it has
+/// ended until polled and panics if polled past its end, as `futures::stream::unfold` does.
+struct EndsAtOnce {
+    ended: bool,
+}
+
+impl http_body::Body for EndsAtOnce {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        assert!(!self.ended, "polled after it returned its end");
+        self.ended = true;
+        std::task::Poll::Ready(None)
+    }
+}
+
+/// The layer's one early poll finds the body ended: the response goes out whole (200, empty),
+/// the lease is released, and the spent body is never polled again.
+async fn a_body_that_ends_at_once_is_not_polled_again(h: Harness) {
+    let locker = h.locker().await;
+    let app = Router::new()
+        .route(
+            "/exports/{id}",
+            post(|| async { Response::new(Body::new(EndsAtOnce { ended: false })) }),
+        )
+        .route_layer(LockLayer::new(
+            locker.clone(),
+            KeyExtractor::route_param("id"),
+        ));
+    let addr = serve(app).await;
+    for _ in 0..3 {
+        let reply = post_to(addr, "/exports/7").await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        assert_eq!(reply.text(), "");
+    }
 }
 
 async fn unreachable_backend_is_503(mut h: Harness) {

@@ -191,7 +191,10 @@ where
             let first = first.map(|f| f.map(|r| r.map_err(Into::<BoxError>::into)));
             let (body, done) = match first {
                 Poll::Pending => (LockBody::holding(body, lease), None),
-                Poll::Ready(None) => (LockBody::pass(body), Some(lease)),
+                // Ended: an empty body goes out instead of the spent one, which is not polled
+                // again (some bodies panic when polled past their end, and a spent body need
+                // not say it ended).
+                Poll::Ready(None) => (LockBody::local(Full::new(Bytes::new())), Some(lease)),
                 // Complete with one data frame, the usual case: the frame is all that is left
                 // to send, so the spent inner body is dropped, and the body that goes out is a
                 // `Full` whose size is exact and that reports its end with its last frame.
