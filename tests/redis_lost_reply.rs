@@ -251,6 +251,51 @@ async fn stalled_renewals_are_told_before_the_deadline(flavor: Flavor) {
     drop(leases);
 }
 
+/// An extend to a shorter TTL whose reply is lost: it ran on the server, so the key now
+/// expires with the short TTL. The caller gets `OutcomeUnknown`, and the lease no longer claims
+/// the old 30 s: `remaining()` is within the new TTL and `lost()` fires before the server lets
+/// the key go.
+async fn lost_extend_reply_shortens_the_lease(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    let opts = LockOptions::new().ttl(Duration::from_secs(30)).renew(false);
+    // Scripts loaded before the fault.
+    let warm = locker.try_acquire("warm", &opts).await.expect("warm");
+    warm.extend(Duration::from_secs(30)).await.expect("extend");
+    warm.release().await.expect("release");
+    let lease = locker
+        .try_acquire("shortened", &opts)
+        .await
+        .expect("acquire");
+    proxy.drop_replies(RELEASED, 1);
+    let outcome = lease.extend(Duration::from_millis(3_000)).await;
+    assert!(
+        matches!(outcome, Err(Error::OutcomeUnknown { .. })),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        proxy.dropped.load(Ordering::SeqCst),
+        1,
+        "the reply was lost"
+    );
+    let k = locker.lock_key("shortened").expect("key");
+    let pttl: i64 = server.cmd(&["PTTL", k.lock_key()]);
+    assert!(pttl > 0 && pttl <= 3_000, "the extend ran: PTTL {pttl}");
+    assert!(
+        lease.remaining() <= Duration::from_millis(3_000),
+        "remaining {:?} after an extend to 3 s that may have landed",
+        lease.remaining()
+    );
+    let started = Instant::now();
+    tokio::time::timeout(Duration::from_secs(5), lease.lost())
+        .await
+        .expect("lost() fired");
+    assert!(started.elapsed() < Duration::from_millis(3_000));
+    let pttl: i64 = server.cmd(&["PTTL", k.lock_key()]);
+    assert!(pttl > 0, "lost() fired after the server let the key go");
+}
+
 macro_rules! lost_replies {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -274,6 +319,10 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn stalled_renewals_are_told_before_the_deadline() {
                 super::stalled_renewals_are_told_before_the_deadline($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn lost_extend_reply_shortens_the_lease() {
+                super::lost_extend_reply_shortens_the_lease($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_release_reply() {

@@ -129,11 +129,23 @@ impl<B: Backend + Clone> Lease<B> {
     pub async fn extend(&self, ttl: Duration) -> Result<()> {
         // The TTL is checked by the backend, before anything is sent.
         let start = Instant::now();
-        let held = self
+        let held = match self
             .core
             .backend
             .extend(&[(self.key.clone(), self.token.clone())], ttl)
-            .await?;
+            .await
+        {
+            Ok(held) => held,
+            Err(e @ (Error::OutcomeUnknown { .. } | Error::NoQuorum { .. })) => {
+                // It may have landed (on a quorum: on some members), setting the server's
+                // expiry to the new TTL: a shorter one must shorten the local deadline too, or
+                // `remaining()` would overstate the lease.
+                self.state
+                    .maybe_extended(start + ttl - drift(ttl), warn_ahead(ttl));
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
         if held.first().copied().unwrap_or(false) {
             self.state
                 .extended(start, start + ttl - drift(ttl), warn_ahead(ttl));

@@ -122,6 +122,19 @@ impl LeaseState {
         self.answered(sent, deadline, ahead, true);
     }
 
+    /// An explicit extend whose outcome is unknown: it may have set the server's expiry to
+    /// `deadline`, so the local deadline may only shorten to it.
+    pub(crate) fn maybe_extended(&self, deadline: Instant, ahead: Duration) {
+        let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
+        if deadline >= t.deadline {
+            return;
+        }
+        t.set(deadline, ahead);
+        drop(t);
+        // A `lost()` asleep until the old alarm must wake for the earlier one.
+        self.earlier.notify_waiters();
+    }
+
     /// A renewal or, with `explicit`, an extend sent at `sent` succeeded with `deadline`.
     fn answered(&self, sent: Instant, deadline: Instant, ahead: Duration, explicit: bool) {
         let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
@@ -456,8 +469,12 @@ pub(crate) async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
         for (ttl, (ids, items)) in due {
             let backend = backend.clone();
             debug!(count = items.len(), ?ttl, "renewing leases");
+            // Taken with the TTL read above, not when the future is first polled (a loop turn
+            // later, maybe): an extend answered in between must count this renewal as sent
+            // before it, whose reply may then only shorten the deadline, since it carries the
+            // TTL from before the extend.
+            let sent_at = Instant::now();
             inflight.push(async move {
-                let sent_at = Instant::now();
                 let result = backend.extend_each(&items, ttl).await;
                 (sent_at, ttl, ids, result)
             });
