@@ -296,6 +296,96 @@ async fn lost_extend_reply_shortens_the_lease(flavor: Flavor) {
     assert!(pttl > 0, "lost() fired after the server let the key go");
 }
 
+/// Script calls the server has run so far (`EVALSHA` and `EVAL`).
+fn script_calls(server: &Server) -> u64 {
+    ["evalsha", "eval"]
+        .iter()
+        .map(|c| {
+            let stats = server.info_field("commandstats", &format!("cmdstat_{c}"));
+            stats
+                .split(',')
+                .find_map(|f| f.strip_prefix("calls="))
+                .map_or(0, |n| n.parse().expect("a count"))
+        })
+        .sum()
+}
+
+/// An acquire whose caller gives up while the call is in flight (a `timeout` around it, a
+/// client that went away): the grant still lands on the server, and nobody holds it. It is
+/// released at once instead of keeping the key for its 30 s TTL.
+async fn a_cancelled_acquire_leaves_nothing_held(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    let warm = locker.try_acquire("warm", &opts()).await.expect("warm");
+    warm.release().await.expect("release");
+    proxy.delay_replies(Duration::from_millis(300));
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(100),
+        locker.try_acquire("cancelled", &opts()),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the acquire answered within 100 ms");
+    proxy.delay_replies(Duration::ZERO);
+    let k = locker.lock_key("cancelled").expect("key");
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        let exists: i64 = server.cmd(&["EXISTS", k.lock_key()]);
+        if exists == 0 {
+            break;
+        }
+        let pttl: i64 = server.cmd(&["PTTL", k.lock_key()]);
+        assert!(
+            Instant::now() < give_up,
+            "the abandoned grant still holds the key ({pttl} ms left)"
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    // The key is free for the next caller.
+    let lease = locker
+        .try_acquire("cancelled", &opts())
+        .await
+        .expect("free");
+    lease.release().await.expect("release");
+}
+
+/// A release whose caller gives up before it is answered: the guard's drop sends it again (it
+/// may never have reached the server, as when cancelled during a reconnect). Here the first one
+/// is held up in a stalled link, so both reach the server: two release calls, where a guard
+/// that counted the cancelled release as done sent one.
+async fn a_cancelled_release_is_sent_again(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    let warm = locker.try_acquire("warm", &opts()).await.expect("warm");
+    warm.release().await.expect("release");
+    let lease = locker
+        .try_acquire("dropped", &opts())
+        .await
+        .expect("acquire");
+    let before = script_calls(&server);
+    proxy.stall(true);
+    let gave_up = tokio::time::timeout(Duration::from_millis(100), lease.release()).await;
+    assert!(
+        gave_up.is_err(),
+        "the release answered through a stalled link"
+    );
+    sleep(Duration::from_millis(100)).await;
+    proxy.stall(false);
+    let k = locker.lock_key("dropped").expect("key");
+    let give_up = Instant::now() + Duration::from_secs(5);
+    while script_calls(&server) < before + 2 && Instant::now() < give_up {
+        sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        script_calls(&server) - before,
+        2,
+        "the release was not sent again"
+    );
+    let exists: i64 = server.cmd(&["EXISTS", k.lock_key()]);
+    assert_eq!(exists, 0);
+}
+
 macro_rules! lost_replies {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -323,6 +413,14 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_extend_reply_shortens_the_lease() {
                 super::lost_extend_reply_shortens_the_lease($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_cancelled_acquire_leaves_nothing_held() {
+                super::a_cancelled_acquire_leaves_nothing_held($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_cancelled_release_is_sent_again() {
+                super::a_cancelled_release_is_sent_again($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_release_reply() {

@@ -166,13 +166,32 @@ impl<B: Backend + Clone> Lease<B> {
     /// [`Release::NotHeld`] and left alone.
     #[instrument(level = "debug", skip(self), fields(key = self.key.user(), fence = self.fence.0))]
     pub async fn release(mut self) -> Result<Release> {
-        self.done = true;
         if self.renewing {
             self.core.send(Cmd::Remove {
                 id: self.id,
                 release: None,
             });
         }
+        let answer = self.release_on_server().await;
+        // Answered, either way: nothing is left for `Drop` to do. A release cancelled before
+        // this point (its caller dropped it mid-call) leaves `done` unset, and `Drop` sends it
+        // again in the background: it may not have reached the server.
+        self.done = true;
+        let held = answer?;
+        self.state.lost.cancel();
+        self.vacate_turn();
+        debug!(held, "released");
+        Ok(if held {
+            Release::Released
+        } else {
+            Release::NotHeld
+        })
+    }
+}
+
+impl<B: Backend + Clone> Lease<B> {
+    /// The token-checked delete, asked twice when the first answer was lost.
+    async fn release_on_server(&self) -> Result<bool> {
         let held = match self.core.backend.release(&self.key, &self.token).await {
             Ok(held) => held,
             // A token-checked delete is safe to repeat; only the second answer can be ambiguous.
@@ -194,18 +213,9 @@ impl<B: Backend + Clone> Lease<B> {
             }
             Err(e) => return Err(e),
         };
-        self.state.lost.cancel();
-        self.vacate_turn();
-        debug!(held, "released");
-        Ok(if held {
-            Release::Released
-        } else {
-            Release::NotHeld
-        })
+        Ok(held)
     }
-}
 
-impl<B: Backend + Clone> Lease<B> {
     fn vacate_turn(&self) {
         if let Some(turn) = &self.turn {
             turn.vacate(&self.state);

@@ -34,6 +34,13 @@ pub(super) trait Flush: Send + Sync + 'static {
 
     /// One script call for `items`: one answer each, in order.
     fn flush(&self, items: &[Self::Item]) -> impl Future<Output = Vec<Result<Self::Reply>>> + Send;
+
+    /// `item` was sent, but its caller stopped waiting before the answer came: `answer` when it
+    /// came, `None` when the caller's own call was dropped in flight (it may have run). An
+    /// acquire undoes a grant nobody will hold; nothing else needs to.
+    fn unclaimed(&self, item: &Self::Item, answer: Option<Result<Self::Reply>>) {
+        let _ = (item, answer);
+    }
 }
 
 struct State<F: Flush> {
@@ -93,7 +100,13 @@ impl<F: Flush> Batcher<F> {
         match queued {
             Ok(item) => {
                 let _in_flight = InFlight(self.clone());
-                self.flush.flush(std::slice::from_ref(&item)).await.pop()
+                let mut unanswered = Unanswered {
+                    flush: &self.flush,
+                    item: Some(&item),
+                };
+                let answer = self.flush.flush(std::slice::from_ref(&item)).await.pop();
+                unanswered.item = None;
+                answer
             }
             Err(rx) => rx.await.ok(),
         }
@@ -144,12 +157,29 @@ impl<F: Flush> Batcher<F> {
         let mut replies = replies.into_iter();
         for (chunk, answers) in items.chunks(MAX_BATCH).zip(answers) {
             let mut senders = replies.by_ref().take(chunk.len());
-            for answer in answers {
-                if let Some(tx) = senders.next() {
-                    let _ = tx.send(answer);
+            for (item, answer) in chunk.iter().zip(answers) {
+                if let Some(tx) = senders.next()
+                    && let Err(answer) = tx.send(answer)
+                {
+                    self.flush.unclaimed(item, Some(answer));
                 }
             }
             senders.for_each(drop);
+        }
+    }
+}
+
+/// A lone call's item while its call is in flight: dropped armed (the caller's future was
+/// dropped mid-call), the item is reported unclaimed, since the call may still run.
+struct Unanswered<'a, F: Flush> {
+    flush: &'a F,
+    item: Option<&'a F::Item>,
+}
+
+impl<F: Flush> Drop for Unanswered<'_, F> {
+    fn drop(&mut self) {
+        if let Some(item) = self.item {
+            self.flush.unclaimed(item, None);
         }
     }
 }
@@ -198,6 +228,8 @@ mod tests {
         gate: Semaphore,
         /// Answer only the first item of each call.
         short: bool,
+        /// Items reported unclaimed, with whether their answer came.
+        unclaimed: Mutex<Vec<(u32, bool)>>,
     }
 
     impl<const SEND: bool> Flush for Echo<SEND> {
@@ -211,6 +243,14 @@ mod tests {
             let answered = if self.short { &items[..1] } else { items };
             answered.iter().map(|&i| Ok(i)).collect()
         }
+
+        fn unclaimed(&self, item: &u32, answer: Option<Result<u32>>) {
+            if let Some(answer) = &answer {
+                assert_eq!(answer.as_ref().ok(), Some(item), "its own answer");
+            }
+            let mut unclaimed = self.unclaimed.lock().expect("unclaimed");
+            unclaimed.push((*item, answer.is_some()));
+        }
     }
 
     fn echo<const SEND: bool>(short: bool) -> Arc<Batcher<Echo<SEND>>> {
@@ -218,7 +258,46 @@ mod tests {
             sizes: Mutex::new(Vec::new()),
             gate: Semaphore::new(0),
             short,
+            unclaimed: Mutex::new(Vec::new()),
         })
+    }
+
+    /// A grant must not be lost with its caller: an item whose caller stopped waiting after it
+    /// was sent is handed back to the flush, with its answer when one came (a queued item) and
+    /// without when the caller's own call was dropped in flight (a lone item). Items whose
+    /// callers kept waiting are not.
+    #[tokio::test]
+    async fn items_sent_for_callers_who_left_are_unclaimed() {
+        let b = echo::<false>(false);
+        let alone = tokio::spawn({
+            let b = b.clone();
+            async move { b.run(0).await }
+        });
+        until_calls(&b, 1).await;
+        let (queued, kept) = {
+            let (b1, b2) = (b.clone(), b.clone());
+            (
+                tokio::spawn(async move { b1.run(1).await }),
+                tokio::spawn(async move { b2.run(2).await }),
+            )
+        };
+        until_calls(&b, 2).await;
+        // Both calls are out; their callers leave, one the lone call's, one a queued one's.
+        alone.abort();
+        queued.abort();
+        assert!(alone.await.expect_err("aborted").is_cancelled());
+        assert!(queued.await.expect_err("aborted").is_cancelled());
+        b.flush.gate.add_permits(100);
+        assert_eq!(
+            kept.await
+                .expect("task")
+                .expect("answered")
+                .expect("echoed"),
+            2
+        );
+        let mut unclaimed = b.flush.unclaimed.lock().expect("unclaimed").clone();
+        unclaimed.sort();
+        assert_eq!(unclaimed, vec![(0, false), (1, true)]);
     }
 
     fn sizes<const SEND: bool>(b: &Batcher<Echo<SEND>>) -> Vec<usize> {

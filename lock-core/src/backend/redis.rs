@@ -120,6 +120,30 @@ impl Flush for Acquires {
         let items = items.iter().map(|(key, token, ttl)| (key, token, *ttl));
         ops::acquire_many(&mut self.0.conn.clone(), &self.0.scripts, items).await
     }
+
+    /// A grant, or a call that may have made one, whose caller is gone: nobody will hold or
+    /// renew it, so it is released at once instead of keeping the key for its TTL. The
+    /// release is token-checked, so one for a grant that never happened changes nothing; and it
+    /// goes on the same connection after the acquire was handed to it, so it runs after it.
+    fn unclaimed(&self, item: &Self::Item, answer: Option<Result<AcquireReply>>) {
+        match answer {
+            // Nothing was granted.
+            Some(Ok(AcquireReply::Held { .. })) => return,
+            Some(Err(e)) if !matches!(e, Error::OutcomeUnknown { .. }) => return,
+            _ => {}
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (mut conn, scripts) = (self.0.conn.clone(), self.0.scripts.clone());
+        let (key, token) = (item.0.clone(), item.1.clone());
+        runtime.spawn(async move {
+            match ops::release(&mut conn, &scripts, &key, &token, "PUBLISH").await {
+                Ok(held) => debug!(key = key.user(), held, "abandoned grant released"),
+                Err(e) => warn!(key = key.user(), error = %e, "abandoned grant not released; it expires with its TTL"),
+            }
+        });
+    }
 }
 
 /// Releases on the shared connection, coalesced while others are in flight.
