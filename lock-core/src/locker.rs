@@ -126,13 +126,21 @@ pub(crate) struct Core<B: Backend + Clone> {
 }
 
 impl<B: Backend + Clone> Core<B> {
-    /// Hands a command to the renewal driver, starting it on first use (inside the runtime).
+    /// Hands a command to the renewal driver, starting it on the current runtime when none
+    /// runs: on first use, and again when the runtime it ran on has shut down (a `Locker` kept
+    /// in a static and used from one `#[tokio::test]` runtime after another, say), which would
+    /// otherwise leave every later lease unrenewed and every dropped guard unreleased.
     pub(crate) fn send(&self, cmd: Cmd) {
-        let inbox = self.driver.get_or_init(|| {
-            let inbox = Inbox::new();
-            tokio::spawn(renew::run(self.backend.clone(), inbox.clone()));
-            inbox
-        });
+        let inbox = self.driver.get_or_init(Inbox::new);
+        if !inbox.running.load(Ordering::Acquire)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+            && inbox
+                .running
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            runtime.spawn(renew::run(self.backend.clone(), inbox.clone()));
+        }
         inbox.push(cmd);
     }
 }
@@ -651,6 +659,29 @@ mod tests {
             .expect("free");
         tokio::time::sleep(Duration::from_millis(600)).await;
         assert!(!lease.is_lost(), "the lease on {key} was not renewed");
+    }
+
+    /// A `Locker` outlives the runtime its renewal driver started on (kept in a static, used
+    /// by one test runtime after another): the next runtime's leases are renewed all the same,
+    /// by a driver started there.
+    #[test]
+    fn renewal_outlives_the_runtime_it_started_on() {
+        let locker = Locker::memory();
+        let runtime = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+        };
+        runtime().block_on(async {
+            let lease = locker
+                .try_acquire("first", &opts(Duration::from_millis(150)))
+                .await
+                .expect("free");
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert!(!lease.is_lost(), "not renewed on the first runtime");
+        });
+        runtime().block_on(assert_renewed(&locker, "second"));
     }
 
     /// The driver sleeps until the long lease's renewal, 20 s away; a short lease taken

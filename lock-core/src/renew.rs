@@ -241,6 +241,9 @@ impl Cmd {
 pub(crate) struct Inbox {
     state: Mutex<InboxState>,
     wake: Notify,
+    /// A driver task is alive for this inbox (cleared when its task ends or is dropped with
+    /// its runtime), so that the next command starts another.
+    pub(crate) running: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -276,6 +279,7 @@ impl Inbox {
         Arc::new(Inbox {
             state: Mutex::new(InboxState::default()),
             wake: Notify::new(),
+            running: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -408,7 +412,20 @@ impl Driver {
     }
 }
 
+/// Marks the inbox driverless when the driver's task ends, by returning or by being dropped
+/// with its runtime.
+struct Running(Arc<Inbox>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0
+            .running
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+}
+
 pub(crate) async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
+    let _running = Running(inbox.clone());
     let mut d = Driver::default();
     let mut inflight = FuturesUnordered::new();
     let mut cmds = Vec::new();
