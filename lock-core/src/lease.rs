@@ -87,7 +87,9 @@ impl<B: Backend + Clone> Lease<B> {
     }
 
     /// Whether the lease is known to be lost: released, refused on renewal, or unrenewed
-    /// within 2.5% of the TTL + 3 ms of its local deadline.
+    /// within 2.5% of the TTL + 3 ms of its local deadline. A renewal answered after that does
+    /// not make it false again (the holder may already have stopped on [`lost`](Self::lost)),
+    /// and renewal of it stops.
     pub fn is_lost(&self) -> bool {
         self.state.is_lost()
     }

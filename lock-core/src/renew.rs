@@ -111,8 +111,18 @@ impl LeaseState {
     /// A renewal sent at `sent` succeeded. It moves the deadline forward only: a late reply of
     /// an older renewal must not shorten it. But one sent before an explicit extend's reply
     /// came may have run before or after that extend on the server, so it may only shorten.
-    pub(crate) fn renewed(&self, sent: Instant, deadline: Instant, ahead: Duration) {
+    ///
+    /// Loss is final: a reply that comes once the lease already counts as lost (its alarm
+    /// passed, or loss was signalled) does not revive it, since `lost()` may have fired and
+    /// its holder stopped; the lease is marked lost for good and `false` returned, and the
+    /// driver stops renewing it.
+    pub(crate) fn renewed(&self, sent: Instant, deadline: Instant, ahead: Duration) -> bool {
+        if self.is_lost() {
+            self.lost.cancel();
+            return false;
+        }
         self.answered(sent, deadline, ahead, false);
+        true
     }
 
     /// An explicit extend sent at `sent` succeeded: the server's expiry is now the one it set,
@@ -617,9 +627,17 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                     d.file_renew(*id, retry);
                     continue;
                 };
-                if held {
-                    e.state
-                        .renewed(sent_at, sent_at + ttl - drift(ttl), warn_ahead(ttl));
+                if held
+                    && !e
+                        .state
+                        .renewed(sent_at, sent_at + ttl - drift(ttl), warn_ahead(ttl))
+                {
+                    debug!(
+                        key = e.key.user(),
+                        "renewal answered after the lease counted as lost; it stays lost"
+                    );
+                    d.remove(*id);
+                } else if held {
                     let next = sent_at + e.ttl / 3;
                     d.file_deadline(*id);
                     d.file_renew(*id, next);
@@ -663,6 +681,19 @@ mod tests {
         // A late reply of an older renewal.
         s.renewed(t0, t0 + Duration::from_secs(11), AHEAD);
         assert_eq!(deadline(&s), t0 + Duration::from_secs(12));
+    }
+
+    /// A renewal answered after the alarm passed does not bring the lease back: `lost()` may
+    /// have fired and its holder stopped, so `is_lost()` must not turn false again.
+    #[test]
+    fn a_late_renewal_does_not_revive_a_lost_lease() {
+        let t0 = Instant::now();
+        let s = LeaseState::new(t0 - Duration::from_millis(1), AHEAD);
+        assert!(s.is_lost());
+        assert!(!s.renewed(t0, t0 + Duration::from_secs(10), AHEAD));
+        assert!(s.is_lost(), "revived by a late renewal");
+        assert_eq!(s.remaining(), Duration::ZERO);
+        assert!(s.lost.is_cancelled(), "the loss is signalled for good");
     }
 
     #[test]
