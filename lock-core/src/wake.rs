@@ -18,14 +18,19 @@ pub struct Wakeups {
 struct Slot {
     tx: watch::Sender<u64>,
     watchers: usize,
+    /// Whether the channel's subscription was confirmed (or given up on): a watcher that
+    /// arrives while the first one still waits for it must wait too, or a release published
+    /// before the subscription takes effect would pass it by.
+    subscribed: Arc<watch::Sender<bool>>,
 }
 
 /// What [`Wakeups::register`] tells the caller about the key's subscription.
 pub(crate) enum Registered {
-    /// This is the first watcher: the backend must subscribe to the key's channel.
-    First,
-    /// Someone already watches the key; the subscription exists.
-    Existing,
+    /// This is the first watcher: the backend must subscribe to the key's channel, and mark
+    /// it subscribed when the server confirmed (or it gave up waiting).
+    First(Arc<watch::Sender<bool>>),
+    /// Someone already watches the key; the subscription exists or is being made.
+    Existing(Arc<watch::Sender<bool>>),
 }
 
 impl Wakeups {
@@ -46,13 +51,24 @@ impl Wakeups {
         match keys.get_mut(channel) {
             Some(slot) => {
                 slot.watchers += 1;
-                (slot.tx.subscribe(), Registered::Existing)
+                (
+                    slot.tx.subscribe(),
+                    Registered::Existing(slot.subscribed.clone()),
+                )
             }
             None => {
                 let (tx, rx) = watch::channel(0);
-                keys.insert(channel.to_owned(), Slot { tx, watchers: 1 });
+                let subscribed = Arc::new(watch::Sender::new(false));
+                keys.insert(
+                    channel.to_owned(),
+                    Slot {
+                        tx,
+                        watchers: 1,
+                        subscribed: subscribed.clone(),
+                    },
+                );
                 on_first();
-                (rx, Registered::First)
+                (rx, Registered::First(subscribed))
             }
         }
     }
@@ -119,7 +135,7 @@ pub(crate) async fn watch_through(
     let channel = key.channel().to_owned();
     let (ack_tx, ack_rx) = oneshot::channel();
     let mut subscribing = false;
-    let (rx, _) = wakeups.register_then(&channel, || {
+    let (rx, registered) = wakeups.register_then(&channel, || {
         subscribing = sub_tx
             .send(SubCmd::Subscribe(channel.clone(), ack_tx))
             .is_ok();
@@ -133,10 +149,30 @@ pub(crate) async fn watch_through(
             let _ = tx.send(SubCmd::Unsubscribe(ch));
         })),
     };
-    if subscribing {
-        let _ = tokio::time::timeout(Duration::from_secs(1), ack_rx).await;
+    match registered {
+        Registered::First(subscribed) => {
+            // Confirmed, given up on, or this waiter gone: later watchers stop waiting for it.
+            let _confirmed = Confirmed(subscribed);
+            if subscribing {
+                let _ = tokio::time::timeout(Duration::from_secs(1), ack_rx).await;
+            }
+        }
+        Registered::Existing(subscribed) => {
+            let mut confirmed = subscribed.subscribe();
+            let _ = tokio::time::timeout(Duration::from_secs(1), confirmed.wait_for(|done| *done))
+                .await;
+        }
     }
     watch
+}
+
+/// Marks a channel's subscription settled when dropped.
+struct Confirmed(Arc<watch::Sender<bool>>);
+
+impl Drop for Confirmed {
+    fn drop(&mut self) {
+        self.0.send_replace(true);
+    }
 }
 
 /// A waiter's registration; unsubscribes the backend when the last one for a key is dropped.
@@ -177,6 +213,36 @@ impl Drop for Watch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A watcher that arrives while the first one's subscribe is still unconfirmed waits for
+    /// it too: returned at once, it could try the key, find it held, and sleep through a
+    /// release published before the subscription took effect.
+    #[tokio::test]
+    async fn a_second_watcher_waits_for_the_first_ones_subscription() {
+        let wakeups = Arc::new(Wakeups::default());
+        let (sub_tx, mut sub_rx) = mpsc::unbounded_channel::<SubCmd>();
+        let key = LockKey::new("t", "second");
+        let watcher = || {
+            let (wakeups, sub_tx, key) = (wakeups.clone(), sub_tx.clone(), key.clone());
+            tokio::spawn(async move { watch_through(&wakeups, &sub_tx, &key).await })
+        };
+        let first = watcher();
+        let Some(SubCmd::Subscribe(_, ack)) = sub_rx.recv().await else {
+            panic!("the first watcher did not subscribe");
+        };
+        let second = watcher();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            !second.is_finished(),
+            "the second watcher returned before the subscription was confirmed"
+        );
+        ack.send(()).expect("the first watcher waits for its ack");
+        let both = tokio::time::timeout(Duration::from_millis(500), async {
+            (first.await.expect("first"), second.await.expect("second"))
+        });
+        let (_first, _second) = both.await.expect("both return once confirmed");
+        assert!(sub_rx.try_recv().is_err(), "one subscribe for the channel");
+    }
 
     /// The unsubscribe of a channel's last watcher is sent while the registry is locked, so no
     /// new first watcher can register between the two and send its subscribe first: the
