@@ -841,10 +841,53 @@ async fn waiter_wakes_with_a_member_down() {
     );
 }
 
+/// An acquire whose caller gives up while the votes are in flight (a `timeout` around it): the
+/// members still grant, and nobody holds the lease. The locker releases it everywhere at once
+/// instead of leaving the key held on every member for its 30 s TTL.
+async fn a_cancelled_acquire_leaves_no_member_held(flavor: Flavor) {
+    let servers = start(flavor, 3);
+    let mut proxies = Vec::new();
+    for s in &servers {
+        proxies.push(Proxy::start(s.port).await);
+    }
+    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
+    let locker = redlock(&proxy_urls, QuorumConfig::default()).await;
+    warm_up(&locker).await;
+    for p in &proxies {
+        p.delay_replies(Duration::from_millis(150));
+    }
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(50),
+        locker.try_acquire("cancelled", &opts(30_000)),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the acquire answered within 50 ms");
+    for p in &proxies {
+        p.delay_replies(Duration::ZERO);
+    }
+    let give_up = Instant::now() + Duration::from_secs(5);
+    while servers.iter().any(|s| holds(s, &locker, "cancelled")) {
+        assert!(
+            Instant::now() < give_up,
+            "a member still holds the abandoned grant"
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    let lease = locker
+        .try_acquire("cancelled", &opts(30_000))
+        .await
+        .expect("free again");
+    lease.release().await.expect("release");
+}
+
 macro_rules! suite {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
             use super::*;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_cancelled_acquire_leaves_no_member_held() {
+                super::a_cancelled_acquire_leaves_no_member_held($flavor).await
+            }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn two_down_still_grant() {
                 super::two_down_still_grant($flavor).await

@@ -155,6 +155,23 @@ impl<B: Backend + Clone> Drop for Core<B> {
     }
 }
 
+/// An acquire in flight: dropped before its answer came (the caller's future dropped), it
+/// releases what the acquire may have granted.
+struct Abandoned<'a, B: Backend + Clone> {
+    locker: &'a Locker<B>,
+    key: &'a LockKey,
+    token: &'a Token,
+    armed: bool,
+}
+
+impl<B: Backend + Clone> Drop for Abandoned<'_, B> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.locker.release_in_background(self.key, self.token);
+        }
+    }
+}
+
 /// Takes leases on one backend. Cheap to clone; clones share the backend, the renewal driver and
 /// the wake-up subscription.
 ///
@@ -408,28 +425,39 @@ impl<B: Backend + Clone> Locker<B> {
     ) -> Result<std::result::Result<Lease<B>, Option<Duration>>> {
         // Validity counts from before the request leaves, so a slow reply can only shorten it.
         let start = Instant::now();
+        // Dropped mid-call (a timeout around the acquire, a caller that went away), the acquire
+        // may still land with nobody to hold it: released in the background unless the backend
+        // sees to that itself (a `WAIT`ed acquire runs on a connection of its own).
+        let mut abandoned = Abandoned {
+            locker: self,
+            key,
+            token,
+            armed: opts.replicas > 0 || !self.core.backend.undoes_abandoned_grants(),
+        };
         // The rare paths are boxed: their futures would otherwise inflate every acquire's state
         // machine, which is moved on each await of the common path.
-        let reply = if opts.replicas > 0 {
-            Box::pin(self.attempt_replicated(key, token, opts)).await?
-        } else {
+        let reply = async {
+            if opts.replicas > 0 {
+                return Box::pin(self.attempt_replicated(key, token, opts)).await;
+            }
             match self.core.backend.acquire(key, token, opts.ttl).await {
                 Err(Error::OutcomeUnknown { .. }) => {
                     // The script is idempotent per token: asking again tells us whether the
                     // first one landed. If even that fails, free whatever we may have been
                     // granted.
-                    match Box::pin(self.core.backend.acquire(key, token, opts.ttl)).await {
-                        Ok(r) => r,
-                        Err(e) => {
-                            self.release_in_background(key, token);
-                            return Err(e);
-                        }
+                    let again = Box::pin(self.core.backend.acquire(key, token, opts.ttl)).await;
+                    if again.is_err() {
+                        self.release_in_background(key, token);
                     }
+                    again
                 }
-                other => other?,
+                other => other,
             }
-        };
-        match reply {
+        }
+        .await;
+        // Answered, either way: a grant is handled below, a failure by the backend.
+        abandoned.armed = false;
+        match reply? {
             AcquireReply::Held { remaining } => Ok(Err(remaining)),
             AcquireReply::Granted { fence } => {
                 let state =
@@ -504,9 +532,13 @@ impl<B: Backend + Clone> Locker<B> {
 
     /// Frees a grant that may exist but will not be handed out, without waiting.
     fn release_in_background(&self, key: &LockKey, token: &Token) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // Nothing can run the release; the grant expires with its TTL.
+            return;
+        };
         let backend = self.core.backend.clone();
         let (key, token) = (key.clone(), token.clone());
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             let _ = backend.release(&key, &token).await;
         });
     }

@@ -224,4 +224,9 @@ impl Backend for MemoryBackend {
     fn wakeups(&self) -> &Arc<Wakeups> {
         &self.inner.wakeups
     }
+
+    // An acquire completes on its first poll: it cannot be dropped in flight.
+    fn undoes_abandoned_grants(&self) -> bool {
+        true
+    }
 }

@@ -109,6 +109,13 @@ pub trait Backend: Send + Sync + 'static {
 
     /// The wake-up registry this backend feeds.
     fn wakeups(&self) -> &Arc<Wakeups>;
+
+    /// Whether the backend itself releases a grant whose [`acquire`](Backend::acquire) was
+    /// dropped in flight (or its acquires cannot be dropped in flight). Otherwise the locker
+    /// releases one in the background, token-checked, in case the acquire landed.
+    fn undoes_abandoned_grants(&self) -> bool {
+        false
+    }
 }
 
 /// Either built-in backend, chosen at run time (for example from a command-line flag).
@@ -185,5 +192,8 @@ impl Backend for AnyBackend {
     }
     fn wakeups(&self) -> &Arc<Wakeups> {
         dispatch!(self, b => b.wakeups())
+    }
+    fn undoes_abandoned_grants(&self) -> bool {
+        dispatch!(self, b => b.undoes_abandoned_grants())
     }
 }

@@ -571,6 +571,11 @@ impl Backend for RedisBackend {
     fn wakeups(&self) -> &Arc<Wakeups> {
         &self.wakeups
     }
+
+    // Its acquire batcher releases a grant whose caller left (`Acquires::unclaimed`).
+    fn undoes_abandoned_grants(&self) -> bool {
+        true
+    }
 }
 
 /// The single subscription connection: reconnects, resubscribes, and on every (re)connect wakes
