@@ -273,13 +273,15 @@ mod tests {
         let (wakeups2, sent) = (wakeups.clone(), locked_at_send.clone());
         let tx = sub_tx.clone();
         watch.on_last = Some(Box::new(move |ch| {
-            sent.lock().unwrap().push(wakeups2.keys.try_lock().is_err());
+            sent.lock()
+                .expect("sent")
+                .push(wakeups2.keys.try_lock().is_err());
             let _ = tx.send(SubCmd::Unsubscribe(ch));
         }));
         drop(watch);
-        assert_eq!(*locked_at_send.lock().unwrap(), vec![true]);
+        assert_eq!(*locked_at_send.lock().expect("sent"), vec![true]);
         drop(sub_tx);
-        let seen = answering.await.unwrap();
+        let seen = answering.await.expect("the answering task");
         let channel = key.channel().to_owned();
         assert_eq!(seen, vec![(channel.clone(), true), (channel, false)]);
     }
