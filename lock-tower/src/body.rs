@@ -42,6 +42,10 @@ enum Hold {
     Holding {
         lease: Lease,
         lost: BoxFuture,
+        /// The bytes still to come of a body whose length was declared. The server stops
+        /// polling such a body once it wrote the last declared byte and drops it, so its end
+        /// is never seen; the frame that completes the length counts as the end instead.
+        left: Option<u64>,
     },
     /// The inner body ended; the final frame (if any) waits until the release is done, so a
     /// client that reads the whole response and sends the next request never finds its own
@@ -61,11 +65,16 @@ enum Prefix {
     Other(Box<Result<Frame<Bytes>, BoxError>>),
 }
 
+/// What a relay hands over: the frames of a body read by a task of the layer's own.
+pub(crate) type Relay = tokio::sync::mpsc::Receiver<Result<Frame<Bytes>, BoxError>>;
+
 pin_project! {
     #[project = KindProj]
     enum Kind<B> {
         Inner { #[pin] body: B },
         Local { #[pin] body: Full<Bytes> },
+        // `None` once the relay ended, so the end is reported without polling it again.
+        Relayed { rx: Option<Relay>, hint: SizeHint },
     }
 }
 
@@ -118,8 +127,10 @@ impl<B> LockBody<B> {
         }
     }
 
-    /// The inner body, keeping `lease` until it ends.
-    pub(crate) fn holding(body: B, lease: Lease) -> Self {
+    /// The inner body, keeping `lease` until it ends, or until `declared` bytes (the length the
+    /// response head announces, counting a frame handed on first with [`after`](Self::after))
+    /// went out.
+    pub(crate) fn holding(body: B, lease: Lease, declared: Option<u64>) -> Self {
         let info = lease.info();
         LockBody {
             kind: Kind::Inner { body },
@@ -127,14 +138,16 @@ impl<B> LockBody<B> {
             hold: Some(Box::new(Hold::Holding {
                 lease,
                 lost: Box::pin(async move { info.lost().await }),
+                left: declared,
             })),
         }
     }
 
-    /// `prefix` first, then the rest of the inner body (for a body partly read by the layer).
-    pub(crate) fn prefixed(prefix: Bytes, body: B) -> Self {
+    /// `prefix` first, then the frames a task of the layer sends through `rx`; `hint` is the
+    /// size of what is still to come through it.
+    pub(crate) fn relayed(prefix: Bytes, rx: Relay, hint: SizeHint) -> Self {
         LockBody {
-            kind: Kind::Inner { body },
+            kind: Kind::Relayed { rx: Some(rx), hint },
             prefix: Prefix::Data(prefix),
             hold: None,
         }
@@ -149,6 +162,34 @@ impl<B> LockBody<B> {
         };
         self
     }
+}
+
+/// Takes a relayed data frame off the size still to come.
+fn shrink(hint: &mut SizeHint, frame: &Frame<Bytes>) {
+    let n = frame.data_ref().map_or(0, |d| d.len() as u64);
+    let mut left = SizeHint::new();
+    // Upper first: `set_lower` refuses a lower bound above the current upper one.
+    if let Some(u) = hint.upper() {
+        left.set_upper(u.saturating_sub(n));
+    }
+    left.set_lower(hint.lower().saturating_sub(n));
+    *hint = left;
+}
+
+/// Counts a data frame against the declared length of a held body; true when it is the frame
+/// that completes it, which must then be treated as the body's end.
+fn completes_declared(hold: &mut Option<Box<Hold>>, frame: &Frame<Bytes>) -> bool {
+    let Some(Hold::Holding {
+        left: Some(left), ..
+    }) = hold.as_deref_mut()
+    else {
+        return false;
+    };
+    let Some(data) = frame.data_ref() else {
+        return false;
+    };
+    *left = left.saturating_sub(data.len() as u64);
+    *left == 0
 }
 
 impl<B> Body for LockBody<B>
@@ -171,7 +212,7 @@ where
                 *this.hold = None;
                 return Poll::Ready(frame.map(Ok));
             }
-            if let Some(Hold::Holding { lease, lost }) = this.hold.as_deref_mut()
+            if let Some(Hold::Holding { lease, lost, .. }) = this.hold.as_deref_mut()
                 && lost.as_mut().poll(cx).is_ready()
             {
                 let key = lease.key().to_owned();
@@ -180,35 +221,44 @@ where
                 *this.hold = None;
                 return Poll::Ready(Some(Err(Box::new(LeaseLostWhileStreaming { key }))));
             }
-            match std::mem::replace(this.prefix, Prefix::None) {
-                Prefix::None => {}
-                Prefix::Data(data) => return Poll::Ready(Some(Ok(Frame::data(data)))),
-                Prefix::Other(first) => {
-                    if first.is_err() {
-                        *this.hold = None;
+            let (frame, at_end) = match std::mem::replace(this.prefix, Prefix::None) {
+                // A prefix is handed on before the rest of the body, so it is never the end.
+                Prefix::Data(data) => (Some(Ok(Frame::data(data))), false),
+                Prefix::Other(first) => (Some(*first), false),
+                Prefix::None => match this.kind.as_mut().project() {
+                    KindProj::Inner { mut body } => {
+                        let f = ready!(body.as_mut().poll_frame(cx));
+                        let f = f.map(|r| r.map_err(Into::into));
+                        (f, body.is_end_stream())
                     }
-                    return Poll::Ready(Some(*first));
-                }
-            }
-            let (frame, at_end) = match this.kind.as_mut().project() {
-                KindProj::Inner { mut body } => {
-                    let f = ready!(body.as_mut().poll_frame(cx));
-                    let f = f.map(|r| r.map_err(Into::into));
-                    (f, body.is_end_stream())
-                }
-                KindProj::Local { mut body } => {
-                    let f = ready!(body.as_mut().poll_frame(cx));
-                    let f = f.map(|r| r.map_err(|never| match never {}));
-                    (f, body.is_end_stream())
-                }
+                    KindProj::Local { mut body } => {
+                        let f = ready!(body.as_mut().poll_frame(cx));
+                        let f = f.map(|r| r.map_err(|never| match never {}));
+                        (f, body.is_end_stream())
+                    }
+                    KindProj::Relayed { rx, hint } => {
+                        let f = match rx {
+                            Some(r) => ready!(r.poll_recv(cx)),
+                            None => None,
+                        };
+                        match &f {
+                            Some(Ok(frame)) => shrink(hint, frame),
+                            _ => *rx = None,
+                        }
+                        (f, rx.is_none())
+                    }
+                },
             };
             match frame {
                 Some(Err(e)) => {
                     *this.hold = None;
                     return Poll::Ready(Some(Err(e)));
                 }
-                Some(Ok(f)) if !at_end => return Poll::Ready(Some(Ok(f))),
-                // The body is complete: release first (if holding), then hand on the last frame.
+                Some(Ok(f)) if !at_end && !completes_declared(this.hold, &f) => {
+                    return Poll::Ready(Some(Ok(f)));
+                }
+                // The body is complete (it ended, or its declared length is reached): release
+                // first (if holding), then hand on the last frame.
                 end => {
                     let pending = match end {
                         Some(Ok(f)) => Some(f),
@@ -242,6 +292,7 @@ where
             && match &self.kind {
                 Kind::Inner { body } => body.is_end_stream(),
                 Kind::Local { body } => body.is_end_stream(),
+                Kind::Relayed { rx, .. } => rx.is_none(),
             }
     }
 
@@ -249,6 +300,7 @@ where
         let mut hint = match &self.kind {
             Kind::Inner { body } => body.size_hint(),
             Kind::Local { body } => body.size_hint(),
+            Kind::Relayed { hint, .. } => *hint,
         };
         let n = match &self.prefix {
             Prefix::None => None,

@@ -4,6 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use axum::extract::RawPathParams;
+use axum::extract::rejection::RawPathParamsRejection;
 use axum_core::extract::FromRequestParts;
 use bytes::Bytes;
 use http::HeaderName;
@@ -91,7 +92,8 @@ impl KeyExtractor {
     }
 
     /// A parameter of the matched axum route (`/accounts/{id}/withdraw` → `id`),
-    /// percent-decoded. axum only knows the parameters after routing, so add the layer with
+    /// percent-decoded; a parameter that is not UTF-8 once decoded is an invalid key (400, also
+    /// with `pass_through_without_key`). axum only knows the parameters after routing, so add the layer with
     /// `route_layer` (or to the `MethodRouter`), not with `Router::layer`: there every request
     /// would miss its key.
     pub fn route_param(name: &str) -> KeyExtractor {
@@ -100,7 +102,7 @@ impl KeyExtractor {
         }
     }
 
-    /// The value of a header, which must be visible ASCII.
+    /// The value of a header, which must be visible ASCII; an empty value counts as absent.
     pub fn header(name: HeaderName) -> KeyExtractor {
         KeyExtractor {
             source: Source::Header(name),
@@ -117,7 +119,8 @@ impl KeyExtractor {
         }
     }
 
-    /// The delivery id of Standard Webhooks senders: the `webhook-id` header, or `svix-id`.
+    /// The delivery id of Standard Webhooks senders: the `webhook-id` header, or `svix-id`
+    /// when `webhook-id` is absent or empty.
     pub fn webhook_id() -> KeyExtractor {
         KeyExtractor {
             source: Source::WebhookId,
@@ -257,19 +260,28 @@ impl KeyExtractor {
 async fn route_param(parts: &mut Parts, name: &str) -> Result<Key, KeyProblem> {
     let params = RawPathParams::from_request_parts(parts, &())
         .await
-        .map_err(|e| missing(format!("no route parameters: {e}")))?;
+        .map_err(|e| match e {
+            // The request named a key, just not a usable one: as with a path segment, that is
+            // a 400 and never a pass-through, or the request would run unlocked.
+            RawPathParamsRejection::InvalidUtf8InPathParam(_) => {
+                invalid(format!("a route parameter is not UTF-8 once decoded: {e}"))
+            }
+            _ => missing(format!("no route parameters: {e}")),
+        })?;
     match params.iter().position(|(k, _)| k == name) {
         Some(i) => Ok(Key::Param(params, i)),
         None => Err(missing(format!("the route has no parameter `{name}`"))),
     }
 }
 
+/// A header's value, trimmed; an empty one counts as absent, so that `webhook-id:` falls back
+/// to `svix-id` and such requests do not all share one empty key.
 fn header_text(parts: &Parts, name: &HeaderName) -> Result<Option<String>, KeyProblem> {
     match parts.headers.get(name) {
         None => Ok(None),
         Some(v) => v
             .to_str()
-            .map(|s| Some(s.trim().to_owned()))
+            .map(|s| Some(s.trim()).filter(|s| !s.is_empty()).map(str::to_owned))
             .map_err(|_| invalid(format!("the `{name}` header is not visible ASCII"))),
     }
 }

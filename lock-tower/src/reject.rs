@@ -36,18 +36,27 @@ pub enum Reason {
     /// retention of zero or above a year): every request would fail the same way, so this is
     /// a server error (default 500, no `Retry-After`), logged at `error` level.
     Misconfigured,
+    /// The request body could not be read while the layer had to read it (the client broke
+    /// off mid-body, or a body layer below failed; default 400).
+    BodyUnreadable,
+    /// Dedupe only: the handler's response body failed while the layer read it to store it;
+    /// nothing was stored and the claim was released, so a retry runs the handler again
+    /// (default 500).
+    ResponseFailed,
 }
 
 impl Reason {
     /// The status a layer answers with unless configured otherwise.
     pub fn default_status(self) -> StatusCode {
         match self {
-            Reason::MissingKey | Reason::InvalidKey => StatusCode::BAD_REQUEST,
+            Reason::MissingKey | Reason::InvalidKey | Reason::BodyUnreadable => {
+                StatusCode::BAD_REQUEST
+            }
             Reason::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Reason::Busy | Reason::WaitTimeout => StatusCode::CONFLICT,
             Reason::LeaseLost | Reason::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             Reason::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
-            Reason::Misconfigured => StatusCode::INTERNAL_SERVER_ERROR,
+            Reason::Misconfigured | Reason::ResponseFailed => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -62,6 +71,8 @@ impl Reason {
             Reason::Unavailable => "Lock service unavailable",
             Reason::KeyReused => "Idempotency key reused with a different request",
             Reason::Misconfigured => "Lock layer misconfigured",
+            Reason::BodyUnreadable => "Request body could not be read",
+            Reason::ResponseFailed => "Response body failed",
         }
     }
 
@@ -76,10 +87,12 @@ impl Reason {
             Reason::Unavailable => "unavailable",
             Reason::KeyReused => "key-reused",
             Reason::Misconfigured => "misconfigured",
+            Reason::BodyUnreadable => "body-unreadable",
+            Reason::ResponseFailed => "response-failed",
         }
     }
 
-    const ALL: usize = 9;
+    const ALL: usize = 11;
 
     fn index(self) -> usize {
         match self {
@@ -92,6 +105,8 @@ impl Reason {
             Reason::Unavailable => 6,
             Reason::KeyReused => 7,
             Reason::Misconfigured => 8,
+            Reason::BodyUnreadable => 9,
+            Reason::ResponseFailed => 10,
         }
     }
 }

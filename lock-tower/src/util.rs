@@ -25,7 +25,7 @@ where
             format!("the request body is larger than {cap} bytes"),
         )),
         Err(e) => Err((
-            Reason::MissingKey,
+            Reason::BodyUnreadable,
             format!("the request body could not be read: {e}"),
         )),
     }

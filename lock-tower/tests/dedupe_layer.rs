@@ -35,6 +35,8 @@ on_every_backend!(
     client_hangs_up_while_the_handler_runs,
     results_expire_after_the_retention,
     a_failing_body_stores_nothing,
+    a_body_above_the_cap_that_fails_stores_nothing,
+    an_empty_webhook_id_counts_as_absent,
 );
 
 /// A webhook endpoint that counts its runs and answers something unique per run.
@@ -796,12 +798,166 @@ async fn a_failing_body_stores_nothing(h: Harness) {
             res.text()
         );
         assert_eq!(res.header("idempotent-replayed"), None);
+        // Answered as every other failure of the layer: a problem+json body naming it.
+        assert_eq!(
+            res.header("content-type"),
+            Some("application/problem+json"),
+            "run {run}"
+        );
+        let problem: serde_json::Value = serde_json::from_slice(&res.body).expect("json");
+        assert_eq!(problem["status"], 500, "{problem}");
+        assert_eq!(
+            problem["type"], "urn:leasehold:problem:response-failed",
+            "{problem}"
+        );
         assert_eq!(
             runs.load(Ordering::SeqCst),
             run,
             "the handler did not run again"
         );
     }
+}
+
+/// A response body that sends `head` and then fails.
+struct FailsAfter(Option<Bytes>);
+
+impl http_body::Body for FailsAfter {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        let frame = match self.0.take() {
+            Some(head) => Ok(http_body::Frame::data(head)),
+            None => Err(std::io::Error::other("the body broke")),
+        };
+        std::task::Poll::Ready(Some(frame))
+    }
+}
+
+/// A body above the stored-body cap streams on to the caller after the layer stopped keeping
+/// it, and may still fail there. Nothing may be stored for it and the claim must be freed, so
+/// the sender's retry runs the handler again rather than getting a replayed success whose body
+/// never arrived. A streamed body above the cap that ends well (its end sent, or its declared
+/// length reached) is recorded, without its body, before the caller sees its end, so the next
+/// duplicate is a replay.
+async fn a_body_above_the_cap_that_fails_stores_nothing(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let drip = || Drip::new(Duration::from_millis(1), 5);
+    let want = "chunk\n".repeat(5);
+    let app = Router::new()
+        .route(
+            "/hooks/big",
+            post(move || {
+                let first = r.fetch_add(1, Ordering::SeqCst) == 0;
+                async move {
+                    if first {
+                        let big = Bytes::from("x".repeat(4096));
+                        Response::new(Body::new(FailsAfter(Some(big))))
+                    } else {
+                        Response::new(Body::new(drip()))
+                    }
+                }
+            }),
+        )
+        .route(
+            "/hooks/sized",
+            post(move || async move {
+                let mut res = Response::new(Body::new(drip()));
+                res.headers_mut()
+                    .insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(30));
+                res
+            }),
+        )
+        .layer(
+            // Below two chunks: the layer stops keeping each body after its second chunk.
+            DedupeLayer::new(h.locker().await)
+                .stored_body_limit(8)
+                .claim_ttl(Duration::from_secs(60)),
+        );
+    let addr = serve(app).await;
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let (mut tx, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("handshake");
+    tokio::spawn(conn);
+    let req = http::Request::post("/hooks/big")
+        .header("host", "x")
+        .header("idempotency-key", r#""big-broken""#)
+        .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
+        .expect("request");
+    use http_body_util::BodyExt;
+    // The server cuts the connection at the error, before or after the head got out.
+    let outcome = match tx.send_request(req).await {
+        Ok(res) => res.into_body().collect().await.map(|_| ()),
+        Err(e) => Err(e),
+    };
+    assert!(outcome.is_err(), "the first caller must see the body break");
+    let retry = deliver_to(addr, "/hooks/big", r#""big-broken""#).await;
+    assert_eq!(retry.status, StatusCode::OK, "{}", retry.text());
+    assert_eq!(
+        retry.header("idempotent-replayed"),
+        None,
+        "the failed body was recorded as a success"
+    );
+    assert_eq!(retry.text(), want);
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the retry did not run again"
+    );
+    for path in ["/hooks/big", "/hooks/sized"] {
+        let key = if path == "/hooks/big" {
+            r#""big-broken""#
+        } else {
+            let first = deliver_to(addr, path, r#""sized""#).await;
+            assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+            assert_eq!(first.header("idempotent-replayed"), None);
+            assert_eq!(first.text(), want);
+            r#""sized""#
+        };
+        let dup = deliver_to(addr, path, key).await;
+        assert_eq!(dup.status, StatusCode::OK, "{path}: {}", dup.text());
+        assert_eq!(dup.header("idempotent-replayed"), Some("true"), "{path}");
+        assert_eq!(
+            dup.header("idempotent-body-omitted"),
+            Some("true"),
+            "{path}"
+        );
+        assert!(dup.body.is_empty(), "{path}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// An empty `webhook-id` is no delivery id: the layer falls back to `svix-id`, so deliveries
+/// that carry only an empty `webhook-id` beside their `svix-id` do not all share one slot, and
+/// with neither id the request has no key (400).
+async fn an_empty_webhook_id_counts_as_absent(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = DedupeLayer::new(h.locker().await).key(KeyExtractor::webhook_id());
+    let addr = serve(counting(layer, runs.clone(), Duration::ZERO)).await;
+    for (n, id) in ["msg_1", "msg_2", "msg_1"].into_iter().enumerate() {
+        let r = send(
+            addr,
+            Method::POST,
+            "/hooks/a",
+            &[("webhook-id", ""), ("svix-id", id)],
+            "{}",
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{id}: {}", r.text());
+        let replayed = (n == 2).then_some("true");
+        assert_eq!(r.header("idempotent-replayed"), replayed, "{id}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let r = send(addr, Method::POST, "/hooks/a", &[("webhook-id", " ")], "{}").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.text());
+    assert!(r.text().contains("missing-key"), "{}", r.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
 /// A stored result is replayed for the retention only: after it, the same delivery runs the

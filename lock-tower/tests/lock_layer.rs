@@ -33,6 +33,9 @@ on_every_backend!(
     percent_encoded_paths_name_the_same_key,
     renewed_through_a_long_handler_and_body,
     a_body_that_ends_at_once_is_not_polled_again,
+    a_streamed_body_with_a_length_is_released_before_its_last_byte,
+    a_route_param_that_is_not_utf8_is_invalid_even_when_passing_through,
+    an_unreadable_request_body_is_not_a_missing_key,
 );
 
 /// A route whose handler reports it entered and then waits for `go`.
@@ -591,6 +594,145 @@ async fn a_body_that_ends_at_once_is_not_polled_again(h: Harness) {
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
         assert_eq!(reply.text(), "");
     }
+}
+
+/// A streamed body with a declared length: hyper stops polling it once the last declared byte
+/// is written and drops it, so its end is never seen as a `None`. The frame that completes the
+/// length must release the lease before it goes out, so a client that reads the whole response
+/// and sends its next request on the same key never finds its own lease still there. The next
+/// request is pipelined behind the first (the strictest client: hyper takes it up the moment
+/// the first body is dropped, before a release left to the lease's drop could run), and again
+/// sent by a client that waits for the whole response first.
+async fn a_streamed_body_with_a_length_is_released_before_its_last_byte(h: Harness) {
+    let locker = h.locker().await;
+    let chunks = 3;
+    let app = Router::new()
+        .route(
+            "/feeds/{id}",
+            post(move || async move {
+                let mut res = Response::new(Body::new(Drip::new(Duration::from_millis(1), chunks)));
+                let len = "chunk\n".len() * chunks;
+                res.headers_mut()
+                    .insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(len));
+                res
+            }),
+        )
+        // Declared empty, though the body is not ready at once: the server sends no body and
+        // never polls it.
+        .route(
+            "/empty/{id}",
+            post(|| async {
+                let mut res = Response::new(Body::new(Drip::new(Duration::from_millis(1), 1)));
+                res.headers_mut()
+                    .insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(0));
+                res
+            }),
+        )
+        .route("/quick/{id}", post(|| async { "quick" }))
+        .route_layer(
+            LockLayer::new(locker, KeyExtractor::route_param("id")).ttl(Duration::from_secs(60)),
+        );
+    let addr = serve(app).await;
+    let want = "chunk\n".repeat(chunks);
+    for round in 0..20 {
+        for (first, body) in [("/feeds/6", want.as_str()), ("/empty/6", "")] {
+            let mut conn = TcpStream::connect(addr).await.expect("connect");
+            let req = format!(
+                "POST {first} HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n\
+                 POST /quick/6 HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+            );
+            conn.write_all(req.as_bytes()).await.expect("write");
+            let mut raw = Vec::new();
+            conn.read_to_end(&mut raw).await.expect("read");
+            let raw = String::from_utf8_lossy(&raw);
+            let answers: Vec<&str> = raw.split("HTTP/1.1 ").filter(|s| !s.is_empty()).collect();
+            assert_eq!(answers.len(), 2, "round {round}, {first}: {raw}");
+            assert!(answers[0].starts_with("200 "), "round {round}: {raw}");
+            assert!(answers[0].ends_with(&format!("\r\n\r\n{body}")), "{raw}");
+            assert!(
+                answers[1].starts_with("200 "),
+                "round {round}, /quick/6 right after {first}: {raw}"
+            );
+        }
+    }
+    use http_body_util::BodyExt;
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let (mut tx, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("handshake");
+    tokio::spawn(conn);
+    for round in 0..20 {
+        for path in ["/feeds/6", "/quick/6", "/empty/6", "/quick/6"] {
+            let req = http::Request::post(path)
+                .header("host", "x")
+                .body(http_body_util::Full::new(Bytes::new()))
+                .expect("request");
+            tx.ready().await.expect("connection ready");
+            let res = tx.send_request(req).await.expect("response");
+            let status = res.status();
+            let body = res.into_body().collect().await.expect("body").to_bytes();
+            let text = String::from_utf8_lossy(&body);
+            assert_eq!(status, StatusCode::OK, "round {round}, {path}: {text}");
+        }
+    }
+}
+
+/// A route parameter that is not UTF-8 once percent-decoded names a key, only not a usable one:
+/// an invalid key (400), never a missing one, which `pass_through_without_key` would run
+/// unlocked.
+async fn a_route_param_that_is_not_utf8_is_invalid_even_when_passing_through(h: Harness) {
+    let locker = h.locker().await;
+    let ran = Arc::new(AtomicUsize::new(0));
+    let r = ran.clone();
+    let app = Router::new()
+        .route(
+            "/accounts/{id}/withdraw",
+            post(move |f: Option<Fence>| {
+                r.fetch_add(1, Ordering::SeqCst);
+                async move { format!("{:?}", f.map(|f| f.0.0)) }
+            }),
+        )
+        .route_layer(
+            LockLayer::new(locker, KeyExtractor::route_param("id")).pass_through_without_key(),
+        );
+    let addr = serve(app).await;
+    let bad = post_to(addr, "/accounts/%FF/withdraw").await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{}", bad.text());
+    let problem: serde_json::Value = serde_json::from_slice(&bad.body).expect("json");
+    assert_eq!(
+        problem["type"], "urn:leasehold:problem:invalid-key",
+        "{problem}"
+    );
+    assert_eq!(problem["title"], "Invalid key", "{problem}");
+    assert_eq!(ran.load(Ordering::SeqCst), 0, "the handler ran unlocked");
+    let good = post_to(addr, "/accounts/%37/withdraw").await;
+    assert_eq!(good.status, StatusCode::OK, "{}", good.text());
+    assert!(good.text().starts_with("Some("), "{}", good.text());
+}
+
+/// A request body that breaks off while the layer reads it for a JSON key is answered as what
+/// it is, not as a request without a key.
+async fn an_unreadable_request_body_is_not_a_missing_key(h: Harness) {
+    let locker = h.locker().await;
+    let app = Router::new()
+        .route("/transfers", post(|| async { "unreachable" }))
+        .route_layer(LockLayer::new(locker, KeyExtractor::json_field("/id")));
+    let addr = serve(app).await;
+    let mut conn = TcpStream::connect(addr).await.expect("connect");
+    // Ten bytes of a hundred announced, then the client stops sending.
+    let req = "POST /transfers HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"id\": \"a";
+    conn.write_all(req.as_bytes()).await.expect("write");
+    conn.shutdown().await.expect("half-close");
+    let mut raw = Vec::new();
+    conn.read_to_end(&mut raw).await.expect("read");
+    let raw = String::from_utf8_lossy(&raw);
+    assert!(raw.starts_with("HTTP/1.1 400 "), "{raw}");
+    assert!(
+        raw.contains("urn:leasehold:problem:body-unreadable"),
+        "{raw}"
+    );
+    assert!(raw.contains("Request body could not be read"), "{raw}");
 }
 
 async fn unreachable_backend_is_503(mut h: Harness) {

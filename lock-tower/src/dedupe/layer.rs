@@ -80,7 +80,8 @@ impl DedupeConfig {
 /// | result store unreachable when a request arrives | 503 with `Retry-After: 1`; the handler does not run |
 /// | [`retention`](Self::retention) or [`claim_ttl`](Self::claim_ttl) out of range | 500 ([`Reason::Misconfigured`]), logged at `error`; the handler does not run |
 /// | request body above the cap (1 MiB) | 413 |
-/// | response body above the stored cap (256 KiB) | the first caller gets the full body; the stored result keeps status and headers only, and replays carry an empty body with `Idempotent-Body-Omitted: true` |
+/// | response body fails while the layer reads it | 500 ([`Reason::ResponseFailed`]); nothing stored, claim released |
+/// | response body above the stored cap (256 KiB) | the first caller gets the full body; once it ended well (before the caller sees its end), the stored result keeps status and headers only, and replays carry an empty body with `Idempotent-Body-Omitted: true`; if it fails past the cap, nothing is stored and the claim is released |
 ///
 /// Keys are scoped by [`scope`](Self::scope) and hashed (SHA-256) before they become storage
 /// keys, so a hostile key can neither collide with nor reach another namespace. Results are

@@ -236,7 +236,7 @@ struct Completion {
 impl Completion {
     async fn run<B>(self, head: http::response::Parts, mut body: B) -> Response<LockBody<B>>
     where
-        B: Body<Data = Bytes> + Unpin,
+        B: Body<Data = Bytes> + Send + Unpin + 'static,
         B::Error: Into<BoxError>,
     {
         let cfg = &self.cfg;
@@ -262,15 +262,19 @@ impl Completion {
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "response body failed; nothing stored");
                     release(self.claim, self.in_process).await;
-                    let mut res = Response::new(LockBody::local(Full::new(Bytes::new())));
-                    *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
-                    return res;
+                    return reject(
+                        &cfg.rejections,
+                        Reason::ResponseFailed,
+                        None,
+                        "the handler's response body failed; nothing was stored, so a retry \
+                         runs the handler again",
+                    );
                 }
             }
         }
         let buf = buf.freeze();
         let rec = Record {
-            fingerprint: self.fingerprint,
+            fingerprint: self.fingerprint.clone(),
             status: head.status.as_u16(),
             headers: cfg
                 .replay_headers
@@ -285,6 +289,99 @@ impl Completion {
             body: if overflow { Bytes::new() } else { buf.clone() },
             body_omitted: overflow,
         };
+        // Above the cap the rest streams to the caller, and only a body that ends well may be
+        // recorded: one that fails later must leave nothing behind, or the sender's retry would
+        // get a replayed success for work whose answer never arrived.
+        let declared = head
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .or_else(|| {
+                let rest = body.size_hint().exact()?;
+                Some(rest + buf.len() as u64)
+            });
+        let left = declared.map(|d| d.saturating_sub(buf.len() as u64));
+        // A body whose last byte is already here: the server would send the buffered bytes as
+        // the whole response and drop the body unpolled, before a relay could record it. The
+        // spent body is not polled again (it need not say it ended).
+        if !overflow || left == Some(0) || body.is_end_stream() {
+            self.finish(&rec).await;
+            return Response::from_parts(head, LockBody::local(Full::new(buf)));
+        }
+        // A task reads the rest, so a caller hanging up mid-body does not stop the record from
+        // being written once the body ends.
+        let hint = body.size_hint();
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(self.relay(rec, body, tx, left).in_current_span());
+        Response::from_parts(head, LockBody::relayed(buf, rx, hint))
+    }
+
+    /// Streams the rest of an overflowing body to the caller through `tx`, then records `rec`
+    /// (status and headers, body omitted) and releases the claim, both before the caller sees
+    /// the end; a body that fails stores nothing and frees the claim before the error goes on.
+    /// `left` is what is still to come of a body whose length was declared: the server stops
+    /// polling such a body at its last byte, so the frame that completes it is the end.
+    async fn relay<B>(
+        self,
+        rec: Record,
+        mut body: B,
+        tx: tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BoxError>>,
+        mut left: Option<u64>,
+    ) where
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: Into<BoxError>,
+    {
+        let mut tx = Some(tx);
+        let mut last = None;
+        while left != Some(0) && !body.is_end_stream() {
+            // Converted at once: the inner error type need not be `Send`.
+            let frame = body
+                .frame()
+                .await
+                .map(|r| r.map_err(Into::<BoxError>::into));
+            match frame {
+                None => break,
+                Some(Ok(frame)) => {
+                    // As below the cap, trailers are neither stored nor handed on.
+                    let Ok(data) = frame.into_data() else {
+                        continue;
+                    };
+                    if let Some(l) = &mut left {
+                        *l = l.saturating_sub(data.len() as u64);
+                    }
+                    let frame = http_body::Frame::data(data);
+                    if left == Some(0) || body.is_end_stream() {
+                        last = Some(frame);
+                        break;
+                    }
+                    if let Some(t) = &tx
+                        && t.send(Ok(frame)).await.is_err()
+                    {
+                        // The caller hung up; the rest is read all the same, so that a body
+                        // that ends well is still recorded.
+                        tx = None;
+                    }
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "response body failed above the stored-body cap; nothing stored");
+                    release(self.claim, self.in_process).await;
+                    if let Some(t) = tx {
+                        let _ = t.send(Err(e)).await;
+                    }
+                    return;
+                }
+            }
+        }
+        self.finish(&rec).await;
+        if let (Some(t), Some(frame)) = (tx, last) {
+            let _ = t.send(Ok(frame)).await;
+        }
+    }
+
+    /// Stores `rec` under the claim, then releases the claim.
+    async fn finish(self, rec: &Record) {
+        let cfg = &self.cfg;
         match cfg
             .store
             .put(
@@ -292,7 +389,7 @@ impl Completion {
                 cfg.claim.ttl_value(),
                 &self.lock_key,
                 &self.result_key,
-                &rec,
+                rec,
                 cfg.retention,
             )
             .await
@@ -304,12 +401,6 @@ impl Completion {
             Err(e) => tracing::warn!(error = %e, "result not stored"),
         }
         release(self.claim, self.in_process).await;
-        let body = if overflow {
-            LockBody::prefixed(buf, body)
-        } else {
-            LockBody::local(Full::new(buf))
-        };
-        Response::from_parts(head, body)
     }
 }
 

@@ -190,7 +190,12 @@ where
             // Converted at once: the inner error type need not be `Send`.
             let first = first.map(|f| f.map(|r| r.map_err(Into::<BoxError>::into)));
             let (body, done) = match first {
-                Poll::Pending => (LockBody::holding(body, lease), None),
+                Poll::Pending => match declared_len(&head, &body, None) {
+                    // A declared length of zero: the server writes no body and never polls it,
+                    // so there is nothing to hold the lease for.
+                    Some(0) => (LockBody::pass(body), Some(lease)),
+                    declared => (LockBody::holding(body, lease, declared), None),
+                },
                 // Ended: an empty body goes out instead of the spent one, which is not polled
                 // again (some bodies panic when polled past their end, and a spent body need
                 // not say it ended).
@@ -202,7 +207,10 @@ where
                     Ok(data) => (LockBody::local(Full::new(data)), Some(lease)),
                     Err(frame) => (LockBody::pass(body).after(Ok(frame)), Some(lease)),
                 },
-                Poll::Ready(Some(frame)) => (LockBody::holding(body, lease).after(frame), None),
+                Poll::Ready(Some(frame)) => {
+                    let declared = declared_len(&head, &body, Some(&frame));
+                    (LockBody::holding(body, lease, declared).after(frame), None)
+                }
             };
             match done {
                 None => return Ok(Response::from_parts(head, body)),
@@ -219,6 +227,32 @@ where
         };
         Ok(remote.await)
     }
+}
+
+/// The length of a response body as the server will send it: the head's `Content-Length`, or
+/// else the body's exact size (plus the frame `first` already taken from it). A body with a
+/// declared length is dropped unpolled once that many bytes went out, so the layer must know
+/// where it ends without seeing its end.
+fn declared_len<B: Body>(
+    head: &http::response::Parts,
+    body: &B,
+    first: Option<&Result<http_body::Frame<Bytes>, BoxError>>,
+) -> Option<u64> {
+    let from_head = head
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if from_head.is_some() {
+        return from_head;
+    }
+    let taken = match first {
+        None => 0,
+        Some(Ok(frame)) => frame.data_ref().map_or(0, |d| d.len() as u64),
+        // The body failed at once; it ends there, whatever its size said.
+        Some(Err(_)) => return None,
+    };
+    body.size_hint().exact().map(|rest| rest + taken)
 }
 
 /// The JSON-body path: reads the body up to the cap, finds the key in it, and hands the same
