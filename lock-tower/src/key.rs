@@ -206,7 +206,7 @@ impl KeyExtractor {
             Source::GithubDelivery => {
                 let id = header_text(parts, &HeaderName::from_static("x-github-delivery"))?
                     .ok_or_else(|| missing("the `X-GitHub-Delivery` header is missing"))?;
-                Ok(format!("{}#{id}", parts.uri.path()))
+                Ok(format!("{}#{id}", full_uri(parts).path()))
             }
             Source::Json(pointer) => {
                 let body = body.ok_or_else(|| missing("the body was not read"))?;
@@ -272,6 +272,16 @@ async fn route_param(parts: &mut Parts, name: &str) -> Result<Key, KeyProblem> {
         Some(i) => Ok(Key::Param(params, i)),
         None => Err(missing(format!("the route has no parameter `{name}`"))),
     }
+}
+
+/// The request's URI as it arrived: inside a router nested with `Router::nest`, axum hands on
+/// the URI with the prefix stripped and keeps the original in `OriginalUri`. Two hooks nested
+/// at different prefixes must not share a GitHub delivery scope or a fingerprint.
+pub(crate) fn full_uri(parts: &Parts) -> &http::Uri {
+    parts
+        .extensions
+        .get::<axum::extract::OriginalUri>()
+        .map_or(&parts.uri, |original| &original.0)
 }
 
 /// A header's value, trimmed; an empty one counts as absent, so that `webhook-id:` falls back

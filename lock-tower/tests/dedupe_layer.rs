@@ -363,6 +363,27 @@ async fn webhook_ids_and_github_scoping(h: Harness) {
     }
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 
+    // The same hooks nested under two prefixes (two organisations' endpoints): axum strips the
+    // prefix before the layer sees the path, yet each endpoint is its own hook.
+    // One layer (one store, on memory too), applied in both nested routers.
+    let layer = DedupeLayer::new(locker.clone())
+        .key(KeyExtractor::github_delivery())
+        .scope("nested");
+    let hooks = || counting(layer.clone(), runs.clone(), Duration::ZERO);
+    let nested = Router::new()
+        .nest("/org-a", hooks())
+        .nest("/org-b", hooks());
+    let addr = serve(nested).await;
+    for path in ["/org-a/hooks/ci", "/org-b/hooks/ci", "/org-a/hooks/ci"] {
+        let r = send(addr, Method::POST, path, &delivery, "{}").await;
+        assert_eq!(r.status, StatusCode::CREATED, "{path}: {}", r.text());
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        4,
+        "each nested endpoint ran once, and only once"
+    );
+
     let svix = counting(
         DedupeLayer::new(locker)
             .key(KeyExtractor::webhook_id())
@@ -389,7 +410,7 @@ async fn webhook_ids_and_github_scoping(h: Harness) {
     )
     .await;
     assert_eq!(r.header("idempotent-replayed"), Some("true"));
-    assert_eq!(runs.load(Ordering::SeqCst), 3);
+    assert_eq!(runs.load(Ordering::SeqCst), 5);
 }
 
 async fn json_id_key_and_body_handed_on(h: Harness) {

@@ -128,8 +128,7 @@ where
     };
     // Hashed, so a hostile key can neither collide with nor escape into another namespace.
     let id = digest(&[cfg.scope.as_bytes(), key.as_bytes()]);
-    let path = parts
-        .uri
+    let path = crate::key::full_uri(&parts)
         .path_and_query()
         .map(|p| p.as_str())
         .unwrap_or("/");
