@@ -14,7 +14,7 @@ use axum::routing::post;
 use bytes::Bytes;
 use common::{Drip, Harness, Reply, eventually, send, serve};
 use http::{Method, Response, StatusCode};
-use lock_tower::{DedupeLayer, Fence, KeyExtractor, Reason};
+use lock_tower::{DedupeLayer, Fence, KeyExtractor, LockLayer, Reason};
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -25,6 +25,7 @@ on_every_backend!(
     waiting_duplicates_all_get_the_replay,
     same_key_different_request_is_422,
     failed_first_attempt_is_not_stored,
+    a_conflict_that_says_when_to_retry_is_not_stored,
     oversized_bodies,
     missing_or_malformed_keys,
     webhook_ids_and_github_scoping,
@@ -239,6 +240,64 @@ async fn failed_first_attempt_is_not_stored(h: Harness) {
         runs.load(Ordering::SeqCst),
         4,
         "each retry after a failure ran once more"
+    );
+}
+
+/// A `LockLayer` inside the dedupe layer answers 409 with `Retry-After` while its key is held:
+/// that answer is not stored (it would be replayed for a day and the delivery never handled),
+/// so the sender's retry runs the handler once the key is free. A 409 the handler gives on its
+/// own, with no `Retry-After`, is an answer and is stored.
+async fn a_conflict_that_says_when_to_retry_is_not_stored(h: Harness) {
+    let locker = h.locker().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r2 = runs.clone();
+    let app = Router::new()
+        .route(
+            "/accounts/{id}/hooks",
+            post(move || {
+                let runs = r2.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::OK, "done")
+                }
+            }),
+        )
+        .route_layer(LockLayer::new(
+            locker.clone(),
+            KeyExtractor::route_param("id"),
+        ))
+        .route(
+            "/orders",
+            post(|| async { (StatusCode::CONFLICT, "exists") }),
+        )
+        .layer(DedupeLayer::new(locker.clone()).key(KeyExtractor::webhook_id()));
+    let addr = serve(app).await;
+    let hit = |path: &'static str, id: &'static str| async move {
+        send(addr, Method::POST, path, &[("webhook-id", id)], "{}").await
+    };
+    let account = locker
+        .try_acquire("7", &lock_core::LockOptions::new())
+        .await
+        .expect("hold the account");
+    let busy = hit("/accounts/7/hooks", "msg_busy").await;
+    assert_eq!(busy.status, StatusCode::CONFLICT, "{}", busy.text());
+    assert!(busy.header("retry-after").is_some());
+    account.release().await.expect("release");
+    let retried = hit("/accounts/7/hooks", "msg_busy").await;
+    assert_eq!(
+        (retried.status, retried.text().as_str()),
+        (StatusCode::OK, "done"),
+        "the retry was answered from a stored 409"
+    );
+    assert_eq!(retried.header("idempotent-replayed"), None);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let first = hit("/orders", "msg_order").await;
+    assert_eq!(first.status, StatusCode::CONFLICT);
+    let again = hit("/orders", "msg_order").await;
+    assert_eq!(
+        (again.status, again.header("idempotent-replayed")),
+        (StatusCode::CONFLICT, Some("true"))
     );
 }
 

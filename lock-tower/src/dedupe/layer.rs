@@ -72,7 +72,7 @@ impl DedupeConfig {
 /// | duplicate while the first still runs | 409 with `Retry-After` (or wait: [`wait`](Self::wait)) |
 /// | duplicate after the first completed | the stored status, headers and body, with `Idempotent-Replayed: true` |
 /// | same key, different method, path or body | 422 ([`Reason::KeyReused`], configurable, e.g. 409) |
-/// | first attempt answered 5xx or 429 | not stored; the claim is released, so a retry runs the handler again |
+/// | first attempt answered 5xx, 429, or another 4xx with `Retry-After` (a 409 from a [`LockLayer`](crate::LockLayer) inside) | not stored; the claim is released, so a retry runs the handler again |
 /// | claim lost while the handler ran | handler cancelled, 503, nothing stored |
 /// | client hangs up while the handler runs | handler cancelled (as axum does), claim released, nothing stored |
 /// | client hangs up after the handler answered | the result is still stored and the claim released (a task of its own finishes them), so the retry gets the replay |

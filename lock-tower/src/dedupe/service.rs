@@ -196,7 +196,12 @@ where
         res = handler => res?,
     };
     let status = res.status();
-    if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS {
+    // A client error that says when to come back (a 409 with `Retry-After` from a `LockLayer`
+    // inside this one, a rate limit) is as passing as a 5xx: stored, it would be replayed for
+    // the whole retention and the delivery never handled.
+    let transient = status == StatusCode::TOO_MANY_REQUESTS
+        || (status.is_client_error() && res.headers().contains_key(http::header::RETRY_AFTER));
+    if status.is_server_error() || transient {
         // Not an answer to keep: free the claim so the sender's retry runs the handler again.
         release(claim, in_process).await;
         return Ok(res.map(LockBody::pass));
