@@ -139,7 +139,7 @@ impl<B: Backend + Clone> Core<B> {
                 .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
         {
-            runtime.spawn(renew::run(self.backend.clone(), inbox.clone()));
+            renew::spawn(&runtime, self.backend.clone(), inbox.clone());
         }
         inbox.push(cmd);
     }
@@ -695,16 +695,17 @@ mod tests {
 
     /// A `Locker` outlives the runtime its renewal driver started on (kept in a static, used
     /// by one test runtime after another): the next runtime's leases are renewed all the same,
-    /// by a driver started there.
+    /// by a driver started there. Also when the first runtime ended before its driver task was
+    /// ever polled.
     #[test]
     fn renewal_outlives_the_runtime_it_started_on() {
-        let locker = Locker::memory();
         let runtime = || {
             tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .expect("runtime")
         };
+        let locker = Locker::memory();
         runtime().block_on(async {
             let lease = locker
                 .try_acquire("first", &opts(Duration::from_millis(150)))
@@ -714,6 +715,17 @@ mod tests {
             assert!(!lease.is_lost(), "not renewed on the first runtime");
         });
         runtime().block_on(assert_renewed(&locker, "second"));
+        // The driver spawned here never runs: the acquire completes without yielding and the
+        // runtime shuts down with the task still unpolled.
+        let unpolled = Locker::memory();
+        runtime().block_on(async {
+            let lease = unpolled
+                .try_acquire("first", &opts(Duration::from_millis(150)))
+                .await
+                .expect("free");
+            drop(lease);
+        });
+        runtime().block_on(assert_renewed(&unpolled, "second"));
     }
 
     /// The driver sleeps until the long lease's renewal, 20 s away; a short lease taken

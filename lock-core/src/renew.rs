@@ -136,6 +136,9 @@ impl LeaseState {
     /// `deadline`, so the local deadline may only shorten to it.
     pub(crate) fn maybe_extended(&self, deadline: Instant, ahead: Duration) {
         let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
+        // Replies of renewals sent before now may have run before it on the server, so, as
+        // after an extend that answered, they may only shorten.
+        t.extended_at = Some(Instant::now());
         if deadline >= t.deadline {
             return;
         }
@@ -422,8 +425,8 @@ impl Driver {
     }
 }
 
-/// Marks the inbox driverless when the driver's task ends, by returning or by being dropped
-/// with its runtime.
+/// Marks the inbox driverless when the driver's task ends: by returning, or by being dropped
+/// with its runtime, also before it was first polled.
 struct Running(Arc<Inbox>);
 
 impl Drop for Running {
@@ -434,8 +437,22 @@ impl Drop for Running {
     }
 }
 
-pub(crate) async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
-    let _running = Running(inbox.clone());
+/// Starts the renewal driver of `inbox` on `runtime`; the caller has set `inbox.running`.
+pub(crate) fn spawn<B: Backend + Clone>(
+    runtime: &tokio::runtime::Handle,
+    backend: B,
+    inbox: Arc<Inbox>,
+) {
+    // Made before the task, and moved into it: a task dropped unpolled (its runtime shut down
+    // first) still clears the flag, or no later runtime would start a driver.
+    let running = Running(inbox.clone());
+    runtime.spawn(async move {
+        let _running = running;
+        run(backend, inbox).await;
+    });
+}
+
+async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
     let mut d = Driver::default();
     let mut inflight = FuturesUnordered::new();
     let mut cmds = Vec::new();
@@ -694,6 +711,25 @@ mod tests {
         assert!(s.is_lost(), "revived by a late renewal");
         assert_eq!(s.remaining(), Duration::ZERO);
         assert!(s.lost.is_cancelled(), "the loss is signalled for good");
+    }
+
+    /// An extend to 3 s whose outcome is unknown, then the reply of a renewal (30 s) sent
+    /// before it: that renewal may have run before the extend on the server, whose expiry is
+    /// then the extend's, so its reply must not bring the 30 s back.
+    #[test]
+    fn an_unknown_extend_is_not_undone_by_an_earlier_renewal() {
+        let t0 = Instant::now();
+        let s = LeaseState::new(t0 + Duration::from_secs(30), AHEAD);
+        let renewal_sent = Instant::now();
+        std::thread::sleep(Duration::from_millis(2));
+        s.maybe_extended(Instant::now() + Duration::from_secs(3), AHEAD);
+        assert!(s.remaining() <= Duration::from_secs(3));
+        assert!(s.renewed(renewal_sent, renewal_sent + Duration::from_secs(30), AHEAD));
+        assert!(
+            s.remaining() <= Duration::from_secs(3),
+            "an earlier renewal's reply moved the deadline to {:?}",
+            s.remaining()
+        );
     }
 
     #[test]
