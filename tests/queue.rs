@@ -441,7 +441,6 @@ async fn worker_settles_by_outcome(h: Harness) {
     assert_eq!(q.job(flaky).await.expect("job").state, JobState::Done);
 }
 
-/// A batch larger than one round trip (by count and by bytes) lands whole and in order.
 /// A claim moves at most 100 due retries back to pending, the earliest due first, on every
 /// backend alike: with 150 due, the 100 that came due first are claimable at once (the lowest
 /// id among them first), and the other 50 join with the next claim.
@@ -476,6 +475,7 @@ async fn due_retries_return_a_hundred_a_claim(h: Harness) {
     );
 }
 
+/// A batch larger than one round trip (by count and by bytes) lands whole and in order.
 async fn enqueue_many_in_order(h: Harness) {
     let q = h.open(Queue::builder("batch")).await;
     let mut payloads: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; MAX_PAYLOAD]).collect();

@@ -15,7 +15,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::{JobId, JobState, Queue};
 use crate::error::{Error, Result};
-use crate::types::{Fence, drift, validate_ttl};
+use crate::types::{Fence, drift, validate_ttl, warn_ahead};
 
 /// A claimed job as a handler sees it. The worker owns the lease; the handler only does the
 /// work.
@@ -504,18 +504,22 @@ async fn keep_alive(
     let mut next = local_deadline
         .checked_sub(lease.saturating_sub(drift(lease)).saturating_sub(every))
         .unwrap_or_else(Instant::now);
+    // The handler is cancelled a little before the local deadline, as a lock's `lost()` fires:
+    // a timer wakes up to a millisecond late, and on a busy machine the cancelling task may
+    // wait for a CPU.
+    let alarm = |deadline: Instant| deadline.checked_sub(warn_ahead(lease)).unwrap_or(deadline);
     loop {
-        sleep_until(next.min(local_deadline)).await;
-        if Instant::now() >= local_deadline {
+        sleep_until(next.min(alarm(local_deadline))).await;
+        if Instant::now() >= alarm(local_deadline) {
             return lost();
         }
         let start = Instant::now();
-        // An extend that hangs (a stalled link, a paused server) is cut off at the deadline: the
+        // An extend that hangs (a stalled link, a paused server) is cut off at the alarm: the
         // handler must stop before the server can give the job to another worker, not when the
         // connection's response timeout ends the call.
         let extended = tokio::select! {
             biased;
-            () = sleep_until(local_deadline) => return lost(),
+            () = sleep_until(alarm(local_deadline)) => return lost(),
             extended = queue.extend(id, attempts, lease) => extended,
         };
         match extended {
