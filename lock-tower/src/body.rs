@@ -65,8 +65,23 @@ enum Prefix {
     Other(Box<Result<Frame<Bytes>, BoxError>>),
 }
 
-/// What a relay hands over: the frames of a body read by a task of the layer's own.
-pub(crate) type Relay = tokio::sync::mpsc::Receiver<Result<Frame<Bytes>, BoxError>>;
+/// What a relay hands over: the frames of a body read by a task of the layer's own, then
+/// `None` once the body ended well. A channel that closes without that `None` (the task
+/// panicked, or its runtime shut down) ends the body with [`RelayBroken`], never cleanly.
+pub(crate) type Relay = tokio::sync::mpsc::Receiver<Option<Result<Frame<Bytes>, BoxError>>>;
+
+/// The task relaying a response body stopped before the body ended; the body ends with this
+/// error, so the client sees a cut-off response rather than a short one that looks whole.
+#[derive(Debug)]
+pub struct RelayBroken;
+
+impl fmt::Display for RelayBroken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("the response body's relay stopped before the body ended")
+    }
+}
+
+impl std::error::Error for RelayBroken {}
 
 pin_project! {
     #[project = KindProj]
@@ -238,7 +253,10 @@ where
                     }
                     KindProj::Relayed { rx, hint } => {
                         let f = match rx {
-                            Some(r) => ready!(r.poll_recv(cx)),
+                            Some(r) => match ready!(r.poll_recv(cx)) {
+                                Some(item) => item,
+                                None => Some(Err(Box::new(RelayBroken) as BoxError)),
+                            },
                             None => None,
                         };
                         match &f {

@@ -9,7 +9,7 @@ pub mod lock;
 mod reject;
 mod util;
 
-pub use body::{BoxError, LeaseLostWhileStreaming, LockBody};
+pub use body::{BoxError, LeaseLostWhileStreaming, LockBody, RelayBroken};
 pub use dedupe::DedupeLayer;
 pub use extract::{Fence, HeldLease, MissingLease};
 pub use future::ResponseFuture;

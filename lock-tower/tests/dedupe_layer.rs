@@ -37,6 +37,7 @@ on_every_backend!(
     results_expire_after_the_retention,
     a_failing_body_stores_nothing,
     a_body_above_the_cap_that_fails_stores_nothing,
+    a_relay_that_dies_cuts_the_body,
     an_empty_webhook_id_counts_as_absent,
 );
 
@@ -915,6 +916,59 @@ impl http_body::Body for FailsAfter {
         };
         std::task::Poll::Ready(Some(frame))
     }
+}
+
+/// A response body that panics after its first chunk.
+struct PanicsAfter(Option<Bytes>);
+
+impl http_body::Body for PanicsAfter {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        match self.0.take() {
+            Some(head) => std::task::Poll::Ready(Some(Ok(http_body::Frame::data(head)))),
+            None => panic!("the response body panicked (on purpose, in a test)"),
+        }
+    }
+}
+
+/// A body above the cap whose relay task dies (the body panics in it): the caller sees a
+/// cut-off response, never a short one that ends cleanly.
+async fn a_relay_that_dies_cuts_the_body(h: Harness) {
+    let app = Router::new()
+        .route(
+            "/hooks/panics",
+            post(|| async {
+                let big = Bytes::from("x".repeat(4096));
+                Response::new(Body::new(PanicsAfter(Some(big))))
+            }),
+        )
+        .layer(DedupeLayer::new(h.locker().await).stored_body_limit(8));
+    let addr = serve(app).await;
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let (mut tx, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("handshake");
+    tokio::spawn(conn);
+    let req = http::Request::post("/hooks/panics")
+        .header("host", "x")
+        .header("idempotency-key", r#""dies""#)
+        .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
+        .expect("request");
+    use http_body_util::BodyExt;
+    let outcome = match tx.send_request(req).await {
+        Ok(res) => res.into_body().collect().await.map(|b| b.to_bytes().len()),
+        Err(e) => Err(e),
+    };
+    assert!(
+        outcome.is_err(),
+        "the body ended cleanly after {outcome:?} bytes although its relay died"
+    );
 }
 
 /// A body above the stored-body cap streams on to the caller after the layer stopped keeping

@@ -330,7 +330,7 @@ impl Completion {
         self,
         rec: Record,
         mut body: B,
-        tx: tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BoxError>>,
+        tx: tokio::sync::mpsc::Sender<Option<Result<http_body::Frame<Bytes>, BoxError>>>,
         mut left: Option<u64>,
     ) where
         B: Body<Data = Bytes> + Unpin,
@@ -360,7 +360,7 @@ impl Completion {
                         break;
                     }
                     if let Some(t) = &tx
-                        && t.send(Ok(frame)).await.is_err()
+                        && t.send(Some(Ok(frame))).await.is_err()
                     {
                         // The caller hung up; the rest is read all the same, so that a body
                         // that ends well is still recorded.
@@ -371,15 +371,19 @@ impl Completion {
                     tracing::warn!(error = %e, "response body failed above the stored-body cap; nothing stored");
                     release(self.claim, self.in_process).await;
                     if let Some(t) = tx {
-                        let _ = t.send(Err(e)).await;
+                        let _ = t.send(Some(Err(e))).await;
                     }
                     return;
                 }
             }
         }
         self.finish(&rec).await;
-        if let (Some(t), Some(frame)) = (tx, last) {
-            let _ = t.send(Ok(frame)).await;
+        if let Some(t) = tx {
+            if let Some(frame) = last {
+                let _ = t.send(Some(Ok(frame))).await;
+            }
+            // The clean end: a channel closed without it reads as a broken relay.
+            let _ = t.send(None).await;
         }
     }
 
