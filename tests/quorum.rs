@@ -44,6 +44,19 @@ async fn warm_up(locker: &Locker) {
     lease.release().await.expect("warm-up release");
 }
 
+/// A proxy in front of each of `servers`, and a quorum locker through them with its scripts
+/// loaded.
+async fn through_proxies(servers: &[Server]) -> (Vec<Proxy>, Locker) {
+    let mut proxies = Vec::new();
+    for s in servers {
+        proxies.push(Proxy::start(s.port).await);
+    }
+    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
+    let locker = redlock(&proxy_urls, QuorumConfig::default()).await;
+    warm_up(&locker).await;
+    (proxies, locker)
+}
+
 fn stored_fence(server: &Server, locker: &Locker, key: &str) -> Option<u64> {
     let k = locker.lock_key(key).expect("key");
     server
@@ -431,13 +444,7 @@ async fn fences_under_member_churn(flavor: Flavor) {
 /// released at once, long before their TTL.
 async fn slow_majority_no_lease_no_leftovers(flavor: Flavor) {
     let servers = start(flavor, 5);
-    let mut proxies = Vec::new();
-    for s in &servers {
-        proxies.push(Proxy::start(s.port).await);
-    }
-    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
-    let locker = redlock(&proxy_urls, QuorumConfig::default()).await;
-    warm_up(&locker).await;
+    let (proxies, locker) = through_proxies(&servers).await;
     let ttl = Duration::from_secs(4);
     for p in &proxies[..3] {
         p.delay_replies(ttl.mul_f64(0.9));
@@ -573,13 +580,7 @@ async fn slow_fence_write_back_no_lease(flavor: Flavor) {
 /// the slow members' late grants are ours too and are released with the lease.
 async fn slow_minority_still_grants(flavor: Flavor) {
     let servers = start(flavor, 5);
-    let mut proxies = Vec::new();
-    for s in &servers {
-        proxies.push(Proxy::start(s.port).await);
-    }
-    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
-    let locker = redlock(&proxy_urls, QuorumConfig::default()).await;
-    warm_up(&locker).await;
+    let (proxies, locker) = through_proxies(&servers).await;
     let ttl = Duration::from_secs(3);
     for p in &proxies[..2] {
         p.delay_replies(ttl.mul_f64(0.9));
@@ -604,13 +605,7 @@ async fn slow_minority_still_grants(flavor: Flavor) {
 /// as soon as the other members decide every lease.
 async fn extend_does_not_wait_for_a_hung_member(flavor: Flavor) {
     let servers = start(flavor, 5);
-    let mut proxies = Vec::new();
-    for s in &servers {
-        proxies.push(Proxy::start(s.port).await);
-    }
-    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
-    let locker = redlock(&proxy_urls, QuorumConfig::default()).await;
-    warm_up(&locker).await;
+    let (proxies, locker) = through_proxies(&servers).await;
     let ttl = Duration::from_secs(4);
     let lease = locker
         .try_acquire("hung", &LockOptions::new().ttl(ttl).renew(false))
@@ -846,13 +841,7 @@ async fn waiter_wakes_with_a_member_down() {
 /// instead of leaving the key held on every member for its 30 s TTL.
 async fn a_cancelled_acquire_leaves_no_member_held(flavor: Flavor) {
     let servers = start(flavor, 3);
-    let mut proxies = Vec::new();
-    for s in &servers {
-        proxies.push(Proxy::start(s.port).await);
-    }
-    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
-    let locker = redlock(&proxy_urls, QuorumConfig::default()).await;
-    warm_up(&locker).await;
+    let (proxies, locker) = through_proxies(&servers).await;
     for p in &proxies {
         p.delay_replies(Duration::from_millis(150));
     }

@@ -899,8 +899,23 @@ async fn a_failing_body_stores_nothing(h: Harness) {
     }
 }
 
-/// A response body that sends `head` and then fails.
+/// A response body that sends `head` and then fails with an error.
 struct FailsAfter(Option<Bytes>);
+
+/// As [`FailsAfter`], failing by a panic.
+struct PanicsAfter(Option<Bytes>);
+
+fn head_then(
+    head: &mut Option<Bytes>,
+    panics: bool,
+) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+    let frame = match head.take() {
+        Some(head) => Ok(http_body::Frame::data(head)),
+        None if panics => panic!("the response body panicked (on purpose, in a test)"),
+        None => Err(std::io::Error::other("the body broke")),
+    };
+    std::task::Poll::Ready(Some(frame))
+}
 
 impl http_body::Body for FailsAfter {
     type Data = Bytes;
@@ -910,16 +925,9 @@ impl http_body::Body for FailsAfter {
         mut self: std::pin::Pin<&mut Self>,
         _: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
-        let frame = match self.0.take() {
-            Some(head) => Ok(http_body::Frame::data(head)),
-            None => Err(std::io::Error::other("the body broke")),
-        };
-        std::task::Poll::Ready(Some(frame))
+        head_then(&mut self.0, false)
     }
 }
-
-/// A response body that panics after its first chunk.
-struct PanicsAfter(Option<Bytes>);
 
 impl http_body::Body for PanicsAfter {
     type Data = Bytes;
@@ -929,10 +937,7 @@ impl http_body::Body for PanicsAfter {
         mut self: std::pin::Pin<&mut Self>,
         _: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
-        match self.0.take() {
-            Some(head) => std::task::Poll::Ready(Some(Ok(http_body::Frame::data(head)))),
-            None => panic!("the response body panicked (on purpose, in a test)"),
-        }
+        head_then(&mut self.0, true)
     }
 }
 
@@ -949,12 +954,7 @@ async fn a_relay_that_dies_cuts_the_body(h: Harness) {
         )
         .layer(DedupeLayer::new(h.locker().await).stored_body_limit(8));
     let addr = serve(app).await;
-    let stream = TcpStream::connect(addr).await.expect("connect");
-    let (mut tx, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .expect("handshake");
-    tokio::spawn(conn);
+    let mut tx = common::connect(addr).await;
     let req = http::Request::post("/hooks/panics")
         .header("host", "x")
         .header("idempotency-key", r#""dies""#)
@@ -1013,12 +1013,7 @@ async fn a_body_above_the_cap_that_fails_stores_nothing(h: Harness) {
                 .claim_ttl(Duration::from_secs(60)),
         );
     let addr = serve(app).await;
-    let stream = TcpStream::connect(addr).await.expect("connect");
-    let (mut tx, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .expect("handshake");
-    tokio::spawn(conn);
+    let mut tx = common::connect(addr).await;
     let req = http::Request::post("/hooks/big")
         .header("host", "x")
         .header("idempotency-key", r#""big-broken""#)

@@ -516,12 +516,7 @@ async fn lease_loss_while_streaming_cuts_the_body(h: Harness) {
                 .ttl(Duration::from_secs(1)),
         );
     let addr = serve(app).await;
-    let stream = TcpStream::connect(addr).await.expect("connect");
-    let (mut tx, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .expect("handshake");
-    tokio::spawn(conn);
+    let mut tx = common::connect(addr).await;
     let req = http::Request::post("/feeds/4")
         .header("host", "x")
         .body(http_body_util::Full::new(Bytes::new()))
@@ -656,12 +651,7 @@ async fn a_streamed_body_with_a_length_is_released_before_its_last_byte(h: Harne
         }
     }
     use http_body_util::BodyExt;
-    let stream = TcpStream::connect(addr).await.expect("connect");
-    let (mut tx, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .expect("handshake");
-    tokio::spawn(conn);
+    let mut tx = common::connect(addr).await;
     for round in 0..20 {
         for path in ["/feeds/6", "/quick/6", "/empty/6", "/quick/6"] {
             let req = http::Request::post(path)

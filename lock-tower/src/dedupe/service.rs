@@ -247,11 +247,7 @@ impl Completion {
         let mut buf = BytesMut::new();
         let mut overflow = false;
         loop {
-            let frame = body
-                .frame()
-                .await
-                .map(|r| r.map_err(Into::<BoxError>::into));
-            match frame {
+            match next_frame(&mut body).await {
                 None => break,
                 Some(Ok(frame)) => {
                     // Trailers are not stored or replayed; data frames are.
@@ -339,12 +335,7 @@ impl Completion {
         let mut tx = Some(tx);
         let mut last = None;
         while left != Some(0) && !body.is_end_stream() {
-            // Converted at once: the inner error type need not be `Send`.
-            let frame = body
-                .frame()
-                .await
-                .map(|r| r.map_err(Into::<BoxError>::into));
-            match frame {
+            match next_frame(&mut body).await {
                 None => break,
                 Some(Ok(frame)) => {
                     // As below the cap, trailers are neither stored nor handed on.
@@ -434,6 +425,18 @@ fn replay<B>(cfg: &DedupeConfig, rec: &Record, fingerprint: &str) -> Response<Lo
             .insert(BODY_OMITTED, HeaderValue::from_static("true"));
     }
     res
+}
+
+/// The body's next frame, its error converted at once: the inner error type need not be
+/// `Send`.
+async fn next_frame<B>(body: &mut B) -> Option<Result<http_body::Frame<Bytes>, BoxError>>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    body.frame()
+        .await
+        .map(|r| r.map_err(Into::<BoxError>::into))
 }
 
 #[cfg(test)]

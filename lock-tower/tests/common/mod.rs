@@ -130,6 +130,17 @@ impl Reply {
     }
 }
 
+/// A client connection of its own to `addr`, for tests that read a response frame by frame or
+/// send several requests on one connection.
+pub async fn connect(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let (tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    tx
+}
+
 /// One request on its own connection.
 pub async fn send(
     addr: SocketAddr,
