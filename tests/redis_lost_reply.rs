@@ -22,20 +22,22 @@ const GRANT: &[u8] = b"*2\r\n:1\r\n";
 /// A one-item release call's reply: `{1}`, released.
 const RELEASED: &[u8] = b"*1\r\n:1\r\n";
 
-/// The grant's reply is lost once: the locker asks again with the same token, the script
-/// recognises it, and the caller gets the one grant that happened, with its fence.
-async fn lost_grant_reply_is_resolved(flavor: Flavor) {
+/// A server, a proxy in front of it, and a locker through the proxy whose acquire, extend and
+/// release scripts are loaded, so that a fault armed next meets no `NOSCRIPT` round trip.
+async fn through_proxy(flavor: Flavor) -> (Server, Proxy, Locker) {
     let server = Server::start(flavor);
     let proxy = Proxy::start(server.port).await;
     let locker = Locker::redis(&proxy.url()).await.expect("connect");
-    // Scripts loaded and connections open before the fault.
-    locker
-        .try_acquire("warm", &opts())
-        .await
-        .expect("warm")
-        .release()
-        .await
-        .expect("release");
+    let warm = locker.try_acquire("warm", &opts()).await.expect("warm");
+    warm.extend(Duration::from_secs(10)).await.expect("extend");
+    warm.release().await.expect("release");
+    (server, proxy, locker)
+}
+
+/// The grant's reply is lost once: the locker asks again with the same token, the script
+/// recognises it, and the caller gets the one grant that happened, with its fence.
+async fn lost_grant_reply_is_resolved(flavor: Flavor) {
+    let (server, proxy, locker) = through_proxy(flavor).await;
     proxy.drop_replies(GRANT, 1);
     let lease = locker
         .try_acquire("lost-reply", &opts())
@@ -61,16 +63,7 @@ async fn lost_grant_reply_is_resolved(flavor: Flavor) {
 /// Both the grant's reply and the retry's are lost: the caller gets `OutcomeUnknown`, and the
 /// grant that may exist is released in the background, so the key is not left held.
 async fn unresolved_grant_is_released(flavor: Flavor) {
-    let server = Server::start(flavor);
-    let proxy = Proxy::start(server.port).await;
-    let locker = Locker::redis(&proxy.url()).await.expect("connect");
-    locker
-        .try_acquire("warm", &opts())
-        .await
-        .expect("warm")
-        .release()
-        .await
-        .expect("release");
+    let (server, proxy, locker) = through_proxy(flavor).await;
     proxy.drop_replies(GRANT, 2);
     match locker.try_acquire("twice-lost", &opts()).await {
         Err(Error::OutcomeUnknown { op, .. }) => assert_eq!(op, "acquire"),
@@ -260,14 +253,8 @@ async fn stalled_renewals_are_told_before_the_deadline(flavor: Flavor) {
 /// the old 30 s: `remaining()` is within the new TTL and `lost()` fires before the server lets
 /// the key go.
 async fn lost_extend_reply_shortens_the_lease(flavor: Flavor) {
-    let server = Server::start(flavor);
-    let proxy = Proxy::start(server.port).await;
-    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    let (server, proxy, locker) = through_proxy(flavor).await;
     let opts = LockOptions::new().ttl(Duration::from_secs(30)).renew(false);
-    // Scripts loaded before the fault.
-    let warm = locker.try_acquire("warm", &opts).await.expect("warm");
-    warm.extend(Duration::from_secs(30)).await.expect("extend");
-    warm.release().await.expect("release");
     let lease = locker
         .try_acquire("shortened", &opts)
         .await
@@ -318,11 +305,7 @@ fn script_calls(server: &Server) -> u64 {
 /// client that went away): the grant still lands on the server, and nobody holds it. It is
 /// released at once instead of keeping the key for its 30 s TTL.
 async fn a_cancelled_acquire_leaves_nothing_held(flavor: Flavor) {
-    let server = Server::start(flavor);
-    let proxy = Proxy::start(server.port).await;
-    let locker = Locker::redis(&proxy.url()).await.expect("connect");
-    let warm = locker.try_acquire("warm", &opts()).await.expect("warm");
-    warm.release().await.expect("release");
+    let (server, proxy, locker) = through_proxy(flavor).await;
     proxy.delay_replies(Duration::from_millis(300));
     let gave_up = tokio::time::timeout(
         Duration::from_millis(100),
@@ -358,11 +341,7 @@ async fn a_cancelled_acquire_leaves_nothing_held(flavor: Flavor) {
 /// is held up in a stalled link, so both reach the server: two release calls, where a guard
 /// that counted the cancelled release as done sent one.
 async fn a_cancelled_release_is_sent_again(flavor: Flavor) {
-    let server = Server::start(flavor);
-    let proxy = Proxy::start(server.port).await;
-    let locker = Locker::redis(&proxy.url()).await.expect("connect");
-    let warm = locker.try_acquire("warm", &opts()).await.expect("warm");
-    warm.release().await.expect("release");
+    let (server, proxy, locker) = through_proxy(flavor).await;
     let lease = locker
         .try_acquire("dropped", &opts())
         .await
