@@ -33,7 +33,7 @@ async fn handle(queue: &Queue, redis_url: Option<&str>) -> Result<Queue, BoxErro
 
 fn healthy(queue: Queue, name: &'static str, t0: Instant) -> Result<WorkerHandle, BoxError> {
     Ok(Worker::new(queue)
-        .lease(Duration::from_secs(5))
+        .ttl(Duration::from_secs(5))
         // The reaper below runs on its own beat, so its moves can be printed.
         .reap_every(Duration::from_secs(3_600))
         .start(move |job| async move {
@@ -80,7 +80,7 @@ async fn main() -> Result<(), BoxError> {
     println!("\n== 2. worker C takes the first job and crashes mid-job");
     let (tx, mut rx) = mpsc::unbounded_channel();
     let crashing = Worker::new(handle(&queue, redis_url.as_deref()).await?)
-        .lease(Duration::from_secs(1))
+        .ttl(Duration::from_secs(1))
         .start(move |job| {
             let tx = tx.clone();
             async move {

@@ -141,7 +141,7 @@ async fn sixteen_workers_two_thousand_jobs(h: Harness) {
         let runs = runs.clone();
         let w = Worker::new(q)
             .concurrency(2)
-            .lease(ms(30_000))
+            .ttl(ms(30_000))
             .start(move |job| {
                 let runs = runs.clone();
                 async move {
@@ -197,7 +197,7 @@ async fn aborted_worker_is_reaped(h: Harness) {
     // The claim happens after this instant, so its deadline is at least a lease later.
     let before_claim = Instant::now();
     let doomed = Worker::new(doomed_queue)
-        .lease(ms(1_000))
+        .ttl(ms(1_000))
         .reap_every(Duration::from_secs(3_600))
         .start(move |_job| {
             let flag = flag.clone();
@@ -220,7 +220,7 @@ async fn aborted_worker_is_reaped(h: Harness) {
     let seen: Arc<Mutex<Vec<u64>>> = Arc::default();
     let rec = seen.clone();
     let rescuer = Worker::new(h.open(Queue::builder("crash")).await)
-        .lease(ms(5_000))
+        .ttl(ms(5_000))
         .reap_every(ms(100))
         .start(move |job| {
             let rec = rec.clone();
@@ -398,7 +398,7 @@ async fn worker_settles_by_outcome(h: Harness) {
     let rec = seen.clone();
     let w = Worker::new(q.clone())
         .concurrency(2)
-        .lease(ms(5_000))
+        .ttl(ms(5_000))
         .backoff(ms(50), ms(200))
         .start(move |job| {
             let rec = rec.clone();
@@ -540,7 +540,7 @@ async fn lost_lease_cancels_handler(h: Harness) {
     }
     let (r, d) = (running.clone(), dropped.clone());
     let w = Worker::new(q.clone())
-        .lease(ms(1_500))
+        .ttl(ms(1_500))
         .reap_every(Duration::from_secs(3_600))
         .start(move |job| {
             let (r, d) = (r.clone(), d.clone());
@@ -712,7 +712,7 @@ async fn bad_input(h: Harness) {
     }
     assert!(matches!(
         Worker::new(q.clone())
-            .lease(Duration::ZERO)
+            .ttl(Duration::ZERO)
             .start(|_| async { Ok(()) }),
         Err(Error::InvalidTtl { .. })
     ));

@@ -192,7 +192,7 @@ async fn worker_child() {
     };
     let q = Queue::redis(&url, "killed").await.expect("child connects");
     let _worker = Worker::new(q)
-        .lease(ms(2_000))
+        .ttl(ms(2_000))
         .start(|job| async move {
             println!("RUNNING {} {}", job.id(), job.attempts());
             std::future::pending::<()>().await;
@@ -230,7 +230,7 @@ async fn worker_process_killed(flavor: Flavor) {
     let seen: Arc<Mutex<Vec<u64>>> = Arc::default();
     let rec = seen.clone();
     let rescuer = Worker::new(q.clone())
-        .lease(ms(5_000))
+        .ttl(ms(5_000))
         .reap_every(ms(100))
         .start(move |job| {
             let rec = rec.clone();
@@ -286,7 +286,7 @@ async fn stalled_extend_cancels_in_time(flavor: Flavor) {
     }
     let rec = first.clone();
     let stalled = Worker::new(q.clone())
-        .lease(ms(2_000))
+        .ttl(ms(2_000))
         .reap_every(Duration::from_secs(60))
         .start(move |_| {
             let rec = rec.clone();
@@ -313,7 +313,7 @@ async fn stalled_extend_cancels_in_time(flavor: Flavor) {
         .expect("connect");
     let rec = second.clone();
     let rescuer = Worker::new(direct)
-        .lease(ms(5_000))
+        .ttl(ms(5_000))
         .reap_every(ms(50))
         .start(move |job| {
             let rec = rec.clone();
@@ -369,7 +369,7 @@ async fn slow_link_keeps_the_lease(flavor: Flavor) {
     q.enqueue(b"job").await.expect("enqueue");
     proxy.set_latency(ms(175));
     let worker = Worker::new(q)
-        .lease(ms(900))
+        .ttl(ms(900))
         .start(|_| async {
             sleep(ms(2_000)).await;
             Ok(())

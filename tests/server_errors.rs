@@ -694,7 +694,7 @@ async fn worker_renewal(flavor: Flavor, cond: Condition) {
     // As for `renewal`: 2 s leaves a 22 ms drift allowance.
     let lease = Duration::from_millis(2_000);
     let worker = Worker::new(q.clone())
-        .lease(lease)
+        .ttl(lease)
         .reap_every(Duration::from_millis(200))
         .start(move |_job| {
             let (r, d) = (r.clone(), d.clone());

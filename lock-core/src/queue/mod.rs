@@ -521,18 +521,18 @@ impl Queue {
         self.enqueue(bytes).await
     }
 
-    /// Claims the oldest pending job for `lease`, or returns `None` when nothing is pending.
+    /// Claims the oldest pending job for `ttl`, or returns `None` when nothing is pending.
     ///
     /// Retries whose delay has passed rejoin pending first, at their original place, at most
     /// 100 a claim and the earliest due first (so a claim stays one short step however many
     /// retries come due at once); the rest join with the next claims. One atomic step raises the job's attempts (its fence) and sets its deadline to the
-    /// store's clock plus `lease`. The lease is not renewed: call [`Claim::extend`] for long
+    /// store's clock plus `ttl`. The lease is not renewed: call [`Claim::extend`] for long
     /// work, or run jobs through a [`Worker`], which does. A claim whose reply is lost in
     /// transit ([`Error::OutcomeUnknown`]) leaves the job active until the reaper returns it.
-    #[instrument(level = "debug", skip_all, fields(queue = %self.inner.name, lease = ?lease))]
-    pub async fn claim(&self, lease: Duration) -> Result<Option<Claim>> {
-        validate_ttl(lease)?;
-        Ok(self.claim_once(lease).await?.ok())
+    #[instrument(level = "debug", skip_all, fields(queue = %self.inner.name, ttl = ?ttl))]
+    pub async fn claim(&self, ttl: Duration) -> Result<Option<Claim>> {
+        validate_ttl(ttl)?;
+        Ok(self.claim_once(ttl).await?.ok())
     }
 
     /// Claims the oldest pending job, waiting up to `wait` for one to arrive
@@ -553,21 +553,21 @@ impl Queue {
     ///
     /// Waiters wake on enqueue (and on retries and reaps that return jobs to pending), and
     /// otherwise when the next delayed job is due or after [`CLAIM_POLL_FALLBACK`].
-    pub async fn claim_wait(&self, lease: Duration, wait: Duration) -> Result<Option<Claim>> {
-        validate_ttl(lease)?;
+    pub async fn claim_wait(&self, ttl: Duration, wait: Duration) -> Result<Option<Claim>> {
+        validate_ttl(ttl)?;
         let give_up = crate::types::deadline_after(Instant::now(), wait);
-        self.claim_until(lease, give_up, None).await
+        self.claim_until(ttl, give_up, None).await
     }
 
     /// One claim round trip; `Err(next_due)` inside `Ok` means nothing was pending.
     async fn claim_once(
         &self,
-        lease: Duration,
+        ttl: Duration,
     ) -> Result<std::result::Result<Claim, Option<Duration>>> {
         // The local deadline counts from before the request leaves, so a slow reply can only
         // shorten it.
         let start = Instant::now();
-        match store!(self, s => s.claim(ms(lease)).await)? {
+        match store!(self, s => s.claim(ms(ttl)).await)? {
             ClaimReply::Claimed {
                 id,
                 attempts,
@@ -580,7 +580,7 @@ impl Queue {
                     id: JobId(id),
                     attempts,
                     deadline_ms,
-                    local_deadline: start + lease - drift(lease),
+                    local_deadline: start + ttl - drift(ttl),
                     payload,
                 }))
             }
@@ -593,7 +593,7 @@ impl Queue {
     /// strand a job it was granted.
     pub(crate) async fn claim_until(
         &self,
-        lease: Duration,
+        ttl: Duration,
         give_up: Instant,
         stop: Option<&CancellationToken>,
     ) -> Result<Option<Claim>> {
@@ -607,7 +607,7 @@ impl Queue {
             if stop.is_some_and(CancellationToken::is_cancelled) {
                 return Ok(None);
             }
-            let next_due = match self.claim_once(lease).await? {
+            let next_due = match self.claim_once(ttl).await? {
                 Ok(claim) => return Ok(Some(claim)),
                 Err(next_due) => next_due,
             };
@@ -742,15 +742,13 @@ impl Queue {
         self.settle(id, attempts, op).await.map(|_| ())
     }
 
-    /// Moves the job's deadline to the store's clock plus `lease`. Returns the new deadline in
+    /// Moves the job's deadline to the store's clock plus `ttl`. Returns the new deadline in
     /// milliseconds since the Unix epoch on the store's clock. Refused as
     /// [`Queue::complete`] is, so a lease that was reaped is never revived.
     #[instrument(level = "debug", skip(self), fields(queue = %self.inner.name))]
-    pub async fn extend(&self, id: JobId, attempts: u64, lease: Duration) -> Result<u64> {
-        validate_ttl(lease)?;
-        let op = Op::Extend {
-            lease_ms: ms(lease),
-        };
+    pub async fn extend(&self, id: JobId, attempts: u64, ttl: Duration) -> Result<u64> {
+        validate_ttl(ttl)?;
+        let op = Op::Extend { lease_ms: ms(ttl) };
         let done = self.settle(id, attempts, op).await?;
         Ok(done.at_ms.unwrap_or_default())
     }
@@ -877,11 +875,11 @@ impl Claim {
         )
     }
 
-    /// Extends the lease to the store's clock plus `lease` (see [`Queue::extend`]).
-    pub async fn extend(&mut self, lease: Duration) -> Result<()> {
+    /// Extends the lease to the store's clock plus `ttl` (see [`Queue::extend`]).
+    pub async fn extend(&mut self, ttl: Duration) -> Result<()> {
         let start = Instant::now();
-        self.deadline_ms = self.queue.extend(self.id, self.attempts, lease).await?;
-        self.local_deadline = start + lease - drift(lease);
+        self.deadline_ms = self.queue.extend(self.id, self.attempts, ttl).await?;
+        self.local_deadline = start + ttl - drift(ttl);
         Ok(())
     }
 

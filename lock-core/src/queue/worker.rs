@@ -181,7 +181,7 @@ fn bump(c: &AtomicU64) {
 /// queue.enqueue(b"cat.png".as_slice()).await?;
 /// let worker = Worker::new(queue.clone())
 ///     .concurrency(4)
-///     .lease(Duration::from_secs(10))
+///     .ttl(Duration::from_secs(10))
 ///     .start(|job| async move {
 ///         println!("resizing {:?} (attempt {})", job.payload(), job.attempts());
 ///         Ok(())
@@ -197,7 +197,7 @@ fn bump(c: &AtomicU64) {
 pub struct Worker {
     queue: Queue,
     concurrency: usize,
-    lease: Duration,
+    ttl: Duration,
     reap_every: Duration,
     backoff: Duration,
     max_backoff: Duration,
@@ -210,7 +210,7 @@ impl Worker {
         Worker {
             queue,
             concurrency: 1,
-            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(30),
             reap_every: Duration::from_secs(1),
             backoff: Duration::from_secs(1),
             max_backoff: Duration::from_secs(300),
@@ -223,9 +223,9 @@ impl Worker {
         self
     }
 
-    /// The lease each claim takes and each extend renews.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+    /// How long each claim's lease lasts, and how far each extend moves it (default 30 s).
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
         self
     }
 
@@ -259,7 +259,7 @@ impl Worker {
         F: Fn(Job) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = std::result::Result<(), JobError>> + Send + 'static,
     {
-        validate_ttl(self.lease)?;
+        validate_ttl(self.ttl)?;
         if self.reap_every.is_zero() {
             return Err(Error::InvalidDuration {
                 what: "reap interval",
@@ -368,7 +368,7 @@ async fn slot_loop<F, Fut>(
         let give_up = Instant::now() + Duration::from_secs(30);
         match worker
             .queue
-            .claim_until(worker.lease, give_up, Some(&stop))
+            .claim_until(worker.ttl, give_up, Some(&stop))
             .await
         {
             Ok(Some(claim)) => {
@@ -410,7 +410,7 @@ where
         let work = std::panic::AssertUnwindSafe(handler(job)).catch_unwind();
         let outcome = tokio::select! {
             biased;
-            lost = keep_alive(&queue, id, attempts, worker.lease, local_deadline) => {
+            lost = keep_alive(&queue, id, attempts, worker.ttl, local_deadline) => {
                 warn!(reason = %lost, "lease lost; handler cancelled");
                 bump(&stats.lost);
                 return;
@@ -491,23 +491,23 @@ async fn keep_alive(
     queue: &Queue,
     id: JobId,
     attempts: u64,
-    lease: Duration,
+    ttl: Duration,
     mut local_deadline: Instant,
 ) -> Error {
     let lost = || Error::LeaseLost {
         key: format!("{}/job:{}", queue.name(), id.0),
     };
-    let every = lease / 3;
+    let every = ttl / 3;
     // A third of the lease after the claim was sent (the local deadline counts from then, less
     // the drift allowance), not after its reply came: a slow reply must not use up the time
     // for the first extend.
     let mut next = local_deadline
-        .checked_sub(lease.saturating_sub(drift(lease)).saturating_sub(every))
+        .checked_sub(ttl.saturating_sub(drift(ttl)).saturating_sub(every))
         .unwrap_or_else(Instant::now);
     // The handler is cancelled a little before the local deadline, as a lock's `lost()` fires:
     // a timer wakes up to a millisecond late, and on a busy machine the cancelling task may
     // wait for a CPU.
-    let alarm = |deadline: Instant| deadline.checked_sub(warn_ahead(lease)).unwrap_or(deadline);
+    let alarm = |deadline: Instant| deadline.checked_sub(warn_ahead(ttl)).unwrap_or(deadline);
     loop {
         sleep_until(next.min(alarm(local_deadline))).await;
         if Instant::now() >= alarm(local_deadline) {
@@ -520,16 +520,16 @@ async fn keep_alive(
         let extended = tokio::select! {
             biased;
             () = sleep_until(alarm(local_deadline)) => return lost(),
-            extended = queue.extend(id, attempts, lease) => extended,
+            extended = queue.extend(id, attempts, ttl) => extended,
         };
         match extended {
             Ok(_) => {
-                local_deadline = start + lease - drift(lease);
+                local_deadline = start + ttl - drift(ttl);
                 next = start + every;
             }
             Err(e) if e.is_transient() => {
                 debug!(error = %e, "extend failed; trying again before the deadline");
-                next = Instant::now() + (lease / 20).max(Duration::from_millis(5));
+                next = Instant::now() + (ttl / 20).max(Duration::from_millis(5));
             }
             Err(e) => return e,
         }
