@@ -336,6 +336,53 @@ async fn a_cancelled_acquire_leaves_nothing_held(flavor: Flavor) {
     lease.release().await.expect("release");
 }
 
+/// As above for an acquire that waits for replicas, which runs on a connection of its own:
+/// given back on the shared connection, the release could reach the server before the acquire,
+/// find nothing, and leave the grant holding the key for its TTL. Here the dedicated
+/// connection's requests take 300 ms to arrive, so the caller is gone, and its locker's
+/// give-back on the shared connection answered, before the acquire reaches the server.
+async fn a_cancelled_replicated_acquire_leaves_nothing_held(flavor: Flavor) {
+    let (server, proxy, locker) = through_proxy(flavor).await;
+    let opts = opts()
+        .replicas(1)
+        .replica_timeout(Duration::from_millis(100));
+    // No replica: the acquire waits out the replica timeout and is refused, and the dedicated
+    // connection it opened is kept for the next one.
+    let before = proxy.connections();
+    match locker.try_acquire("replicated", &opts).await {
+        Err(Error::NotReplicated { acked: 0, .. }) => {}
+        other => panic!("expected NotReplicated without a replica, got {other:?}"),
+    }
+    assert_eq!(proxy.connections(), before + 1, "one dedicated connection");
+    proxy.delay_requests_of(before, Duration::from_millis(300));
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(100),
+        locker.try_acquire("replicated", &opts),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the acquire answered within 100 ms");
+    let k = locker.lock_key("replicated").expect("key");
+    // The grant lands after its caller left: the case this test is about.
+    let give_up = Instant::now() + Duration::from_secs(2);
+    while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 0 {
+        assert!(
+            Instant::now() < give_up,
+            "the acquire never reached the server"
+        );
+        sleep(Duration::from_millis(5)).await;
+    }
+    // And is given back, well before its 10 s TTL.
+    let give_up = Instant::now() + Duration::from_secs(3);
+    while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1 {
+        let pttl: i64 = server.cmd(&["PTTL", k.lock_key()]);
+        assert!(
+            Instant::now() < give_up,
+            "the abandoned grant still holds the key ({pttl} ms left)"
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A release whose caller gives up before it is answered: the guard's drop sends it again (it
 /// may never have reached the server, as when cancelled during a reconnect). Here the first one
 /// is held up in a stalled link, so both reach the server: two release calls, where a guard
@@ -400,6 +447,10 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_cancelled_acquire_leaves_nothing_held() {
                 super::a_cancelled_acquire_leaves_nothing_held($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_cancelled_replicated_acquire_leaves_nothing_held() {
+                super::a_cancelled_replicated_acquire_leaves_nothing_held($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_cancelled_release_is_sent_again() {

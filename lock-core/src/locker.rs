@@ -427,7 +427,9 @@ impl<B: Backend + Clone> Locker<B> {
         let start = Instant::now();
         // Dropped mid-call (a timeout around the acquire, a caller that went away), the acquire
         // may still land with nobody to hold it: released in the background unless the backend
-        // sees to that itself (a `WAIT`ed acquire runs on a connection of its own).
+        // sees to that itself. Armed for acquires that wait for replicas too: the backend
+        // gives back a grant whose caller left during its exchange, but a grant that too few
+        // replicas have is given back below, and that release can be cut short as well.
         let mut abandoned = Abandoned {
             locker: self,
             key,

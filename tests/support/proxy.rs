@@ -36,6 +36,9 @@ pub struct Proxy {
     delay_us: Arc<AtomicU64>,
     /// One-way latency added to every chunk in both directions, in microseconds (0: none).
     latency_us: Arc<AtomicU64>,
+    /// Per connection, in the order they were accepted: latency added to its requests alone,
+    /// in microseconds.
+    request_latency_us: Arc<std::sync::Mutex<Vec<Arc<AtomicU64>>>>,
     state: watch::Sender<NetState>,
 }
 
@@ -51,6 +54,7 @@ impl Proxy {
             dropped: Arc::default(),
             delay_us: Arc::default(),
             latency_us: Arc::default(),
+            request_latency_us: Arc::default(),
             state,
         };
         let faults = Faults {
@@ -59,6 +63,7 @@ impl Proxy {
             dropped: proxy.dropped.clone(),
             delay: proxy.delay_us.clone(),
             latency: proxy.latency_us.clone(),
+            request_latency: proxy.request_latency_us.clone(),
         };
         tokio::spawn(serve(listener, port, upstream, faults, rx));
         proxy
@@ -89,6 +94,19 @@ impl Proxy {
             .store(one_way.as_micros() as u64, Ordering::SeqCst);
     }
 
+    /// How many connections the proxy accepted so far.
+    pub fn connections(&self) -> usize {
+        self.request_latency_us.lock().expect("connections").len()
+    }
+
+    /// Adds `one_way` to every request chunk the `index`th connection (from 0, in the order
+    /// they were accepted) sends from now on, and to no other connection's: one of a client's
+    /// connections on a slower path than the others.
+    pub fn delay_requests_of(&self, index: usize, one_way: Duration) {
+        self.request_latency_us.lock().expect("connections")[index]
+            .store(one_way.as_micros() as u64, Ordering::SeqCst);
+    }
+
     /// While `on`, nothing is forwarded in either direction and connections stay open, as
     /// when a link drops packets; what was sent meanwhile is delivered when the stall ends.
     pub fn stall(&self, on: bool) {
@@ -115,6 +133,7 @@ struct Faults {
     dropped: Arc<AtomicUsize>,
     delay: Arc<AtomicU64>,
     latency: Arc<AtomicU64>,
+    request_latency: Arc<std::sync::Mutex<Vec<Arc<AtomicU64>>>>,
 }
 
 /// Aborts the task when dropped, so a connection's reader dies with it.
@@ -165,7 +184,20 @@ async fn serve(
         let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
             continue;
         };
-        tokio::spawn(pipe(client, server, faults.clone(), state.clone(), epoch));
+        let own = Arc::new(AtomicU64::new(0));
+        faults
+            .request_latency
+            .lock()
+            .expect("connections")
+            .push(own.clone());
+        tokio::spawn(pipe(
+            client,
+            server,
+            faults.clone(),
+            own,
+            state.clone(),
+            epoch,
+        ));
     }
 }
 
@@ -186,6 +218,7 @@ async fn pipe(
     client: TcpStream,
     server: TcpStream,
     faults: Faults,
+    request_latency: Arc<AtomicU64>,
     mut state: watch::Receiver<NetState>,
     epoch: u64,
 ) {
@@ -194,19 +227,20 @@ async fn pipe(
     let latency = faults.latency.clone();
     // Either direction ending (a peer closed, a reply dropped) or a cut closes both.
     tokio::select! {
-        _ = forward(cr, sw, None, latency.clone(), state.clone()) => {}
-        _ = forward(sr, cw, Some(faults), latency, state.clone()) => {}
+        _ = forward(cr, sw, None, [latency.clone(), request_latency], state.clone()) => {}
+        _ = forward(sr, cw, Some(faults), [latency, Arc::default()], state.clone()) => {}
         _ = state.wait_for(|s| s.epoch != epoch) => {}
     }
 }
 
 /// Copies one direction. `replies`: this is the server-to-client direction, where reply
-/// dropping and the serial reply delay apply.
+/// dropping and the serial reply delay apply. `latency`: the proxy's and this direction's own,
+/// added together.
 async fn forward(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     replies: Option<Faults>,
-    latency: Arc<AtomicU64>,
+    latency: [Arc<AtomicU64>; 2],
     mut state: watch::Receiver<NetState>,
 ) {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
@@ -227,7 +261,8 @@ async fn forward(
             if wait > 0 {
                 tokio::time::sleep(Duration::from_micros(wait)).await;
             }
-            let due = Instant::now() + Duration::from_micros(latency.load(Ordering::SeqCst));
+            let added: u64 = latency.iter().map(|l| l.load(Ordering::SeqCst)).sum();
+            let due = Instant::now() + Duration::from_micros(added);
             if tx.send((due, buf[..n].to_vec())).is_err() {
                 break;
             }

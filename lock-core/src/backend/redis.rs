@@ -441,6 +441,67 @@ pub(super) mod ops {
     }
 }
 
+impl RedisBackend {
+    /// The acquire and its `WAIT` on `conn`, a dedicated connection; also whether `conn` can be
+    /// used again (not after a timeout, which leaves a reply owed on it).
+    async fn replicated_on(
+        &self,
+        conn: &mut MultiplexedConnection,
+        key: &LockKey,
+        token: &Token,
+        ttl: Duration,
+        replicas: u32,
+        timeout: Duration,
+    ) -> (Result<(AcquireReply, u32)>, bool) {
+        let bound = self.dedicated.config.response_timeout;
+        let timed_out = |op| {
+            classify(
+                op,
+                key.user(),
+                redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut)),
+            )
+        };
+        let reply =
+            match tokio::time::timeout(bound, ops::acquire(conn, &self.scripts, key, token, ttl))
+                .await
+            {
+                Ok(Ok(reply)) => reply,
+                Ok(Err(e)) => return (Err(e), false),
+                Err(_) => return (Err(timed_out("acquire")), false),
+            };
+        if !matches!(reply, AcquireReply::Granted { .. }) {
+            return (Ok((reply, 0)), true);
+        }
+        // WAIT counts the replicas that have every write this connection made, the grant's
+        // lock and fence among them; it blocks only this connection.
+        let acked: Result<i64> = tokio::time::timeout(
+            bound.saturating_add(timeout),
+            redis::cmd("WAIT")
+                .arg(replicas)
+                .arg(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX))
+                .query_async(conn),
+        )
+        .await
+        .map_err(|_| timed_out("wait"))
+        .and_then(|r| r.map_err(|e| classify("wait", key.user(), e)));
+        match acked {
+            Ok(acked) => (
+                Ok((reply, u32::try_from(acked.max(0)).unwrap_or(u32::MAX))),
+                true,
+            ),
+            Err(e) => {
+                // No one will hold the grant: give the key back rather than leave it taken
+                // until its TTL runs out. The acquire was answered, so the release cannot
+                // overtake it, on whichever connection it goes.
+                if let Err(release) = self.release(key, token).await {
+                    tracing::debug!(key = key.user(), error = %release, "grant not given back after a failed WAIT");
+                }
+                (Err(e), false)
+            }
+        }
+    }
+}
+
 /// A few plain connections used one caller at a time, for commands that block their connection.
 struct Dedicated {
     client: redis::Client,
@@ -497,51 +558,52 @@ impl Backend for RedisBackend {
         timeout: Duration,
     ) -> Result<(AcquireReply, u32)> {
         crate::types::validate_ttl(ttl)?;
-        let mut conn = self.dedicated.take().await?;
-        let bound = self.dedicated.config.response_timeout;
-        let timed_out = |op| {
-            classify(
-                op,
-                key.user(),
-                redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut)),
-            )
-        };
-        let reply = tokio::time::timeout(
-            bound,
-            ops::acquire(&mut conn, &self.scripts, key, token, ttl),
-        )
-        .await
-        .map_err(|_| timed_out("acquire"))??;
-        if !matches!(reply, AcquireReply::Granted { .. }) {
-            self.dedicated.give_back(conn);
-            return Ok((reply, 0));
-        }
-        // WAIT counts the replicas that have every write this connection made, the grant's
-        // lock and fence among them; it blocks only this connection.
-        let acked: Result<i64> = tokio::time::timeout(
-            bound.saturating_add(timeout),
-            redis::cmd("WAIT")
-                .arg(replicas)
-                .arg(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX))
-                .query_async(&mut conn),
-        )
-        .await
-        .map_err(|_| timed_out("wait"))
-        .and_then(|r| r.map_err(|e| classify("wait", key.user(), e)));
-        match acked {
-            Ok(acked) => {
-                self.dedicated.give_back(conn);
-                Ok((reply, u32::try_from(acked.max(0)).unwrap_or(u32::MAX)))
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let backend = self.clone();
+        let (key, token) = (key.clone(), token.clone());
+        let unheard = unanswered("acquire", &key);
+        // A task of its own, which a caller who leaves mid-way (a timeout around the acquire)
+        // cannot cut short: a grant nobody will hold is then given back on the dedicated
+        // connection, behind the acquire. Given back on the shared connection, as other
+        // abandoned acquires are, the release could reach the server before the acquire, find
+        // nothing, and leave the grant holding the key for its TTL.
+        tokio::spawn(async move {
+            if answer.is_closed() {
+                return;
             }
-            Err(e) => {
-                // No one will hold the grant: give the key back rather than leave it taken
-                // until its TTL runs out.
-                if let Err(release) = self.release(key, token).await {
-                    tracing::debug!(key = key.user(), error = %release, "grant not given back after a failed WAIT");
+            let mut conn = match backend.dedicated.take().await {
+                Ok(conn) => conn,
+                Err(e) => {
+                    let _ = answer.send(Err(e));
+                    return;
                 }
-                Err(e)
+            };
+            let (outcome, reusable) = backend
+                .replicated_on(&mut conn, &key, &token, ttl, replicas, timeout)
+                .await;
+            let granted = matches!(outcome, Ok((AcquireReply::Granted { .. }, _)));
+            if answer.send(outcome).is_err() && granted {
+                debug!(
+                    key = key.user(),
+                    "replicated grant whose caller left; giving it back"
+                );
+                let bound = backend.dedicated.config.response_timeout;
+                let undo = ops::release(&mut conn, &backend.scripts, &key, &token, "PUBLISH");
+                if !matches!(tokio::time::timeout(bound, undo).await, Ok(Ok(_))) {
+                    // The connection's state is unknown: not reused. The grant expires with
+                    // its TTL.
+                    debug!(
+                        key = key.user(),
+                        "abandoned replicated grant not given back"
+                    );
+                    return;
+                }
             }
-        }
+            if reusable {
+                backend.dedicated.give_back(conn);
+            }
+        });
+        answered.await.unwrap_or(Err(unheard))
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
