@@ -245,7 +245,9 @@ async fn aborted_worker_is_reaped(h: Harness) {
     assert!(waited <= ms(1_000 + 2_000), "reaped too late: {waited:?}");
     assert_eq!(*seen.lock().expect("seen"), vec![2]);
     match q.complete(id, 1).await {
-        Err(Error::Stale { fence, highest, .. }) => assert_eq!((fence, highest), (1, 2)),
+        Err(Error::Stale { fence, highest, .. }) => {
+            assert_eq!((fence.get(), highest.get()), (1, 2))
+        }
         other => panic!("late complete was not refused as stale: {other:?}"),
     }
     let info = q.job(id).await.expect("job");
@@ -294,7 +296,7 @@ async fn lapsed_lease_is_refused(h: Harness) {
     for stale in [1, 2] {
         assert!(matches!(
             q.complete(id, stale).await,
-            Err(Error::Stale { fence, highest: 3, .. }) if fence == stale
+            Err(Error::Stale { fence, highest, .. }) if fence.get() == stale && highest.get() == 3
         ));
         assert!(matches!(
             q.extend(id, stale, ms(5_000)).await,

@@ -249,7 +249,9 @@ async fn worker_process_killed(flavor: Flavor) {
     assert!(waited <= ms(2_000 + 2_000), "reaped too late: {waited:?}");
     assert_eq!(*seen.lock().expect("seen"), vec![2]);
     match q.complete(id, 1).await {
-        Err(Error::Stale { fence, highest, .. }) => assert_eq!((fence, highest), (1, 2)),
+        Err(Error::Stale { fence, highest, .. }) => {
+            assert_eq!((fence.get(), highest.get()), (1, 2))
+        }
         other => panic!("the dead worker's complete was not refused: {other:?}"),
     }
     rescuer.shutdown(Duration::from_secs(5)).await;

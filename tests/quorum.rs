@@ -737,7 +737,7 @@ async fn gate_on_a_quorum(flavor: Flavor) {
     servers[0].kill();
     servers[1].kill();
     match gate.admit(Fence(9)).await {
-        Err(Error::Stale { highest, .. }) => assert_eq!(highest, 10),
+        Err(Error::Stale { highest, .. }) => assert_eq!(highest.get(), 10),
         other => panic!("expected Stale, got {other:?}"),
     }
     servers[2].kill();

@@ -1,3 +1,4 @@
+use crate::types::Fence;
 use std::time::Duration;
 
 /// Everything that can go wrong when taking, keeping or using a lease.
@@ -37,9 +38,9 @@ pub enum Error {
         /// The resource that refused the write.
         resource: String,
         /// The fence that was offered.
-        fence: u64,
+        fence: Fence,
         /// The highest fence the resource has accepted.
-        highest: u64,
+        highest: Fence,
     },
     /// The key is empty, too long or contains a forbidden character.
     #[error("invalid key: {reason}")]

@@ -607,7 +607,7 @@ impl<B: Backend + Clone> Locker<B> {
 /// let locker = Locker::memory();
 /// let gate = locker.fence_gate("ledger")?;
 /// gate.admit(Fence(10)).await?;
-/// assert!(matches!(gate.admit(Fence(9)).await, Err(Error::Stale { highest: 10, .. })));
+/// assert!(matches!(gate.admit(Fence(9)).await, Err(Error::Stale { highest: Fence(10), .. })));
 /// # Ok(()) }
 /// ```
 pub struct FenceGate<B: Backend + Clone = AnyBackend> {
@@ -623,8 +623,8 @@ impl<B: Backend + Clone> FenceGate<B> {
             None => Ok(()),
             Some(highest) => Err(Error::Stale {
                 resource: self.resource.clone(),
-                fence: fence.0,
-                highest,
+                fence,
+                highest: Fence(highest),
             }),
         }
     }

@@ -658,8 +658,8 @@ impl Queue {
                 debug!(op = name, id = id.0, attempts, current, "stale");
                 Err(Error::Stale {
                     resource: self.job_name(id),
-                    fence: attempts,
-                    highest: current,
+                    fence: Fence(attempts),
+                    highest: Fence(current),
                 })
             }
             Err(Refusal::NotHeld { state }) => {
