@@ -7,7 +7,7 @@ mod support;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use leasehold::{Error, LockOptions, Locker, Release};
+use leasehold::{Error, LockOptions, Locker, RedisConfig, Release};
 use support::proxy::Proxy;
 use support::{Flavor, Server};
 use tokio::time::{Instant, sleep};
@@ -336,6 +336,18 @@ async fn a_cancelled_acquire_leaves_nothing_held(flavor: Flavor) {
     lease.release().await.expect("release");
 }
 
+/// The proxy's connection count once the locker's own (the shared one, the subscription's,
+/// opened by tasks of their own) are made: unchanged for 100 ms.
+async fn settled_connections(proxy: &Proxy) -> usize {
+    loop {
+        let n = proxy.connections();
+        sleep(Duration::from_millis(100)).await;
+        if proxy.connections() == n {
+            return n;
+        }
+    }
+}
+
 /// As above for an acquire that waits for replicas, which runs on a connection of its own:
 /// given back on the shared connection, the release could reach the server before the acquire,
 /// find nothing, and leave the grant holding the key for its TTL. Here the dedicated
@@ -348,7 +360,7 @@ async fn a_cancelled_replicated_acquire_leaves_nothing_held(flavor: Flavor) {
         .replica_timeout(Duration::from_millis(100));
     // No replica: the acquire waits out the replica timeout and is refused, and the dedicated
     // connection it opened is kept for the next one.
-    let before = proxy.connections();
+    let before = settled_connections(&proxy).await;
     match locker.try_acquire("replicated", &opts).await {
         Err(Error::NotReplicated { acked: 0, .. }) => {}
         other => panic!("expected NotReplicated without a replica, got {other:?}"),
@@ -378,6 +390,55 @@ async fn a_cancelled_replicated_acquire_leaves_nothing_held(flavor: Flavor) {
         assert!(
             Instant::now() < give_up,
             "the abandoned grant still holds the key ({pttl} ms left)"
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// As above, with the caller still there but the acquire unanswered within the response
+/// timeout: its outcome is unknown, and the grant it may still make is given back behind it on
+/// its own connection. Given back on the shared connection (as the locker does for an unknown
+/// outcome), the release would reach the server first and find nothing.
+async fn an_unanswered_replicated_acquire_leaves_nothing_held(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let config = RedisConfig {
+        response_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let locker = Locker::redis_with(&proxy.url(), config)
+        .await
+        .expect("connect");
+    let opts = opts()
+        .replicas(1)
+        .replica_timeout(Duration::from_millis(100));
+    let before = settled_connections(&proxy).await;
+    match locker.try_acquire("unanswered", &opts).await {
+        Err(Error::NotReplicated { acked: 0, .. }) => {}
+        other => panic!("expected NotReplicated without a replica, got {other:?}"),
+    }
+    assert_eq!(proxy.connections(), before + 1, "one dedicated connection");
+    proxy.delay_requests_of(before, Duration::from_millis(600));
+    match locker.try_acquire("unanswered", &opts).await {
+        Err(Error::OutcomeUnknown { .. }) => {}
+        other => panic!("expected the acquire's outcome unknown, got {other:?}"),
+    }
+    let k = locker.lock_key("unanswered").expect("key");
+    let give_up = Instant::now() + Duration::from_secs(2);
+    while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 0 {
+        let fence: Option<String> = server.cmd(&["GET", k.fence_key()]);
+        assert!(
+            Instant::now() < give_up,
+            "the acquire never reached the server (fence key: {fence:?})"
+        );
+        sleep(Duration::from_millis(5)).await;
+    }
+    let give_up = Instant::now() + Duration::from_secs(3);
+    while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1 {
+        let pttl: i64 = server.cmd(&["PTTL", k.lock_key()]);
+        assert!(
+            Instant::now() < give_up,
+            "the late grant still holds the key ({pttl} ms left)"
         );
         sleep(Duration::from_millis(20)).await;
     }
@@ -451,6 +512,10 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_cancelled_replicated_acquire_leaves_nothing_held() {
                 super::a_cancelled_replicated_acquire_leaves_nothing_held($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_unanswered_replicated_acquire_leaves_nothing_held() {
+                super::an_unanswered_replicated_acquire_leaves_nothing_held($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_cancelled_release_is_sent_again() {

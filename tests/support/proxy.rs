@@ -94,7 +94,8 @@ impl Proxy {
             .store(one_way.as_micros() as u64, Ordering::SeqCst);
     }
 
-    /// How many connections the proxy accepted so far.
+    /// How many connections the proxy has made to the server so far (one per client connection
+    /// it forwards).
     pub fn connections(&self) -> usize {
         self.request_latency_us.lock().expect("connections").len()
     }

@@ -8,7 +8,7 @@ use futures_util::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::{Script, Value};
 use tokio::sync::mpsc;
-use tracing::{debug, warn};
+use tracing::{Instrument, debug, warn};
 
 use super::batch::{Batcher, Flush};
 use super::{AcquireReply, Backend};
@@ -443,15 +443,15 @@ pub(super) mod ops {
 
 impl RedisBackend {
     /// The acquire and its `WAIT` on `conn`, a dedicated connection; also whether `conn` can be
-    /// used again (not after a timeout, which leaves a reply owed on it).
+    /// used again (not after a timeout, which leaves a reply owed on it). `gone` tells whether
+    /// the caller has left: a grant made for nobody is not worth waiting for replicas.
     async fn replicated_on(
         &self,
         conn: &mut MultiplexedConnection,
         key: &LockKey,
         token: &Token,
-        ttl: Duration,
-        replicas: u32,
-        timeout: Duration,
+        (ttl, replicas, timeout): (Duration, u32, Duration),
+        gone: impl Fn() -> bool,
     ) -> (Result<(AcquireReply, u32)>, bool) {
         let bound = self.dedicated.config.response_timeout;
         let timed_out = |op| {
@@ -466,10 +466,17 @@ impl RedisBackend {
                 .await
             {
                 Ok(Ok(reply)) => reply,
-                Ok(Err(e)) => return (Err(e), false),
-                Err(_) => return (Err(timed_out("acquire")), false),
+                Ok(Err(e)) => {
+                    self.give_back_unknown(conn, key, token, &e).await;
+                    return (Err(e), false);
+                }
+                Err(_) => {
+                    let e = timed_out("acquire");
+                    self.give_back_unknown(conn, key, token, &e).await;
+                    return (Err(e), false);
+                }
             };
-        if !matches!(reply, AcquireReply::Granted { .. }) {
+        if !matches!(reply, AcquireReply::Granted { .. }) || gone() {
             return (Ok((reply, 0)), true);
         }
         // WAIT counts the replicas that have every write this connection made, the grant's
@@ -494,9 +501,39 @@ impl RedisBackend {
                 // until its TTL runs out. The acquire was answered, so the release cannot
                 // overtake it, on whichever connection it goes.
                 if let Err(release) = self.release(key, token).await {
-                    tracing::debug!(key = key.user(), error = %release, "grant not given back after a failed WAIT");
+                    warn!(key = key.user(), error = %release, "grant not given back after a failed WAIT; it expires with its TTL");
                 }
                 (Err(e), false)
+            }
+        }
+    }
+
+    /// After an acquire whose outcome is unknown (no reply in time, a dropped connection):
+    /// releases on the same connection, where the release queues behind the acquire if the
+    /// acquire is still on its way. A release on any other connection could get there first,
+    /// find nothing, and leave a late grant holding the key for its TTL.
+    async fn give_back_unknown(
+        &self,
+        conn: &mut MultiplexedConnection,
+        key: &LockKey,
+        token: &Token,
+        e: &Error,
+    ) {
+        if !matches!(e, Error::OutcomeUnknown { .. }) {
+            return;
+        }
+        let bound = self.dedicated.config.response_timeout;
+        let undo = ops::release(conn, &self.scripts, key, token, "PUBLISH");
+        match tokio::time::timeout(bound, undo).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                warn!(key = key.user(), error = %e, "acquire of unknown outcome not given back; a grant would expire with its TTL");
+            }
+            Err(_) => {
+                warn!(
+                    key = key.user(),
+                    "give-back of an acquire of unknown outcome unanswered in time; it may still land behind the acquire"
+                );
             }
         }
     }
@@ -561,13 +598,16 @@ impl Backend for RedisBackend {
         let (answer, answered) = tokio::sync::oneshot::channel();
         let backend = self.clone();
         let (key, token) = (key.clone(), token.clone());
-        let unheard = unanswered("acquire", &key);
+        let unheard = {
+            let key = key.clone();
+            move |_| Err(unanswered("acquire", &key))
+        };
         // A task of its own, which a caller who leaves mid-way (a timeout around the acquire)
-        // cannot cut short: a grant nobody will hold is then given back on the dedicated
-        // connection, behind the acquire. Given back on the shared connection, as other
-        // abandoned acquires are, the release could reach the server before the acquire, find
-        // nothing, and leave the grant holding the key for its TTL.
-        tokio::spawn(async move {
+        // cannot cut short, so a grant made for nobody is given back only once the acquire was
+        // answered, on the connection it went out on. Given back as other abandoned acquires
+        // are (on the shared connection, at once), the release could reach the server before
+        // the acquire, find nothing, and leave the grant holding the key for its TTL.
+        let exchange = async move {
             if answer.is_closed() {
                 return;
             }
@@ -579,31 +619,46 @@ impl Backend for RedisBackend {
                 }
             };
             let (outcome, reusable) = backend
-                .replicated_on(&mut conn, &key, &token, ttl, replicas, timeout)
+                .replicated_on(&mut conn, &key, &token, (ttl, replicas, timeout), || {
+                    answer.is_closed()
+                })
                 .await;
             let granted = matches!(outcome, Ok((AcquireReply::Granted { .. }, _)));
-            if answer.send(outcome).is_err() && granted {
+            if granted && answer.is_closed() {
                 debug!(
                     key = key.user(),
                     "replicated grant whose caller left; giving it back"
                 );
                 let bound = backend.dedicated.config.response_timeout;
                 let undo = ops::release(&mut conn, &backend.scripts, &key, &token, "PUBLISH");
-                if !matches!(tokio::time::timeout(bound, undo).await, Ok(Ok(_))) {
-                    // The connection's state is unknown: not reused. The grant expires with
-                    // its TTL.
-                    debug!(
-                        key = key.user(),
-                        "abandoned replicated grant not given back"
-                    );
-                    return;
+                match tokio::time::timeout(bound, undo).await {
+                    Ok(Ok(_)) if reusable => backend.dedicated.give_back(conn),
+                    Ok(Ok(_)) => {}
+                    failed => {
+                        let error = match failed {
+                            Ok(Err(e)) => e.to_string(),
+                            _ => "no reply in time".to_owned(),
+                        };
+                        warn!(key = key.user(), %error, "abandoned replicated grant not given back; it expires with its TTL");
+                    }
                 }
+                return;
             }
+            // Back in the pool before the caller hears the answer, so that its next acquire
+            // finds it there.
             if reusable {
                 backend.dedicated.give_back(conn);
             }
-        });
-        answered.await.unwrap_or(Err(unheard))
+            // A caller who left in the meantime: the acquire was answered, so a release on the
+            // shared connection cannot overtake it.
+            if let Err(Ok((AcquireReply::Granted { .. }, _))) = answer.send(outcome)
+                && let Err(e) = backend.release(&key, &token).await
+            {
+                warn!(key = key.user(), error = %e, "abandoned replicated grant not given back; it expires with its TTL");
+            }
+        };
+        tokio::spawn(exchange.instrument(tracing::Span::current()));
+        answered.await.unwrap_or_else(unheard)
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
