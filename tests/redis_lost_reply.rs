@@ -336,94 +336,39 @@ async fn a_cancelled_acquire_leaves_nothing_held(flavor: Flavor) {
     lease.release().await.expect("release");
 }
 
-/// The proxy's connection count once the locker's own (the shared one, the subscription's,
-/// opened by tasks of their own) are made: unchanged for 100 ms.
-async fn settled_connections(proxy: &Proxy) -> usize {
-    loop {
+/// Options for an acquire that waits for one replica, 100 ms at most: no replica is started, so
+/// such an acquire is granted, waits, and is refused.
+fn replicated() -> LockOptions {
+    opts()
+        .replicas(1)
+        .replica_timeout(Duration::from_millis(100))
+}
+
+/// Opens `locker`'s dedicated connection with a replicated acquire of `key` (refused: no
+/// replica; the connection is kept for the next one) and slows that connection's requests,
+/// alone, by `delay`.
+async fn slow_dedicated_connection(locker: &Locker, proxy: &Proxy, key: &str, delay: Duration) {
+    // The connections the locker opens from tasks of its own (the subscription's) are counted
+    // first: the count has not moved for 100 ms.
+    let before = loop {
         let n = proxy.connections();
         sleep(Duration::from_millis(100)).await;
         if proxy.connections() == n {
-            return n;
+            break n;
         }
-    }
-}
-
-/// As above for an acquire that waits for replicas, which runs on a connection of its own:
-/// given back on the shared connection, the release could reach the server before the acquire,
-/// find nothing, and leave the grant holding the key for its TTL. Here the dedicated
-/// connection's requests take 300 ms to arrive, so the caller is gone, and its locker's
-/// give-back on the shared connection answered, before the acquire reaches the server.
-async fn a_cancelled_replicated_acquire_leaves_nothing_held(flavor: Flavor) {
-    let (server, proxy, locker) = through_proxy(flavor).await;
-    let opts = opts()
-        .replicas(1)
-        .replica_timeout(Duration::from_millis(100));
-    // No replica: the acquire waits out the replica timeout and is refused, and the dedicated
-    // connection it opened is kept for the next one.
-    let before = settled_connections(&proxy).await;
-    match locker.try_acquire("replicated", &opts).await {
-        Err(Error::NotReplicated { acked: 0, .. }) => {}
-        other => panic!("expected NotReplicated without a replica, got {other:?}"),
-    }
-    assert_eq!(proxy.connections(), before + 1, "one dedicated connection");
-    proxy.delay_requests_of(before, Duration::from_millis(300));
-    let gave_up = tokio::time::timeout(
-        Duration::from_millis(100),
-        locker.try_acquire("replicated", &opts),
-    )
-    .await;
-    assert!(gave_up.is_err(), "the acquire answered within 100 ms");
-    let k = locker.lock_key("replicated").expect("key");
-    // The grant lands after its caller left: the case this test is about.
-    let give_up = Instant::now() + Duration::from_secs(2);
-    while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 0 {
-        assert!(
-            Instant::now() < give_up,
-            "the acquire never reached the server"
-        );
-        sleep(Duration::from_millis(5)).await;
-    }
-    // And is given back, well before its 10 s TTL.
-    let give_up = Instant::now() + Duration::from_secs(3);
-    while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1 {
-        let pttl: i64 = server.cmd(&["PTTL", k.lock_key()]);
-        assert!(
-            Instant::now() < give_up,
-            "the abandoned grant still holds the key ({pttl} ms left)"
-        );
-        sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// As above, with the caller still there but the acquire unanswered within the response
-/// timeout: its outcome is unknown, and the grant it may still make is given back behind it on
-/// its own connection. Given back on the shared connection (as the locker does for an unknown
-/// outcome), the release would reach the server first and find nothing.
-async fn an_unanswered_replicated_acquire_leaves_nothing_held(flavor: Flavor) {
-    let server = Server::start(flavor);
-    let proxy = Proxy::start(server.port).await;
-    let config = RedisConfig {
-        response_timeout: Duration::from_millis(300),
-        ..Default::default()
     };
-    let locker = Locker::redis_with(&proxy.url(), config)
-        .await
-        .expect("connect");
-    let opts = opts()
-        .replicas(1)
-        .replica_timeout(Duration::from_millis(100));
-    let before = settled_connections(&proxy).await;
-    match locker.try_acquire("unanswered", &opts).await {
+    match locker.try_acquire(key, &replicated()).await {
         Err(Error::NotReplicated { acked: 0, .. }) => {}
         other => panic!("expected NotReplicated without a replica, got {other:?}"),
     }
     assert_eq!(proxy.connections(), before + 1, "one dedicated connection");
-    proxy.delay_requests_of(before, Duration::from_millis(600));
-    match locker.try_acquire("unanswered", &opts).await {
-        Err(Error::OutcomeUnknown { .. }) => {}
-        other => panic!("expected the acquire's outcome unknown, got {other:?}"),
-    }
-    let k = locker.lock_key("unanswered").expect("key");
+    proxy.delay_requests_of(before, delay);
+}
+
+/// Waits for a grant of `key` to land on the server after its acquire ended, then for it to be
+/// given back, well before its 10 s TTL.
+async fn late_grant_is_given_back(server: &Server, locker: &Locker, key: &str) {
+    let k = locker.lock_key(key).expect("key");
     let give_up = Instant::now() + Duration::from_secs(2);
     while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 0 {
         let fence: Option<String> = server.cmd(&["GET", k.fence_key()]);
@@ -442,6 +387,45 @@ async fn an_unanswered_replicated_acquire_leaves_nothing_held(flavor: Flavor) {
         );
         sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// As above for an acquire that waits for replicas, which runs on a connection of its own:
+/// given back on the shared connection, the release could reach the server before the acquire,
+/// find nothing, and leave the grant holding the key for its TTL. Here the dedicated
+/// connection's requests take 300 ms to arrive, so the caller is gone, and its locker's
+/// give-back on the shared connection answered, before the acquire reaches the server.
+async fn a_cancelled_replicated_acquire_leaves_nothing_held(flavor: Flavor) {
+    let (server, proxy, locker) = through_proxy(flavor).await;
+    slow_dedicated_connection(&locker, &proxy, "replicated", Duration::from_millis(300)).await;
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(100),
+        locker.try_acquire("replicated", &replicated()),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the acquire answered within 100 ms");
+    late_grant_is_given_back(&server, &locker, "replicated").await;
+}
+
+/// As above, with the caller still there but the acquire unanswered within the response
+/// timeout: its outcome is unknown, and the grant it may still make is given back behind it on
+/// its own connection. Given back on the shared connection (as the locker does for an unknown
+/// outcome), the release would reach the server first and find nothing.
+async fn an_unanswered_replicated_acquire_leaves_nothing_held(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let config = RedisConfig {
+        response_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let locker = Locker::redis_with(&proxy.url(), config)
+        .await
+        .expect("connect");
+    slow_dedicated_connection(&locker, &proxy, "unanswered", Duration::from_millis(600)).await;
+    match locker.try_acquire("unanswered", &replicated()).await {
+        Err(Error::OutcomeUnknown { .. }) => {}
+        other => panic!("expected the acquire's outcome unknown, got {other:?}"),
+    }
+    late_grant_is_given_back(&server, &locker, "unanswered").await;
 }
 
 /// A release whose caller gives up before it is answered: the guard's drop sends it again (it
