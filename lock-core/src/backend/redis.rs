@@ -443,8 +443,10 @@ pub(super) mod ops {
 
 impl RedisBackend {
     /// The acquire and its `WAIT` on `conn`, a dedicated connection; also whether `conn` can be
-    /// used again (not after a timeout, which leaves a reply owed on it). `gone` tells whether
-    /// the caller has left: a grant made for nobody is not worth waiting for replicas.
+    /// used again (not after a timeout, which leaves a reply owed on it), and whether the
+    /// acquire went unanswered (its outcome unknown: see [`give_back_unknown`](Self::give_back_unknown)).
+    /// `gone` tells whether the caller has left: a grant made for nobody is not worth waiting
+    /// for replicas.
     async fn replicated_on(
         &self,
         conn: &mut MultiplexedConnection,
@@ -452,7 +454,7 @@ impl RedisBackend {
         token: &Token,
         (ttl, replicas, timeout): (Duration, u32, Duration),
         gone: impl Fn() -> bool,
-    ) -> (Result<(AcquireReply, u32)>, bool) {
+    ) -> (Result<(AcquireReply, u32)>, bool, bool) {
         let bound = self.dedicated.config.response_timeout;
         let timed_out = |op| {
             classify(
@@ -467,17 +469,13 @@ impl RedisBackend {
             {
                 Ok(Ok(reply)) => reply,
                 Ok(Err(e)) => {
-                    self.give_back_unknown(conn, key, token, &e).await;
-                    return (Err(e), false);
+                    let unknown = matches!(e, Error::OutcomeUnknown { .. });
+                    return (Err(e), false, unknown);
                 }
-                Err(_) => {
-                    let e = timed_out("acquire");
-                    self.give_back_unknown(conn, key, token, &e).await;
-                    return (Err(e), false);
-                }
+                Err(_) => return (Err(timed_out("acquire")), false, true),
             };
         if !matches!(reply, AcquireReply::Granted { .. }) || gone() {
-            return (Ok((reply, 0)), true);
+            return (Ok((reply, 0)), true, false);
         }
         // WAIT counts the replicas that have every write this connection made, the grant's
         // lock and fence among them; it blocks only this connection.
@@ -495,6 +493,7 @@ impl RedisBackend {
             Ok(acked) => (
                 Ok((reply, u32::try_from(acked.max(0)).unwrap_or(u32::MAX))),
                 true,
+                false,
             ),
             Err(e) => {
                 // No one will hold the grant: give the key back rather than leave it taken
@@ -503,7 +502,7 @@ impl RedisBackend {
                 if let Err(release) = self.release(key, token).await {
                     warn!(key = key.user(), error = %release, "grant not given back after a failed WAIT; it expires with its TTL");
                 }
-                (Err(e), false)
+                (Err(e), false, false)
             }
         }
     }
@@ -514,16 +513,12 @@ impl RedisBackend {
     /// find nothing, and leave a late grant holding the key for its TTL.
     async fn give_back_unknown(
         &self,
-        conn: &mut MultiplexedConnection,
+        mut conn: MultiplexedConnection,
         key: &LockKey,
         token: &Token,
-        e: &Error,
     ) {
-        if !matches!(e, Error::OutcomeUnknown { .. }) {
-            return;
-        }
         let bound = self.dedicated.config.response_timeout;
-        let undo = ops::release(conn, &self.scripts, key, token, "PUBLISH");
+        let undo = ops::release(&mut conn, &self.scripts, key, token, "PUBLISH");
         match tokio::time::timeout(bound, undo).await {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => {
@@ -618,7 +613,7 @@ impl Backend for RedisBackend {
                     return;
                 }
             };
-            let (outcome, reusable) = backend
+            let (outcome, reusable, unanswered) = backend
                 .replicated_on(&mut conn, &key, &token, (ttl, replicas, timeout), || {
                     answer.is_closed()
                 })
@@ -646,15 +641,23 @@ impl Backend for RedisBackend {
             }
             // Back in the pool before the caller hears the answer, so that its next acquire
             // finds it there.
-            if reusable {
+            let conn = if reusable {
                 backend.dedicated.give_back(conn);
-            }
+                None
+            } else {
+                Some(conn)
+            };
             // A caller who left in the meantime: the acquire was answered, so a release on the
             // shared connection cannot overtake it.
             if let Err(Ok((AcquireReply::Granted { .. }, _))) = answer.send(outcome)
                 && let Err(e) = backend.release(&key, &token).await
             {
                 warn!(key = key.user(), error = %e, "abandoned replicated grant not given back; it expires with its TTL");
+            }
+            // After the answer: the caller learns of the unknown outcome without waiting for
+            // this round trip.
+            if let (true, Some(conn)) = (unanswered, conn) {
+                backend.give_back_unknown(conn, &key, &token).await;
             }
         };
         tokio::spawn(exchange.instrument(tracing::Span::current()));
