@@ -522,13 +522,9 @@ impl<B: Backend + Clone> Locker<B> {
                     wanted: opts.replicas,
                 })
             }
-            Ok((reply, _)) => Ok(reply),
-            Err(e) => {
-                if matches!(e, Error::OutcomeUnknown { .. }) {
-                    self.release_in_background(key, token);
-                }
-                Err(e)
-            }
+            // A grant of unknown outcome is the backend's to give back: only it knows which
+            // connection the acquire went out on, and a release on another could overtake it.
+            other => other.map(|(reply, _)| reply),
         }
     }
 

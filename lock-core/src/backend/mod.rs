@@ -56,7 +56,9 @@ pub trait Backend: Send + Sync + 'static {
 
     /// As [`acquire`](Backend::acquire), then waits up to `timeout` for `replicas` replicas to
     /// acknowledge the writes (`WAIT`); returns the reply and how many acknowledged. Backends
-    /// without replicas answer [`Error::Unsupported`](crate::Error::Unsupported).
+    /// without replicas answer [`Error::Unsupported`](crate::Error::Unsupported). An acquire
+    /// whose outcome is unknown, or whose caller left before the answer, is given back by the
+    /// backend, in order behind the acquire; a grant it answered is the caller's.
     fn acquire_replicated(
         &self,
         key: &LockKey,

@@ -442,11 +442,9 @@ pub(super) mod ops {
 }
 
 impl RedisBackend {
-    /// The acquire and its `WAIT` on `conn`, a dedicated connection; also whether `conn` can be
-    /// used again (not after a timeout, which leaves a reply owed on it), and whether the
-    /// acquire went unanswered (its outcome unknown: see [`give_back_unknown`](Self::give_back_unknown)).
-    /// `gone` tells whether the caller has left: a grant made for nobody is not worth waiting
-    /// for replicas.
+    /// The acquire and its `WAIT` on `conn`, a dedicated connection. After an error `conn` is
+    /// not used again (a timeout leaves a reply owed on it). `gone` tells whether the caller has
+    /// left: a grant made for nobody is not worth waiting for replicas.
     async fn replicated_on(
         &self,
         conn: &mut MultiplexedConnection,
@@ -454,7 +452,7 @@ impl RedisBackend {
         token: &Token,
         (ttl, replicas, timeout): (Duration, u32, Duration),
         gone: impl Fn() -> bool,
-    ) -> (Result<(AcquireReply, u32)>, bool, bool) {
+    ) -> Result<(AcquireReply, u32)> {
         let bound = self.dedicated.config.response_timeout;
         let timed_out = |op| {
             classify(
@@ -463,19 +461,11 @@ impl RedisBackend {
                 redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut)),
             )
         };
-        let reply =
-            match tokio::time::timeout(bound, ops::acquire(conn, &self.scripts, key, token, ttl))
-                .await
-            {
-                Ok(Ok(reply)) => reply,
-                Ok(Err(e)) => {
-                    let unknown = matches!(e, Error::OutcomeUnknown { .. });
-                    return (Err(e), false, unknown);
-                }
-                Err(_) => return (Err(timed_out("acquire")), false, true),
-            };
+        let reply = tokio::time::timeout(bound, ops::acquire(conn, &self.scripts, key, token, ttl))
+            .await
+            .map_err(|_| timed_out("acquire"))??;
         if !matches!(reply, AcquireReply::Granted { .. }) || gone() {
-            return (Ok((reply, 0)), true, false);
+            return Ok((reply, 0));
         }
         // WAIT counts the replicas that have every write this connection made, the grant's
         // lock and fence among them; it blocks only this connection.
@@ -490,11 +480,7 @@ impl RedisBackend {
         .map_err(|_| timed_out("wait"))
         .and_then(|r| r.map_err(|e| classify("wait", key.user(), e)));
         match acked {
-            Ok(acked) => (
-                Ok((reply, u32::try_from(acked.max(0)).unwrap_or(u32::MAX))),
-                true,
-                false,
-            ),
+            Ok(acked) => Ok((reply, u32::try_from(acked.max(0)).unwrap_or(u32::MAX))),
             Err(e) => {
                 // No one will hold the grant: give the key back rather than leave it taken
                 // until its TTL runs out. The acquire was answered, so the release cannot
@@ -502,7 +488,7 @@ impl RedisBackend {
                 if let Err(release) = self.release(key, token).await {
                     warn!(key = key.user(), error = %release, "grant not given back after a failed WAIT; it expires with its TTL");
                 }
-                (Err(e), false, false)
+                Err(e)
             }
         }
     }
@@ -598,10 +584,11 @@ impl Backend for RedisBackend {
             move |_| Err(unanswered("acquire", &key))
         };
         // A task of its own, which a caller who leaves mid-way (a timeout around the acquire)
-        // cannot cut short, so a grant made for nobody is given back only once the acquire was
-        // answered, on the connection it went out on. Given back as other abandoned acquires
-        // are (on the shared connection, at once), the release could reach the server before
-        // the acquire, find nothing, and leave the grant holding the key for its TTL.
+        // cannot cut short: a grant made for nobody is given back once the acquire was
+        // answered, and an acquire left unanswered is given back behind it on its own
+        // connection. Given back as other abandoned acquires are (on the shared connection, at
+        // once), the release could reach the server before the acquire, find nothing, and
+        // leave the grant holding the key for its TTL.
         let exchange = async move {
             if answer.is_closed() {
                 return;
@@ -613,46 +600,31 @@ impl Backend for RedisBackend {
                     return;
                 }
             };
-            let (outcome, reusable, unanswered) = backend
+            let outcome = backend
                 .replicated_on(&mut conn, &key, &token, (ttl, replicas, timeout), || {
                     answer.is_closed()
                 })
                 .await;
-            let granted = matches!(outcome, Ok((AcquireReply::Granted { .. }, _)));
-            if granted && answer.is_closed() {
+            let unanswered = matches!(outcome, Err(Error::OutcomeUnknown { op: "acquire", .. }));
+            // Back in the pool before the caller hears the answer, so that its next acquire
+            // finds it there.
+            let conn = match outcome {
+                Ok(_) => {
+                    backend.dedicated.give_back(conn);
+                    None
+                }
+                Err(_) => Some(conn),
+            };
+            // A caller who left: the acquire was answered, so a release on the shared
+            // connection cannot overtake it.
+            if let Err(Ok((AcquireReply::Granted { .. }, _))) = answer.send(outcome) {
                 debug!(
                     key = key.user(),
                     "replicated grant whose caller left; giving it back"
                 );
-                let bound = backend.dedicated.config.response_timeout;
-                let undo = ops::release(&mut conn, &backend.scripts, &key, &token, "PUBLISH");
-                match tokio::time::timeout(bound, undo).await {
-                    Ok(Ok(_)) if reusable => backend.dedicated.give_back(conn),
-                    Ok(Ok(_)) => {}
-                    failed => {
-                        let error = match failed {
-                            Ok(Err(e)) => e.to_string(),
-                            _ => "no reply in time".to_owned(),
-                        };
-                        warn!(key = key.user(), %error, "abandoned replicated grant not given back; it expires with its TTL");
-                    }
+                if let Err(e) = backend.release(&key, &token).await {
+                    warn!(key = key.user(), error = %e, "abandoned replicated grant not given back; it expires with its TTL");
                 }
-                return;
-            }
-            // Back in the pool before the caller hears the answer, so that its next acquire
-            // finds it there.
-            let conn = if reusable {
-                backend.dedicated.give_back(conn);
-                None
-            } else {
-                Some(conn)
-            };
-            // A caller who left in the meantime: the acquire was answered, so a release on the
-            // shared connection cannot overtake it.
-            if let Err(Ok((AcquireReply::Granted { .. }, _))) = answer.send(outcome)
-                && let Err(e) = backend.release(&key, &token).await
-            {
-                warn!(key = key.user(), error = %e, "abandoned replicated grant not given back; it expires with its TTL");
             }
             // After the answer: the caller learns of the unknown outcome without waiting for
             // this round trip.
