@@ -346,8 +346,14 @@ fn replicated() -> LockOptions {
 
 /// Opens `locker`'s dedicated connection with a replicated acquire of `key` (refused: no
 /// replica; the connection is kept for the next one) and slows that connection's requests,
-/// alone, by `delay`.
-async fn slow_dedicated_connection(locker: &Locker, proxy: &Proxy, key: &str, delay: Duration) {
+/// alone, by `delay`. Returns the fence that refused grant was given.
+async fn slow_dedicated_connection(
+    server: &Server,
+    locker: &Locker,
+    proxy: &Proxy,
+    key: &str,
+    delay: Duration,
+) -> u64 {
     // The connections the locker opens from tasks of its own (the subscription's) are counted
     // first: the count has not moved for 100 ms.
     let before = loop {
@@ -363,18 +369,26 @@ async fn slow_dedicated_connection(locker: &Locker, proxy: &Proxy, key: &str, de
     }
     assert_eq!(proxy.connections(), before + 1, "one dedicated connection");
     proxy.delay_requests_of(before, delay);
+    fence_of(server, locker, key)
 }
 
-/// Waits for a grant of `key` to land on the server after its acquire ended, then for it to be
-/// given back, well before its 10 s TTL.
-async fn late_grant_is_given_back(server: &Server, locker: &Locker, key: &str) {
+/// The last fence granted on `key`, as the server stores it.
+fn fence_of(server: &Server, locker: &Locker, key: &str) -> u64 {
+    let k = locker.lock_key(key).expect("key");
+    let stored: Option<String> = server.cmd(&["GET", k.fence_key()]);
+    stored.map_or(0, |f| f.parse().expect("a fence"))
+}
+
+/// Waits for a grant of `key` to land on the server after its acquire ended (its fence rises
+/// above `fence_before`; the key itself may be given back too soon to be seen held), then for
+/// the key to be free, well before the grant's 10 s TTL.
+async fn late_grant_is_given_back(server: &Server, locker: &Locker, key: &str, fence_before: u64) {
     let k = locker.lock_key(key).expect("key");
     let give_up = Instant::now() + Duration::from_secs(2);
-    while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 0 {
-        let fence: Option<String> = server.cmd(&["GET", k.fence_key()]);
+    while fence_of(server, locker, key) == fence_before {
         assert!(
             Instant::now() < give_up,
-            "the acquire never reached the server (fence key: {fence:?})"
+            "the acquire never reached the server"
         );
         sleep(Duration::from_millis(5)).await;
     }
@@ -396,14 +410,21 @@ async fn late_grant_is_given_back(server: &Server, locker: &Locker, key: &str) {
 /// give-back on the shared connection answered, before the acquire reaches the server.
 async fn a_cancelled_replicated_acquire_leaves_nothing_held(flavor: Flavor) {
     let (server, proxy, locker) = through_proxy(flavor).await;
-    slow_dedicated_connection(&locker, &proxy, "replicated", Duration::from_millis(300)).await;
+    let fence = slow_dedicated_connection(
+        &server,
+        &locker,
+        &proxy,
+        "replicated",
+        Duration::from_millis(300),
+    )
+    .await;
     let gave_up = tokio::time::timeout(
         Duration::from_millis(100),
         locker.try_acquire("replicated", &replicated()),
     )
     .await;
     assert!(gave_up.is_err(), "the acquire answered within 100 ms");
-    late_grant_is_given_back(&server, &locker, "replicated").await;
+    late_grant_is_given_back(&server, &locker, "replicated", fence).await;
 }
 
 /// As above, with the caller still there but the acquire unanswered within the response
@@ -420,12 +441,19 @@ async fn an_unanswered_replicated_acquire_leaves_nothing_held(flavor: Flavor) {
     let locker = Locker::redis_with(&proxy.url(), config)
         .await
         .expect("connect");
-    slow_dedicated_connection(&locker, &proxy, "unanswered", Duration::from_millis(600)).await;
+    let fence = slow_dedicated_connection(
+        &server,
+        &locker,
+        &proxy,
+        "unanswered",
+        Duration::from_millis(600),
+    )
+    .await;
     match locker.try_acquire("unanswered", &replicated()).await {
         Err(Error::OutcomeUnknown { .. }) => {}
         other => panic!("expected the acquire's outcome unknown, got {other:?}"),
     }
-    late_grant_is_given_back(&server, &locker, "unanswered").await;
+    late_grant_is_given_back(&server, &locker, "unanswered", fence).await;
 }
 
 /// A release whose caller gives up before it is answered: the guard's drop sends it again (it
