@@ -43,8 +43,9 @@ cargo test --workspace --all-features --doc 2>&1 | tee "$log"
 cargo test --workspace --all-features --all-targets "$@" 2>&1 | tee -a "$log"
 # The torture harness (examples/torture.rs): short seeded runs, reusing the dev-profile build
 # above: every fault on one server; server restarts with persistence on; a Redlock quorum; a
-# Redis Cluster with master kills and failovers. A checker's verdict fails the script, after
-# the total line.
+# Redis Cluster with master kills and failovers; and master kills with the replica held back,
+# so that a failover can lose acknowledged grants and the fence must refuse the stale
+# holders. A checker's verdict fails the script, after the total line.
 torture=0
 run_torture() {
   echo "torture $*"
@@ -57,6 +58,7 @@ run_torture --seed 1 --secs 30
 run_torture --seed 6 --secs 20 --persist --faults pause,restart
 run_torture --deploy quorum --seed 1 --secs 20
 run_torture --deploy cluster --seed 1 --secs 30
+run_torture --deploy cluster --seed 1 --secs 20 --faults masterkill --lag-replica
 # One closing line for the whole run, summed over every test binary above.
 awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "total: %d passed, %d failed, %d skipped\n", p, f, i }' "$log"
 [ "$torture" = 0 ] || exit "$torture"
