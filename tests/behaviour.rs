@@ -212,6 +212,29 @@ async fn extend_after_expiry(h: Harness) {
         .expect("key is free after the failed extend");
 }
 
+/// Loss is final: once a lease counts as lost (here its local alarm passed, while the server
+/// still holds the key for the drift allowance), `extend` does not bring it back, since its
+/// holder may already have stopped on `lost()`.
+async fn extend_does_not_revive_a_lost_lease(h: Harness) {
+    let locker = h.locker().await;
+    // A long TTL for a wide drift allowance (2.5% + 3 ms: 78 ms) between the alarm and the
+    // server's expiry, the window this extend must land in.
+    let a = locker
+        .try_acquire("revive", &opts(3_000).renew(false))
+        .await
+        .expect("a");
+    while !a.is_lost() {
+        sleep(Duration::from_millis(2)).await;
+    }
+    let extended = a.extend(Duration::from_secs(10)).await;
+    assert!(
+        matches!(extended, Err(Error::LeaseLost { .. })),
+        "a lost lease was extended: {extended:?}"
+    );
+    assert!(a.is_lost(), "the extend revived the lease");
+    assert_eq!(a.remaining(), Duration::ZERO);
+}
+
 async fn fences_strictly_increase(h: Harness) {
     let locker = h.locker().await;
     let mut last = Fence(0);
@@ -815,6 +838,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn extend_after_expiry() {
                 super::extend_after_expiry(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn extend_does_not_revive_a_lost_lease() {
+                super::extend_does_not_revive_a_lost_lease(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn fences_strictly_increase() {

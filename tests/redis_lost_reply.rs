@@ -287,6 +287,41 @@ async fn lost_extend_reply_shortens_the_lease(flavor: Flavor) {
     assert!(pttl > 0, "lost() fired after the server let the key go");
 }
 
+/// An extend to a shorter TTL whose caller gives up before the reply (a timeout around it):
+/// the extend still runs on the server, so the lease must not go on claiming the old 30 s, or
+/// the key would expire under a holder that believes it has most of that left.
+async fn a_cancelled_extend_shortens_the_lease(flavor: Flavor) {
+    let (server, proxy, locker) = through_proxy(flavor).await;
+    let opts = LockOptions::new().ttl(Duration::from_secs(30)).renew(false);
+    let lease = locker
+        .try_acquire("cut-short", &opts)
+        .await
+        .expect("acquire");
+    proxy.delay_replies(Duration::from_millis(500));
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(50),
+        lease.extend(Duration::from_millis(3_000)),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the extend answered in 50 ms: {gave_up:?}");
+    proxy.delay_replies(Duration::ZERO);
+    let k = locker.lock_key("cut-short").expect("key");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let pttl = loop {
+        let pttl: i64 = server.cmd(&["PTTL", k.lock_key()]);
+        if pttl <= 3_000 || Instant::now() > deadline {
+            break pttl;
+        }
+        sleep(Duration::from_millis(5)).await;
+    };
+    assert!(pttl > 0 && pttl <= 3_000, "the extend never ran: PTTL {pttl}");
+    assert!(
+        lease.remaining() <= Duration::from_millis(pttl as u64),
+        "remaining {:?} while the server expires the key in {pttl} ms",
+        lease.remaining()
+    );
+}
+
 /// Script calls the server has run so far (`EVALSHA` and `EVAL`).
 fn script_calls(server: &Server) -> u64 {
     ["evalsha", "eval"]
@@ -516,6 +551,10 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_extend_reply_shortens_the_lease() {
                 super::lost_extend_reply_shortens_the_lease($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_cancelled_extend_shortens_the_lease() {
+                super::a_cancelled_extend_shortens_the_lease($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_cancelled_acquire_leaves_nothing_held() {

@@ -129,28 +129,42 @@ impl<B: Backend + Clone> Lease<B> {
     /// ```
     #[instrument(level = "debug", skip(self), fields(key = self.key.user()))]
     pub async fn extend(&self, ttl: Duration) -> Result<()> {
-        // The TTL is checked by the backend, before anything is sent.
+        crate::types::validate_ttl(ttl)?;
+        // Loss is final: the holder may already have stopped on `lost()`, so a lost lease is
+        // not extended back to life (the server's key, if still ours, expires or is released
+        // on drop).
+        if self.state.is_lost() {
+            self.state.lost.cancel();
+            return Err(Error::LeaseLost {
+                key: self.key.user().to_owned(),
+            });
+        }
+        // From the moment it is sent, the extend may land and set the server's expiry to `ttl`,
+        // whether or not an answer comes back to us: a failed call (a dropped connection, part
+        // of a cluster or quorum timing out) or a caller that gives up waiting (a timeout
+        // around this future) must not leave `remaining()` at a longer expiry than the
+        // server's. So a shorter TTL shortens the local deadline now; a longer one counts only
+        // once it is answered.
+        self.state
+            .maybe_extended(Instant::now() + ttl - drift(ttl), warn_ahead(ttl));
+        // Taken after the line above marked the extend as sent, so that its answer counts as
+        // an extend's and not as a reply overtaken by one.
         let start = Instant::now();
-        let held = match self
+        let held = self
             .core
             .backend
             .extend(&[(self.key.clone(), self.token.clone())], ttl)
-            .await
-        {
-            Ok(held) => held,
-            Err(e @ (Error::OutcomeUnknown { .. } | Error::NoQuorum { .. })) => {
-                // It may have landed (on a quorum: on some members), setting the server's
-                // expiry to the new TTL: a shorter one must shorten the local deadline too, or
-                // `remaining()` would overstate the lease.
-                self.state
-                    .maybe_extended(start + ttl - drift(ttl), warn_ahead(ttl));
-                return Err(e);
-            }
-            Err(e) => return Err(e),
-        };
+            .await?;
         if held.first().copied().unwrap_or(false) {
-            self.state
-                .extended(start, start + ttl - drift(ttl), warn_ahead(ttl));
+            if !self
+                .state
+                .extended(start, start + ttl - drift(ttl), warn_ahead(ttl))
+            {
+                // Lost while the extend was on its way (its alarm passed): as above.
+                return Err(Error::LeaseLost {
+                    key: self.key.user().to_owned(),
+                });
+            }
             if self.renewing {
                 self.core.send(Cmd::Retune { id: self.id, ttl });
             }

@@ -126,22 +126,30 @@ impl LeaseState {
     }
 
     /// An explicit extend sent at `sent` succeeded: the server's expiry is now the one it set,
-    /// shorter or longer than before, so the deadline is set outright. The same rule as
-    /// [`renewed`](Self::renewed) holds for an extend sent before another extend's reply.
-    pub(crate) fn extended(&self, sent: Instant, deadline: Instant, ahead: Duration) {
+    /// shorter or longer than before, so the deadline is set outright. The same rules as
+    /// [`renewed`](Self::renewed) hold for an extend sent before another extend's reply, and
+    /// for one answered once the lease counts as lost (`false`: it stays lost).
+    pub(crate) fn extended(&self, sent: Instant, deadline: Instant, ahead: Duration) -> bool {
+        if self.is_lost() {
+            self.lost.cancel();
+            return false;
+        }
         self.answered(sent, deadline, ahead, true);
+        true
     }
 
-    /// An explicit extend whose outcome is unknown: it may have set the server's expiry to
-    /// `deadline`, so the local deadline may only shorten to it.
+    /// An explicit extend that may land (sent, its outcome not known yet or never): it may set
+    /// the server's expiry to `deadline`, so the local deadline may only shorten to it. One
+    /// that would lengthen it changes nothing: replies of renewals sent before it carry
+    /// deadlines no later than the server's expiry, whichever ran last.
     pub(crate) fn maybe_extended(&self, deadline: Instant, ahead: Duration) {
         let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
-        // Replies of renewals sent before now may have run before it on the server, so, as
-        // after an extend that answered, they may only shorten.
-        t.extended_at = Some(Instant::now());
         if deadline >= t.deadline {
             return;
         }
+        // Replies of renewals sent before now may have run before it on the server, so, as
+        // after an extend that answered, they may only shorten.
+        t.extended_at = Some(Instant::now());
         t.set(deadline, ahead);
         drop(t);
         // A `lost()` asleep until the old alarm must wake for the earlier one.
