@@ -235,6 +235,28 @@ async fn extend_does_not_revive_a_lost_lease(h: Harness) {
     assert_eq!(a.remaining(), Duration::ZERO);
 }
 
+/// The fence gate compares fences exactly over the whole `u64` range (a script comparing Lua
+/// doubles would take 2^53 for 2^53 + 1), admits an equal fence again, and reports the highest
+/// it has seen.
+async fn fence_gate_compares_fences_exactly(h: Harness) {
+    let locker = h.locker().await;
+    let gate = locker.fence_gate("exact").expect("gate");
+    let big = 1u64 << 53;
+    for (high, low) in [
+        (big + 1, big),
+        (1_000_000_000_000_000_002, 1_000_000_000_000_000_001),
+        (u64::MAX, u64::MAX - 1),
+    ] {
+        gate.admit(Fence(high)).await.expect("a higher fence");
+        gate.admit(Fence(high)).await.expect("the same fence again");
+        let stale = gate.admit(Fence(low)).await;
+        assert!(
+            matches!(stale, Err(Error::Stale { fence, highest, .. }) if fence == Fence(low) && highest == Fence(high)),
+            "{low} after {high}: {stale:?}"
+        );
+    }
+}
+
 async fn fences_strictly_increase(h: Harness) {
     let locker = h.locker().await;
     let mut last = Fence(0);
@@ -842,6 +864,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn extend_does_not_revive_a_lost_lease() {
                 super::extend_does_not_revive_a_lost_lease(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fence_gate_compares_fences_exactly() {
+                super::fence_gate_compares_fences_exactly(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn fences_strictly_increase() {

@@ -43,6 +43,36 @@ async fn fence_survives_restart(flavor: Flavor) {
     );
 }
 
+/// The `stored + 1` half of `max(stored + 1, server time)`: a fence stored ahead of the clock
+/// (a clock stepped back, or fences written by another scheme) still rises by exactly one per
+/// grant, also above 2^53, where a script computing in Lua doubles would round it, and the lost
+/// reply's retry hands back the same fence.
+async fn fence_ahead_of_the_clock_rises_by_one(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let k = locker.lock_key("ahead").expect("key");
+    for stored in [
+        (1u64 << 53) + 1,
+        9_999_999_999_999_999_999,
+        u64::MAX - 2,
+    ] {
+        let _: () = server.cmd(&["SET", k.fence_key(), &stored.to_string()]);
+        let mut last = stored;
+        for _ in 0..2 {
+            let lease = locker.try_acquire("ahead", &opts(1_000)).await.expect("a");
+            assert_eq!(
+                lease.fence().get(),
+                last + 1,
+                "after {last} (stored {stored})"
+            );
+            last = lease.fence().get();
+            lease.release().await.expect("release");
+        }
+        let kept: String = server.cmd(&["GET", k.fence_key()]);
+        assert_eq!(kept, last.to_string());
+    }
+}
+
 async fn acquire_retrying(locker: &Locker, key: &str) -> leasehold::Lease {
     let give_up = Instant::now() + Duration::from_secs(5);
     loop {
@@ -368,6 +398,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn fence_survives_restart() {
                 super::fence_survives_restart($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fence_ahead_of_the_clock_rises_by_one() {
+                super::fence_ahead_of_the_clock_rises_by_one($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn script_flush() {

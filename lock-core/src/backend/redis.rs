@@ -224,6 +224,16 @@ pub(super) fn int(v: &Value) -> Option<i64> {
     }
 }
 
+/// A fence in a reply: an integer, or a decimal string where a script must not round it (Lua
+/// numbers are doubles, exact only up to 2^53; fences go to `u64::MAX`).
+pub(super) fn fence_value(v: &Value) -> Option<u64> {
+    match v {
+        Value::Int(i) => u64::try_from(*i).ok(),
+        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+        _ => None,
+    }
+}
+
 /// A reply as text, for error messages (a type name, a member's answer).
 pub(super) fn text(v: &Value) -> String {
     match v {
@@ -308,7 +318,7 @@ pub(super) mod ops {
         };
         match int(status) {
             Some(1) => Ok(AcquireReply::Granted {
-                fence: int(value).ok_or_else(unexpected)? as u64,
+                fence: fence_value(value).ok_or_else(unexpected)?,
             }),
             Some(0) => {
                 let pttl = int(value).unwrap_or(-1);
@@ -430,7 +440,7 @@ pub(super) mod ops {
         match pair(&reply) {
             Some((1, _)) => Ok(None),
             Some((0, highest)) => Ok(Some(
-                int(highest).ok_or_else(|| unexpected("admit", &reply))? as u64,
+                fence_value(highest).ok_or_else(|| unexpected("admit", &reply))?,
             )),
             Some((-1, found)) => Err(Error::WrongType {
                 server_key: gate_key.to_owned(),

@@ -3,7 +3,8 @@
 -- KEYS[2i-1] lock key and KEYS[2i] fence key of item i (same hash tag); ARGV[2i-1] its token,
 -- ARGV[2i] its ttl in ms.
 -- Returns two values per item, flat (a table per item costs the server more than its
--- commands): 1, fence: granted; 0, pttl: held by another; -1, type or -2, type: the item's
+-- commands): 1, fence: granted (an integer, or a decimal string when it comes from a stored
+-- fence ahead of the clock); 0, pttl: held by another; -1, type or -2, type: the item's
 -- lock or fence key holds a foreign type (nothing written); -3, error: the server refused a
 -- command (OOM, NOPERM, MISCONF...), its own error passed on.
 -- Each redis.call costs the server far more than the command itself, so a grant is two calls
@@ -16,6 +17,15 @@
 local function refusal(err, key, status)
   if string.sub(err, 1, 9) ~= 'WRONGTYPE' then return -3, err end
   return status, redis.call('TYPE', key).ok
+end
+
+-- A canonical decimal string plus one, exactly: fences go to 2^64 - 1, and Lua numbers are
+-- doubles, exact only up to 2^53 (a fence stored above that would otherwise stop rising).
+local function plus_one(d)
+  local i = #d
+  while i > 0 and string.byte(d, i) == 57 do i = i - 1 end -- 57: '9'
+  if i == 0 then return '1' .. string.rep('0', #d) end
+  return string.sub(d, 1, i - 1) .. string.char(string.byte(d, i) + 1) .. string.rep('0', #d - i)
 end
 
 local out = {}
@@ -44,13 +54,15 @@ for i = 1, #KEYS / 2 do
       redis.pcall('DEL', lock)
       status, value = refusal(stored.err, fence_key, -2)
     else
-      local before = tonumber(stored or '0') or 0
       status, value = 1, now
-      if before >= now then
+      -- Compared as decimal strings (length, then lexically), never as doubles; anything but
+      -- a canonical decimal counts as no fence stored.
+      if stored and (#stored > #now_text or (#stored == #now_text and stored >= now_text))
+          and string.match(stored, '^[1-9]%d*$') then
         -- The stored fence is ahead of the clock (a clock stepped back, or grants within one
         -- microsecond): it still rises by one.
-        value = before + 1
-        local set = redis.pcall('SET', fence_key, string.format('%d', value))
+        value = plus_one(stored)
+        local set = redis.pcall('SET', fence_key, value)
         if set.err then status, value = -3, set.err end
       end
     end
@@ -63,7 +75,8 @@ for i = 1, #KEYS / 2 do
       status, value = refusal(stored.err, fence_key, -2)
     else
       local renewed = redis.pcall('PEXPIRE', lock, ttl)
-      status, value = 1, tonumber(stored or '0') or 0
+      status, value = 1, 0
+      if stored and string.match(stored, '^[1-9]%d*$') then value = stored end
       if type(renewed) == 'table' then status, value = -3, renewed.err end
     end
   else
