@@ -689,21 +689,33 @@ async fn bad_input(h: Harness) {
     }
     assert!(!held.is_lost(), "a refused extend marked the lease lost");
     held.release().await.expect("release");
-    // A prefix follows the rules of a key; lockers under two prefixes hold two locks (this one
-    // within the ACL rule's `{leasehold:*` keys).
-    for bad in ["", "p}x", "p{x", "p\nx"] {
+    // A prefix or namespace follows the rules of a key and has no `:` (prefix `a:b` with key
+    // `c` would spell the lock of prefix `a` and key `b:c`).
+    for bad in ["", "p}x", "p{x", "p\nx", "p:x", "leasehold:other"] {
         assert!(
             matches!(locker.with_prefix(bad), Err(Error::InvalidKey { .. })),
             "prefix {bad:?}"
         );
+        assert!(
+            matches!(locker.with_namespace(bad), Err(Error::InvalidKey { .. })),
+            "namespace {bad:?}"
+        );
     }
-    let other = locker.with_prefix("leasehold:other").expect("prefix");
+    assert!(locker.with_prefix("elsewhere").is_ok());
+    // A namespace is another lock for the same name, and no plain key reaches it, not even one
+    // spelled `namespace:name` (both within the ACL rule's `{leasehold:*` keys).
+    let other = locker.with_namespace("other").expect("namespace");
     let mine = locker.try_acquire("shared-name", &o).await.expect("mine");
+    let spelled = locker
+        .try_acquire("other:shared-name", &o)
+        .await
+        .expect("a plain key spelled like the namespaced one");
     let theirs = other
         .try_acquire("shared-name", &o)
         .await
-        .expect("the same name under another prefix is another lock");
+        .expect("the same name in another namespace is another lock");
     mine.release().await.expect("release");
+    spelled.release().await.expect("release");
     theirs.release().await.expect("release");
     // The backend itself, called directly, refuses a TTL out of range before sending anything.
     use leasehold::Backend;

@@ -199,6 +199,18 @@ impl<B: Backend + Clone> Clone for Locker<B> {
 /// The key prefix used unless [`Locker::with_prefix`] says otherwise.
 pub const DEFAULT_PREFIX: &str = "leasehold";
 
+/// A prefix or namespace: the rules of a key, and no `:`, which ends it inside the hash tag
+/// (`{prefix:key}`), so that no other prefix and key can spell the same names.
+fn validate_scope(scope: &str) -> Result<()> {
+    validate_key(scope)?;
+    if scope.contains(':') {
+        return Err(Error::InvalidKey {
+            reason: "a prefix or namespace contains `:`, which separates it from the key",
+        });
+    }
+    Ok(())
+}
+
 impl Locker<AnyBackend> {
     /// A locker on a fresh in-memory backend.
     pub fn memory() -> Locker {
@@ -258,8 +270,9 @@ impl<B: Backend + Clone> Locker<B> {
     }
 
     /// The same backend under another key prefix (server keys become `{prefix:key}:...`), so
-    /// that the same key names under two prefixes are two locks. The prefix obeys the rules of
-    /// a key (not empty, no braces, no control characters), else [`Error::InvalidKey`].
+    /// that keys under two prefixes are two locks. The prefix obeys the rules of a key (not
+    /// empty, no braces, no control characters) and has no `:`, else [`Error::InvalidKey`]:
+    /// with one, prefix `a:b` and key `c` would name the lock of prefix `a` and key `b:c`.
     ///
     /// ```
     /// # #[tokio::main] async fn main() -> lock_core::Result<()> {
@@ -272,12 +285,47 @@ impl<B: Backend + Clone> Locker<B> {
     /// let b = reports.try_acquire("nightly", &opts).await?; // another lock
     /// # a.release().await?; b.release().await?;
     /// assert!(billing.with_prefix("bad}prefix").is_err());
+    /// assert!(billing.with_prefix("billing:reports").is_err());
     /// # Ok(()) }
     /// ```
     pub fn with_prefix(&self, prefix: impl Into<String>) -> Result<Locker<B>> {
         let prefix = prefix.into();
         // A brace would end the hash tag early and split a lock's keys across cluster slots.
-        validate_key(&prefix)?;
+        validate_scope(&prefix)?;
+        self.with_any_prefix(prefix)
+    }
+
+    /// The same backend, with keys in a namespace of their own that no plain locker can name,
+    /// whatever its prefix and keys: for a library that takes locks on a caller's locker under
+    /// names built from untrusted input (`lock-tower`'s `DedupeLayer` keeps its claims here, so
+    /// that a `LockLayer` key taken from a request cannot hold a delivery's claim). Server keys
+    /// become `{prefix:\x1Fnamespace:key}:...`: the unit separator (0x1F) is a control character,
+    /// which no key, prefix or namespace may contain. The
+    /// namespace obeys the rules of a prefix (see [`with_prefix`](Self::with_prefix)), else
+    /// [`Error::InvalidKey`].
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    ///
+    /// let locker = Locker::memory();
+    /// let claims = locker.with_namespace("dedupe")?;
+    /// assert_eq!(claims.lock_key("42")?.lock_key(), "{leasehold:\x1Fdedupe:42}:lock");
+    /// let opts = LockOptions::new();
+    /// // A plain key spelled like the claim's name is another lock.
+    /// let plain = locker.try_acquire("dedupe:42", &opts).await?;
+    /// let claim = claims.try_acquire("42", &opts).await?;
+    /// # plain.release().await?; claim.release().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn with_namespace(&self, namespace: &str) -> Result<Locker<B>> {
+        validate_scope(namespace)?;
+        self.with_any_prefix(format!("{}:\u{1f}{namespace}", self.core.prefix))
+    }
+
+    /// A locker on this backend under `prefix`, checked by the caller; a new `Core`, so its
+    /// leases have a renewal driver and turnstiles of their own.
+    fn with_any_prefix(&self, prefix: String) -> Result<Locker<B>> {
         Ok(Locker {
             core: Arc::new(Core {
                 backend: self.core.backend.clone(),
