@@ -494,8 +494,18 @@ impl<B: Backend + Clone> Locker<B> {
                 Err(Error::OutcomeUnknown { .. }) => {
                     // The script is idempotent per token: asking again tells us whether the
                     // first one landed. If even that fails, free whatever we may have been
-                    // granted.
+                    // granted. A caller that leaves meanwhile must free it too: the backend
+                    // gives back only what its own call may have granted, and the retry may
+                    // still be queued, unsent, while the first grant holds the key.
+                    let mut retry_abandoned = Abandoned {
+                        locker: self,
+                        key,
+                        token,
+                        // Unless the guard above is armed already.
+                        armed: self.core.backend.undoes_abandoned_grants(),
+                    };
                     let again = Box::pin(self.core.backend.acquire(key, token, opts.ttl)).await;
+                    retry_abandoned.armed = false;
                     if again.is_err() {
                         self.release_in_background(key, token);
                     }
