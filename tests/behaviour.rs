@@ -333,6 +333,38 @@ async fn fenced_writes_under_pauses(h: Harness) {
     );
 }
 
+/// Validity of a lease taken after waiting counts from the attempt that won it, not from the
+/// start of the wait: a waiter that waited about a second for a 2 s lease still has nearly 2 s
+/// (and never more than its TTL).
+async fn validity_counts_from_the_winning_attempt(h: Harness) {
+    let locker = h.locker().await;
+    let holder = locker
+        .try_acquire("valid-after-wait", &opts(1_000).renew(false))
+        .await
+        .expect("holder");
+    let started = Instant::now();
+    let ttl = Duration::from_secs(2);
+    let waiter = locker
+        .acquire(
+            "valid-after-wait",
+            &opts(2_000).renew(false).wait(Duration::from_secs(10)),
+        )
+        .await
+        .expect("the waiter gets the key once the holder's lease expires");
+    let remaining = waiter.remaining();
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(700), "waited only {waited:?}");
+    assert!(remaining <= ttl, "remaining {remaining:?} over the TTL");
+    // 2 s less the drift allowance (53 ms) less one attempt's round trip and scheduling; the
+    // wait (about a second) must not be charged.
+    assert!(
+        remaining > Duration::from_millis(1_700),
+        "remaining {remaining:?} after waiting {waited:?}: the wait was charged to the lease"
+    );
+    drop(holder);
+    waiter.release().await.expect("release");
+}
+
 /// Waiters wake on release, long before the holder's TTL would free the key.
 async fn waiter_wakes_on_release(h: Harness) {
     let locker = h.locker().await;
@@ -888,6 +920,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn fenced_writes_under_pauses() {
                 super::fenced_writes_under_pauses(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn validity_counts_from_the_winning_attempt() {
+                super::validity_counts_from_the_winning_attempt(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn waiter_wakes_on_release() {
