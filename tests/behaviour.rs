@@ -524,12 +524,17 @@ async fn drop_releases(h: Harness) {
 /// Scenario 8: acquire futures and guards dropped at random points leave nothing held.
 async fn cancellation(h: Harness) {
     let locker = h.locker().await;
+    // A TTL far beyond the test, so that only a release, never expiry, can free a key.
+    let ttl = Duration::from_secs(60);
     for i in 0..300u64 {
         let key = format!("cancel:{}", i % 7);
-        let o = opts(300).wait(Duration::from_millis(50));
+        let o = LockOptions::new().ttl(ttl).wait(Duration::from_millis(50));
         let fut = locker.acquire(&key, &o);
         let cut = Duration::from_micros((i * 37) % 900);
         if let Ok(Ok(lease)) = tokio::time::timeout(cut, fut).await {
+            if i % 3 == 0 {
+                let _ = tokio::time::timeout(cut, lease.extend(ttl)).await;
+            }
             if i % 2 == 0 {
                 drop(lease);
             } else {
@@ -537,12 +542,20 @@ async fn cancellation(h: Harness) {
             }
         }
     }
-    sleep(Duration::from_millis(400)).await;
+    // The releases of abandoned grants and dropped guards run in the background: give them a
+    // few seconds, far short of the TTL.
+    let give_up = Instant::now() + Duration::from_secs(5);
     for k in 0..7 {
-        let l = locker
-            .try_acquire(&format!("cancel:{k}"), &opts(1_000))
-            .await
-            .expect("every abandoned grant was released or expired");
+        let key = format!("cancel:{k}");
+        let l = loop {
+            match locker.try_acquire(&key, &opts(1_000)).await {
+                Ok(l) => break l,
+                Err(Error::Busy { .. }) if Instant::now() < give_up => {
+                    sleep(Duration::from_millis(20)).await
+                }
+                Err(e) => panic!("{key} still held 5 s after the last cancel (TTL 60 s): {e}"),
+            }
+        };
         l.release().await.expect("release");
     }
 }
