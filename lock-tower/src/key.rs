@@ -52,7 +52,9 @@ impl fmt::Debug for KeyExtractor {
             Source::Header(h) => format!("header `{h}`"),
             Source::IdempotencyKey => "Idempotency-Key header".to_owned(),
             Source::WebhookId => "webhook-id / svix-id header".to_owned(),
-            Source::GithubDelivery => "X-GitHub-Delivery header, scoped by path".to_owned(),
+            Source::GithubDelivery => {
+                "X-GitHub-Delivery header, scoped by path and query".to_owned()
+            }
             Source::Json(p) => format!("JSON body field `{p}`"),
             Source::Fn(_) => "closure".to_owned(),
         };
@@ -127,8 +129,12 @@ impl KeyExtractor {
         }
     }
 
-    /// GitHub's `X-GitHub-Delivery` header, scoped by the request path: GitHub sends the same
-    /// delivery id to every hook that receives the event, so two hooks must not dedupe each other.
+    /// GitHub's `X-GitHub-Delivery` header, scoped by the request's path and query as they
+    /// arrived: GitHub sends the same delivery id to every hook that receives the event, so two
+    /// hooks must not dedupe each other, and hooks on one path told apart by a query parameter
+    /// (`/hooks/github?hook=ci`) are two hooks. The query is part of the scope because it is
+    /// part of the request fingerprint: were it left out, the second hook would share the first
+    /// one's key without ever matching its fingerprint, and get a 422.
     pub fn github_delivery() -> KeyExtractor {
         KeyExtractor {
             source: Source::GithubDelivery,
@@ -138,6 +144,11 @@ impl KeyExtractor {
     /// A field of a JSON request body, named by a JSON pointer (`/id`, `/data/object/id`); a
     /// string or a number. The layer reads the body up to its body cap and hands the same bytes
     /// on to the handler.
+    ///
+    /// A string that is empty or only whitespace counts as absent (as an empty header does), so
+    /// malformed events do not all share one key. A number is used as its decimal text, so `7`
+    /// and `"7"` are one key (as a route parameter `7` and a body field `7` name one account).
+    /// Keys longer than [`MAX_IDEMPOTENCY_KEY_LEN`] bytes are invalid (400).
     pub fn json_field(pointer: &str) -> KeyExtractor {
         KeyExtractor {
             source: Source::Json(pointer.into()),
@@ -206,20 +217,34 @@ impl KeyExtractor {
             Source::GithubDelivery => {
                 let id = header_text(parts, &HeaderName::from_static("x-github-delivery"))?
                     .ok_or_else(|| missing("the `X-GitHub-Delivery` header is missing"))?;
-                Ok(format!("{}#{id}", full_uri(parts).path()))
+                // No `#` in a path or query (a fragment is never sent), so the first one
+                // ends the scope: two scopes and ids cannot spell the same key.
+                let scope = full_uri(parts).path_and_query().map_or("/", |p| p.as_str());
+                Ok(format!("{scope}#{id}"))
             }
             Source::Json(pointer) => {
                 let body = body.ok_or_else(|| missing("the body was not read"))?;
                 let value: serde_json::Value = serde_json::from_slice(body)
                     .map_err(|e| missing(format!("the body is not JSON: {e}")))?;
-                match value.pointer(pointer) {
-                    Some(serde_json::Value::String(s)) => Ok(s.clone()),
-                    Some(serde_json::Value::Number(n)) => Ok(n.to_string()),
-                    Some(_) => Err(invalid(format!(
-                        "the body field `{pointer}` is neither a string nor a number"
-                    ))),
-                    None => Err(missing(format!("the body has no field `{pointer}`"))),
+                let key = match value.pointer(pointer) {
+                    Some(serde_json::Value::String(s)) => s.clone(),
+                    Some(serde_json::Value::Number(n)) => n.to_string(),
+                    Some(_) => {
+                        return Err(invalid(format!(
+                            "the body field `{pointer}` is neither a string nor a number"
+                        )));
+                    }
+                    None => return Err(missing(format!("the body has no field `{pointer}`"))),
+                };
+                if key.trim().is_empty() {
+                    return Err(missing(format!("the body field `{pointer}` is empty")));
                 }
+                if key.len() > MAX_IDEMPOTENCY_KEY_LEN {
+                    return Err(invalid(format!(
+                        "the body field `{pointer}` is longer than {MAX_IDEMPOTENCY_KEY_LEN} bytes"
+                    )));
+                }
+                Ok(key)
             }
             Source::Fn(f) => f(parts).ok_or_else(|| missing("the request has no key")),
         }

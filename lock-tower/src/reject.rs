@@ -33,8 +33,9 @@ pub enum Reason {
     /// default 422).
     KeyReused,
     /// The layer's own settings are out of range (a TTL below `MIN_TTL` or above `MAX_TTL`, a
-    /// retention of zero or above a year): every request would fail the same way, so this is
-    /// a server error (default 500, no `Retry-After`), logged at `error` level.
+    /// retention below 1 ms or above a year), or a `DedupeLayer` runs on a backend with no
+    /// result store (a Redlock quorum): every request would fail the same way, so this is a
+    /// server error (default 500, no `Retry-After`), logged at `error` level.
     Misconfigured,
     /// The request body could not be read while the layer had to read it (the client broke
     /// off mid-body, or a body layer below failed; default 400).

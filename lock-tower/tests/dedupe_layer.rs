@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::routing::post;
+use axum::routing::{any, post};
 use bytes::Bytes;
 use common::{Drip, Harness, Reply, eventually, send, serve};
-use http::{Method, Response, StatusCode};
+use http::{HeaderName, Method, Response, StatusCode};
 use lock_tower::{DedupeLayer, Fence, KeyExtractor, LockLayer, Reason};
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
@@ -39,6 +39,13 @@ on_every_backend!(
     a_body_above_the_cap_that_fails_stores_nothing,
     a_relay_that_dies_cuts_the_body,
     an_empty_webhook_id_counts_as_absent,
+    a_lock_key_spelled_like_a_claim_cannot_hold_a_delivery,
+    github_hooks_told_apart_by_a_query_are_two_hooks,
+    json_ids_empty_long_or_numeric,
+    only_the_filtered_methods_are_deduplicated,
+    replay_header_adds_to_the_allow_list,
+    caps_at_their_exact_boundaries,
+    a_panicking_handler_frees_the_claim,
 );
 
 /// A webhook endpoint that counts its runs and answers something unique per run.
@@ -501,21 +508,26 @@ async fn json_id_key_and_body_handed_on(h: Harness) {
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
 }
 
-/// The claim's key name, computed as the layer does (SHA-256 of the length-prefixed scope and
-/// key), so the test can delete the claim from outside.
+/// The claim's key name in the layer's namespace (see [`claims`]), computed as the layer does
+/// (SHA-256 of the length-prefixed scope and key), so the test can delete the claim from
+/// outside.
 fn claim_name(scope: &str, key: &str) -> String {
     let mut h = Sha256::new();
     for p in [scope.as_bytes(), key.as_bytes()] {
         h.update((p.len() as u64).to_be_bytes());
         h.update(p);
     }
-    let hex: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
-    format!("dedupe:{hex}")
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `locker` in the namespace the layer takes its claims in.
+fn claims(locker: &lock_core::Locker) -> lock_core::Locker {
+    locker.with_namespace("dedupe").expect("namespace")
 }
 
 /// The server keys of a claim (its lock key) and of the result stored beside it.
 fn claim_keys(locker: &lock_core::Locker, scope: &str, key: &str) -> (String, String) {
-    let lock_key = locker
+    let lock_key = claims(locker)
         .lock_key(&claim_name(scope, key))
         .expect("key")
         .lock_key()
@@ -593,7 +605,7 @@ async fn claim_loss_cancels_and_stores_nothing(h: Harness) {
     };
     let first = tokio::spawn(hit());
     entered.recv().await.expect("entered");
-    h.delete(&locker, &claim_name("s", "lost"));
+    h.delete(&claims(&locker), &claim_name("s", "lost"));
     let r = first.await.expect("join");
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
     // Nothing was stored: the retry runs the handler.
@@ -647,7 +659,7 @@ async fn survives_a_service_restart_on_valkey() {
 async fn result_is_not_stored_when_the_claim_changed_hands(h: Harness) {
     let locker = h.locker().await;
     let runs = Arc::new(AtomicUsize::new(0));
-    let (h2, l2, r2) = (Arc::new(h), locker.clone(), runs.clone());
+    let (h2, l2, r2) = (Arc::new(h), claims(&locker), runs.clone());
     let h3 = h2.clone();
     let intruder: Arc<tokio::sync::Mutex<Option<lock_core::Lease>>> = Arc::default();
     let i2 = intruder.clone();
@@ -1418,7 +1430,10 @@ async fn store_script_reports_a_refused_read(s: support::Server) {
         .get_multiplexed_async_connection()
         .await
         .expect("connect as the ACL user");
-    let (lock_key, result_key) = ("{leasehold:dedupe:x}:lock", "{leasehold:dedupe:x}:result");
+    let (lock_key, result_key) = (
+        "{leasehold:\x1Fdedupe:x}:lock",
+        "{leasehold:\x1Fdedupe:x}:result",
+    );
     let _: () = s.cmd(&["SET", lock_key, "token"]);
     let script = ::redis::Script::new(include_str!("../src/lua/store_result.lua"));
     let stored: ::redis::RedisResult<i64> = script
@@ -1776,6 +1791,16 @@ async fn settings_out_of_range_are_a_500() {
             "retention",
             DedupeLayer::new(lock_core::Locker::memory()).retention(Duration::ZERO),
         ),
+        // Below a millisecond: Redis would be told to keep the result 0 ms (`PEXPIRE key 0`
+        // deletes it), so duplicates would run the handler again.
+        (
+            "retention",
+            DedupeLayer::new(lock_core::Locker::memory()).retention(Duration::from_micros(500)),
+        ),
+        (
+            "ttl",
+            DedupeLayer::new(lock_core::Locker::memory()).claim_ttl(Duration::from_micros(500)),
+        ),
         (
             "retention",
             DedupeLayer::new(lock_core::Locker::memory()).retention(Duration::MAX),
@@ -1799,4 +1824,408 @@ async fn settings_out_of_range_are_a_500() {
         );
         assert_eq!(ran.load(Ordering::SeqCst), 0, "the handler ran");
     }
+}
+
+/// The claim name as the layer spelled it before its claims had a namespace of their own: a
+/// plain key any client could name.
+fn unnamespaced_claim_name(scope: &str, key: &str) -> String {
+    format!("dedupe:{}", claim_name(scope, key))
+}
+
+/// A client sends a `LockLayer` route (no key prefix, keyed by a header) the name of a delivery's
+/// claim as it would be spelled as a plain key, and holds that lock; another holds it with a plain
+/// `try_acquire`. Neither can keep the delivery from being handled: the claims live in a namespace
+/// no plain key can name.
+async fn a_lock_key_spelled_like_a_claim_cannot_hold_a_delivery(h: Harness) {
+    let locker = h.locker().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let go = Arc::new(Semaphore::new(0));
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let g2 = go.clone();
+    let locked = Router::new()
+        .route(
+            "/resources",
+            post(move || {
+                let (go, tx) = (g2.clone(), tx.clone());
+                async move {
+                    let _ = tx.send(());
+                    go.acquire().await.expect("gate").forget();
+                    "released"
+                }
+            }),
+        )
+        .route_layer(LockLayer::new(
+            locker.clone(),
+            KeyExtractor::header(HeaderName::from_static("x-resource")),
+        ));
+    let hooks = counting(
+        DedupeLayer::new(locker.clone()),
+        runs.clone(),
+        Duration::ZERO,
+    );
+    let addr = serve(locked.merge(hooks)).await;
+
+    let hostile = unnamespaced_claim_name("", "evt-hostile");
+    let holder = tokio::spawn(async move {
+        send(
+            addr,
+            Method::POST,
+            "/resources",
+            &[("x-resource", hostile.as_str())],
+            "",
+        )
+        .await
+    });
+    entered
+        .recv()
+        .await
+        .expect("the hostile request holds its lock");
+    let r = deliver(addr, r#""evt-hostile""#, "{}").await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text());
+    assert_eq!(r.header("idempotent-replayed"), None);
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler did not run");
+
+    let plain = locker
+        .try_acquire(
+            &unnamespaced_claim_name("", "evt-plain"),
+            &lock_core::LockOptions::new().ttl(Duration::from_secs(60)),
+        )
+        .await
+        .expect("a plain key spelled like the claim");
+    let r = deliver(addr, r#""evt-plain""#, "{}").await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "the handler did not run");
+    plain.release().await.expect("release");
+
+    go.add_permits(1);
+    let held = holder.await.expect("join");
+    assert_eq!(held.status, StatusCode::OK, "{}", held.text());
+}
+
+/// Two GitHub hooks on one path, told apart by a query parameter, get the same delivery id:
+/// each runs once and replays its own answer (no 422 from the other hook's fingerprint).
+async fn github_hooks_told_apart_by_a_query_are_two_hooks(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = DedupeLayer::new(h.locker().await).key(KeyExtractor::github_delivery());
+    let addr = serve(counting(layer, runs.clone(), Duration::ZERO)).await;
+    let delivery = [("x-github-delivery", "72d3162e-cc78-11e3-81ab-4c9367dc0958")];
+    let mut firsts = std::collections::HashMap::new();
+    for (path, replayed) in [
+        ("/hooks/gh?hook=ci", None),
+        ("/hooks/gh?hook=deploy", None),
+        ("/hooks/gh?hook=ci", Some("true")),
+        ("/hooks/gh?hook=deploy", Some("true")),
+    ] {
+        let r = send(addr, Method::POST, path, &delivery, "{}").await;
+        assert_eq!(r.status, StatusCode::CREATED, "{path}: {}", r.text());
+        assert_eq!(r.header("idempotent-replayed"), replayed, "{path}");
+        let first = firsts.entry(path).or_insert_with(|| r.body.clone());
+        assert_eq!(*first, r.body, "{path}: another hook's answer");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "each hook ran once");
+}
+
+/// A Stripe-style JSON id: an empty or blank one is no id (400, or pass-through, where two
+/// such events are not deduplicated against each other); ids are capped like
+/// `Idempotency-Key`; a number and the string of its digits are one key.
+async fn json_ids_empty_long_or_numeric(h: Harness) {
+    let locker = h.locker().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r2 = runs.clone();
+    let handler = move |body: Bytes| {
+        let runs = r2.clone();
+        async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            body
+        }
+    };
+    let app = Router::new()
+        .route(
+            "/hooks/stripe",
+            post(handler.clone())
+                .layer(DedupeLayer::new(locker.clone()).key(KeyExtractor::json_field("/id"))),
+        )
+        .route(
+            "/hooks/lenient",
+            post(handler).layer(
+                DedupeLayer::new(locker)
+                    .key(KeyExtractor::json_field("/id"))
+                    .scope("lenient")
+                    .pass_through_without_key(),
+            ),
+        );
+    let addr = serve(app).await;
+    let event = |path: &'static str, body: String| async move {
+        send(addr, Method::POST, path, &[], body).await
+    };
+    for id in [r#""""#, r#""   ""#] {
+        let r = event("/hooks/stripe", format!(r#"{{"id":{id},"n":1}}"#)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "id {id}: {}", r.text());
+        assert!(r.text().contains("missing-key"), "{}", r.text());
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    // Passing through, two malformed events with empty ids are two events.
+    for n in 1..=2 {
+        let body = format!(r#"{{"id":"","n":{n}}}"#);
+        let r = event("/hooks/lenient", body.clone()).await;
+        assert_eq!(r.status, StatusCode::OK, "event {n}: {}", r.text());
+        assert_eq!(r.text(), body);
+        assert_eq!(r.header("idempotent-replayed"), None);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    let at_cap = "e".repeat(lock_tower::MAX_IDEMPOTENCY_KEY_LEN);
+    let r = event("/hooks/stripe", format!(r#"{{"id":"{at_cap}"}}"#)).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    let over = "e".repeat(lock_tower::MAX_IDEMPOTENCY_KEY_LEN + 1);
+    let r = event("/hooks/stripe", format!(r#"{{"id":"{over}"}}"#)).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.text());
+    assert!(r.text().contains("invalid-key"), "{}", r.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+
+    // `7` and `"7"` are one key (documented): the second is the same key with another body.
+    let r = event("/hooks/stripe", r#"{"id":7}"#.to_owned()).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    let r = event("/hooks/stripe", r#"{"id":"7"}"#.to_owned()).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 4);
+}
+
+/// A route for every method whose handler counts its runs and answers `run N`.
+fn any_method(layer: DedupeLayer, runs: Arc<AtomicUsize>) -> Router {
+    Router::new()
+        .route(
+            "/things",
+            any(move || {
+                let runs = runs.clone();
+                async move { format!("run {}", runs.fetch_add(1, Ordering::SeqCst) + 1) }
+            }),
+        )
+        .layer(layer)
+}
+
+/// By default POST, PUT, PATCH and DELETE are deduplicated and a keyed GET runs every time;
+/// `methods` narrows that to the methods given.
+async fn only_the_filtered_methods_are_deduplicated(h: Harness) {
+    let locker = h.locker().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let addr = serve(any_method(DedupeLayer::new(locker.clone()), runs.clone())).await;
+    let key = [("idempotency-key", r#""m-1""#)];
+    for n in 1..=2 {
+        let r = send(addr, Method::GET, "/things", &key, "").await;
+        assert_eq!((r.status, r.text()), (StatusCode::OK, format!("run {n}")));
+        assert_eq!(r.header("idempotent-replayed"), None, "GET {n}");
+    }
+    for (n, method) in [Method::POST, Method::PUT, Method::PATCH, Method::DELETE]
+        .into_iter()
+        .enumerate()
+    {
+        let key = format!("\"m-{method}\"");
+        let key = [("idempotency-key", key.as_str())];
+        let first = send(addr, method.clone(), "/things", &key, "").await;
+        assert_eq!(first.text(), format!("run {}", n + 3), "{method}");
+        let dup = send(addr, method.clone(), "/things", &key, "").await;
+        assert_eq!(
+            (dup.text(), dup.header("idempotent-replayed")),
+            (first.text(), Some("true")),
+            "{method}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 6);
+
+    let runs = Arc::new(AtomicUsize::new(0));
+    let put_only = DedupeLayer::new(locker)
+        .scope("put-only")
+        .methods([Method::PUT]);
+    let addr = serve(any_method(put_only, runs.clone())).await;
+    let key = [("idempotency-key", r#""m-2""#)];
+    let first = send(addr, Method::PUT, "/things", &key, "").await;
+    let dup = send(addr, Method::PUT, "/things", &key, "").await;
+    assert_eq!(first.text(), "run 1");
+    assert_eq!(
+        (dup.text(), dup.header("idempotent-replayed")),
+        ("run 1".to_owned(), Some("true"))
+    );
+    for n in 2..=3 {
+        let r = send(addr, Method::POST, "/things", &key, "").await;
+        assert_eq!(r.text(), format!("run {n}"), "POST outside the filter");
+        assert_eq!(r.header("idempotent-replayed"), None);
+    }
+}
+
+/// `replay_header` adds a header to the allow-list: it is on the replay, beside the defaults,
+/// while a header not listed is not.
+async fn replay_header_adds_to_the_allow_list(h: Harness) {
+    let app = Router::new()
+        .route(
+            "/hooks/headers",
+            post(|| async {
+                (
+                    StatusCode::ACCEPTED,
+                    [
+                        ("content-type", "text/plain"),
+                        ("x-request-id", "req-1"),
+                        ("x-not-listed", "1"),
+                    ],
+                    "accepted",
+                )
+            }),
+        )
+        .layer(
+            DedupeLayer::new(h.locker().await)
+                .replay_header(HeaderName::from_static("x-request-id")),
+        );
+    let addr = serve(app).await;
+    let first = deliver_to(addr, "/hooks/headers", r#""h-1""#).await;
+    assert_eq!(first.header("x-not-listed"), Some("1"));
+    let replay = deliver_to(addr, "/hooks/headers", r#""h-1""#).await;
+    assert_eq!(replay.status, StatusCode::ACCEPTED);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.header("x-request-id"), Some("req-1"));
+    assert_eq!(replay.header("content-type"), Some("text/plain"));
+    assert_eq!(replay.header("x-not-listed"), None);
+    assert_eq!(replay.text(), "accepted");
+}
+
+/// Every cap at its exact value is accepted and one past it is not: a response body of exactly
+/// the stored cap is stored whole, one byte more is omitted; a request body of exactly the
+/// request cap is read, one byte more is 413; an `Idempotency-Key` of exactly
+/// `MAX_IDEMPOTENCY_KEY_LEN` characters is a key, one more is 400.
+async fn caps_at_their_exact_boundaries(h: Harness) {
+    const CAP: usize = 64;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r2 = runs.clone();
+    let app = Router::new()
+        .route(
+            "/hooks/{len}",
+            post(
+                move |axum::extract::Path(len): axum::extract::Path<usize>| {
+                    let runs = r2.clone();
+                    async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        "r".repeat(len)
+                    }
+                },
+            ),
+        )
+        .layer(
+            DedupeLayer::new(h.locker().await)
+                .stored_body_limit(CAP)
+                .request_body_limit(CAP),
+        );
+    let addr = serve(app).await;
+    for (len, omitted) in [(CAP, None), (CAP + 1, Some("true"))] {
+        let (path, key) = (format!("/hooks/{len}"), format!("\"body-cap-{len}\""));
+        let first = deliver_to(addr, &path, &key).await;
+        assert_eq!(first.body.len(), len);
+        let replay = deliver_to(addr, &path, &key).await;
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"), "{len}");
+        assert_eq!(replay.header("idempotent-body-omitted"), omitted, "{len}");
+        let want = if omitted.is_some() { 0 } else { len };
+        assert_eq!(replay.body.len(), want, "{len}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    let hit = |key: String, body: String| async move {
+        send(
+            addr,
+            Method::POST,
+            "/hooks/1",
+            &[("idempotency-key", key.as_str())],
+            body,
+        )
+        .await
+    };
+    let r = hit(r#""req-cap""#.to_owned(), "q".repeat(CAP)).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    let r = hit(r#""req-over""#.to_owned(), "q".repeat(CAP + 1)).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", r.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+
+    let max = lock_tower::MAX_IDEMPOTENCY_KEY_LEN;
+    for (len, status) in [(max, StatusCode::OK), (max + 1, StatusCode::BAD_REQUEST)] {
+        for key in ["k".repeat(len), format!("\"{}\"", "q".repeat(len))] {
+            let r = hit(key, String::new()).await;
+            assert_eq!(r.status, status, "a key of {len}: {}", r.text());
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 5);
+}
+
+/// A handler that panics: the connection is dropped (axum has no panic handler of its own),
+/// and with it the layer's future, which must free the claim (the release a dropped lease
+/// sends), not leave it to its TTL; nothing is stored, so the retry runs the handler.
+async fn a_panicking_handler_frees_the_claim(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r2 = runs.clone();
+    let app = Router::new()
+        .route(
+            "/hooks/panics",
+            post(move || {
+                let runs = r2.clone();
+                async move {
+                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                        panic!("the handler panicked (on purpose, in a test)");
+                    }
+                    "recovered"
+                }
+            }),
+        )
+        // A long TTL: only a release can free the claim within the test.
+        .layer(DedupeLayer::new(h.locker().await).claim_ttl(Duration::from_secs(60)));
+    let addr = serve(app).await;
+    let mut tx = common::connect(addr).await;
+    let req = http::Request::post("/hooks/panics")
+        .header("host", "x")
+        .header("idempotency-key", r#""panics""#)
+        .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
+        .expect("request");
+    // The connection drops; were a panic handler in front, it would answer 500.
+    if let Ok(res) = tx.send_request(req).await {
+        assert!(res.status().is_server_error(), "a panic answered {res:?}");
+    }
+    let retry = deliver_until_not_busy(addr, "/hooks/panics", r#""panics""#).await;
+    assert_eq!(
+        (
+            retry.status,
+            retry.text().as_str(),
+            retry.header("idempotent-replayed")
+        ),
+        (StatusCode::OK, "recovered", None)
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// On a Redlock quorum the layer has nowhere shared to keep results: a setup problem, so a 500
+/// (`Misconfigured`, no `Retry-After`, since retrying cannot help) and the handler never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_backend_is_a_misconfiguration() {
+    common::bounded(async {
+        let servers: Vec<support::Server> = (0..3)
+            .map(|_| support::Server::start(support::Flavor::Redis))
+            .collect();
+        let urls: Vec<String> = servers.iter().map(support::Server::url).collect();
+        let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+        let locker = lock_core::Locker::redlock(&urls).await.expect("connect");
+        let runs = Arc::new(AtomicUsize::new(0));
+        let addr = serve(counting(
+            DedupeLayer::new(locker),
+            runs.clone(),
+            Duration::ZERO,
+        ))
+        .await;
+        for key in [r#""q-1""#, r#""q-1""#, r#""q-2""#] {
+            let r = deliver(addr, key, "{}").await;
+            assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR, "{}", r.text());
+            assert_eq!(r.header("retry-after"), None, "a setup problem said retry");
+            assert_eq!(r.header("content-type"), Some("application/problem+json"));
+            let problem: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+            assert_eq!(
+                problem["type"], "urn:leasehold:problem:misconfigured",
+                "{problem}"
+            );
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler ran");
+    })
+    .await
 }

@@ -36,6 +36,7 @@ on_every_backend!(
     a_streamed_body_with_a_length_is_released_before_its_last_byte,
     a_route_param_that_is_not_utf8_is_invalid_even_when_passing_through,
     an_unreadable_request_body_is_not_a_missing_key,
+    a_panicking_handler_frees_the_lock,
 );
 
 /// A route whose handler reports it entered and then waits for `go`.
@@ -890,4 +891,74 @@ async fn fence_from_extensions_and_optional_lease() {
         (bare.status, bare.text()),
         (StatusCode::OK, "none".to_owned())
     );
+}
+
+/// A handler that panics: the connection is dropped (axum has no panic handler of its own),
+/// and with it the layer's future, whose lease must be released then, not left to its TTL.
+async fn a_panicking_handler_frees_the_lock(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r2 = runs.clone();
+    let app = Router::new()
+        .route(
+            "/accounts/{id}/withdraw",
+            post(move |Fence(f): Fence| {
+                let runs = r2.clone();
+                async move {
+                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                        panic!("the handler panicked (on purpose, in a test)");
+                    }
+                    format!("fence {}", f.0)
+                }
+            }),
+        )
+        // A long TTL: only a release can free the key within the test.
+        .route_layer(
+            LockLayer::new(h.locker().await, KeyExtractor::route_param("id"))
+                .ttl(Duration::from_secs(60)),
+        );
+    let addr = serve(app).await;
+    let mut tx = common::connect(addr).await;
+    let req = http::Request::post("/accounts/7/withdraw")
+        .header("host", "x")
+        .body(http_body_util::Full::new(Bytes::new()))
+        .expect("request");
+    // The connection drops; were a panic handler in front, it would answer 500.
+    if let Ok(res) = tx.send_request(req).await {
+        assert!(res.status().is_server_error(), "a panic answered {res:?}");
+    }
+    let mut last = None;
+    let freed = eventually(Duration::from_secs(10), async || {
+        let r = post_to(addr, "/accounts/7/withdraw").await;
+        let done = r.status != StatusCode::CONFLICT;
+        last = Some(r);
+        done
+    })
+    .await;
+    let last = last.expect("a retry");
+    assert!(
+        freed,
+        "the key stayed locked after the panic: {}",
+        last.text()
+    );
+    assert_eq!(last.status, StatusCode::OK, "{}", last.text());
+    assert!(last.text().starts_with("fence "), "{}", last.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// `HeldLease` on a route without a layer: the documented 500, as for `Fence`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_lease_without_a_layer_is_a_500() {
+    let app = Router::new().route(
+        "/bare",
+        post(|HeldLease(info): HeldLease| async move { info.key().to_owned() }),
+    );
+    let addr = serve(app).await;
+    let r = post_to(addr, "/bare").await;
+    assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR, "{}", r.text());
+    assert_eq!(r.header("content-type"), Some("application/problem+json"));
+    let problem: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+    assert_eq!(problem["type"], "urn:leasehold:problem:missing-lease");
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("`HeldLease`"), "{problem}");
+    assert!(detail.contains("without LockLayer"), "{problem}");
 }

@@ -21,9 +21,18 @@ pub const DEFAULT_STORED_BODY_LIMIT: usize = 256 * 1024;
 /// The largest request body read (for the fingerprint and JSON keys): 1 MiB.
 pub const DEFAULT_REQUEST_BODY_LIMIT: usize = 1024 * 1024;
 
+/// The lock-core namespace of the claims (and so of the results stored beside them).
+const CLAIM_NAMESPACE: &str = "dedupe";
+
+/// The shortest retention accepted: Redis keeps results in whole milliseconds, and below one
+/// the result would be deleted as soon as it was written.
+pub(crate) const MIN_RETENTION: Duration = Duration::from_millis(1);
+
 #[derive(Clone)]
 pub(crate) struct DedupeConfig {
-    pub(crate) locker: Locker,
+    /// The caller's locker in the `dedupe` namespace: claims live where no plain key (a
+    /// `LockLayer` key taken from a request, whatever its prefix) can name them.
+    pub(crate) claims: Locker,
     pub(crate) store: Store,
     pub(crate) key: KeyExtractor,
     pub(crate) scope: String,
@@ -78,14 +87,19 @@ impl DedupeConfig {
 /// | client hangs up after the handler answered | the result is still stored and the claim released (a task of its own finishes them), so the retry gets the replay |
 /// | result store write fails (backend refuses it or is down) | the first caller still gets the handler's answer; nothing is stored; the claim is released (with the backend down, it expires with its TTL), so a retry runs the handler again |
 /// | result store unreachable when a request arrives | 503 with `Retry-After: 1`; the handler does not run |
-/// | [`retention`](Self::retention) or [`claim_ttl`](Self::claim_ttl) out of range | 500 ([`Reason::Misconfigured`]), logged at `error`; the handler does not run |
+/// | [`retention`](Self::retention) (1 ms to a year) or [`claim_ttl`](Self::claim_ttl) (lock-core's `MIN_TTL` to `MAX_TTL`) out of range | 500 ([`Reason::Misconfigured`]), logged at `error`; the handler does not run |
+/// | a backend with no result store (a Redlock quorum) | 500 ([`Reason::Misconfigured`], no `Retry-After`), logged at `error`; the handler does not run |
 /// | request body above the cap (1 MiB) | 413 |
 /// | response body fails while the layer reads it | 500 ([`Reason::ResponseFailed`]); nothing stored, claim released |
 /// | response body above the stored cap (256 KiB) | the first caller gets the full body; once it ended well (before the caller sees its end), the stored result keeps status and headers only, and replays carry an empty body with `Idempotent-Body-Omitted: true`; if it fails past the cap, nothing is stored and the claim is released |
 ///
 /// Keys are scoped by [`scope`](Self::scope) and hashed (SHA-256) before they become storage
-/// keys, so a hostile key can neither collide with nor reach another namespace. Results are
-/// kept for 24 h by default. On Redis they live beside the claim (same hash tag) and survive a
+/// keys, and the claims are taken in a lock-core namespace of their own
+/// ([`Locker::with_namespace`]), so a hostile key can neither collide with nor reach another
+/// namespace: not even a [`LockLayer`](crate::LockLayer) key spelled like a claim's name can
+/// hold a delivery's claim. Results are kept for 24 h by default. On Redis they live beside the
+/// claim (`{prefix:\x1Fdedupe:<hash>}:result` beside `{prefix:\x1Fdedupe:<hash>}:lock`, one
+/// hash tag, where `\x1F` is the unit separator no key or prefix may contain) and survive a
 /// restart of the service; on the memory backend they live in this layer (clones share them).
 ///
 /// ```
@@ -120,10 +134,13 @@ impl DedupeLayer {
     /// `content-type`, `content-language`, `content-location`, `location`, `etag`,
     /// `last-modified` and `cache-control`.
     pub fn new(locker: Locker) -> DedupeLayer {
+        let claims = locker
+            .with_namespace(CLAIM_NAMESPACE)
+            .expect("`dedupe` is a valid namespace: no `:`, braces or control characters");
         DedupeLayer {
             cfg: Arc::new(DedupeConfig {
                 store: Store::for_locker(&locker),
-                locker,
+                claims,
                 key: KeyExtractor::idempotency_key(),
                 scope: String::new(),
                 claim: LockOptions::new(),
@@ -176,7 +193,9 @@ impl DedupeLayer {
         self.with(|c| c.retention = retention)
     }
 
-    /// The claim's lease TTL (default 30 s, renewed while the handler runs).
+    /// The claim's lease TTL (default 30 s, renewed while the handler runs). From lock-core's
+    /// `MIN_TTL` to `MAX_TTL` (10 ms to 24 h); out of that range keyed requests are answered
+    /// 500 ([`Reason::Misconfigured`]) before the handler runs.
     pub fn claim_ttl(self, ttl: Duration) -> Self {
         self.with(|c| c.claim = c.claim.clone().ttl(ttl))
     }

@@ -12,7 +12,7 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use super::layer::DedupeConfig;
-use super::store::Record;
+use super::store::{Record, Store, StoreError};
 use crate::body::{BoxError, LockBody};
 use crate::extract::Held;
 use crate::future::ResponseFuture;
@@ -103,13 +103,20 @@ where
         return Ok(res.map(LockBody::pass));
     }
     let rejections = &cfg.rejections;
-    if cfg.retention.is_zero() || cfg.retention > super::layer::MAX_RETENTION {
+    if cfg.retention < super::layer::MIN_RETENTION || cfg.retention > super::layer::MAX_RETENTION {
         // Checked before the handler runs: its result could not be stored.
         let detail = format!(
             "the retention {:?} is out of range (1 ms to a year)",
             cfg.retention
         );
         tracing::error!(%detail, "the layer's settings are out of range");
+        return Ok(reject(rejections, Reason::Misconfigured, None, detail));
+    }
+    if matches!(cfg.store, Store::Unsupported) {
+        // A setup problem no retry can cure: a 503 with `Retry-After` would have every sender
+        // retry for ever, and running the handler undeduplicated would break the layer's promise.
+        let detail = StoreError::Unsupported.to_string();
+        tracing::error!(%detail, "the layer's backend cannot keep results");
         return Ok(reject(rejections, Reason::Misconfigured, None, detail));
     }
     let (mut parts, body) = req.into_parts();
@@ -126,7 +133,9 @@ where
         }
         Err(p) => return Ok(reject(rejections, p.reason, None, p.detail)),
     };
-    // Hashed, so a hostile key can neither collide with nor escape into another namespace.
+    // Hashed, so a hostile key can neither collide with another scope's keys nor spell a
+    // storage key of its choosing; the claims' own namespace (see `DedupeConfig::claims`) keeps
+    // other lockers' keys away from them.
     let id = digest(&[cfg.scope.as_bytes(), key.as_bytes()]);
     let path = crate::key::full_uri(&parts)
         .path_and_query()
@@ -144,12 +153,12 @@ where
             "the dedupe store is unavailable",
         )
     };
-    let claim_name = format!("dedupe:{id}");
-    let lock_key = match cfg.locker.lock_key(&claim_name) {
+    let lock_key = match cfg.claims.lock_key(&id) {
         Ok(k) => k.lock_key().to_owned(),
         Err(e) => return Ok(refuse(rejections, &e)),
     };
-    // `{prefix:dedupe:<id>}:lock` → `{prefix:dedupe:<id>}:result`: one hash tag, one slot.
+    // `{prefix:\x1Fdedupe:<id>}:lock` → `{prefix:\x1Fdedupe:<id>}:result`: one hash tag, one
+    // slot.
     let result_key = format!(
         "{}:result",
         lock_key.strip_suffix(":lock").unwrap_or(&lock_key)
@@ -161,15 +170,15 @@ where
         Err(e) => return Ok(unavailable(e.to_string())),
     }
     let taken = if cfg.wait {
-        cfg.locker.acquire(&claim_name, &cfg.claim).await
+        cfg.claims.acquire(&id, &cfg.claim).await
     } else {
-        cfg.locker.try_acquire(&claim_name, &cfg.claim).await
+        cfg.claims.try_acquire(&id, &cfg.claim).await
     };
     let claim = match taken {
         Ok(l) => l,
         Err(e) => return Ok(refuse(rejections, &e)),
     };
-    let in_process = matches!(cfg.locker.backend(), AnyBackend::Memory(_));
+    let in_process = matches!(cfg.claims.backend(), AnyBackend::Memory(_));
     // A first run may have stored its result and released between our look-up and our claim;
     // the claim orders us after it, so looking again now cannot miss it.
     match cfg.store.get(&result_key).await {

@@ -54,7 +54,8 @@ pub(crate) enum Store {
         script: Arc<Script>,
     },
     /// A backend with no shared place for results (for example a quorum of independent
-    /// servers): every request is refused rather than deduplicated per process by surprise.
+    /// servers): every request is refused as a misconfiguration (500) rather than
+    /// deduplicated per process by surprise.
     Unsupported,
 }
 
