@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use leasehold::Error;
 use leasehold::queue::{
-    JobError, JobId, JobState, MAX_PAYLOAD, Queue, QueueBuilder, Worker, WorkerHandle,
+    JobError, JobId, JobState, MAX_PAYLOAD, MAX_RETRY_DELAY, Queue, QueueBuilder, Worker,
+    WorkerHandle,
 };
 use support::{Cluster, Flavor, Server};
 use tokio::time::{Instant, sleep};
@@ -766,6 +767,101 @@ async fn bad_input(h: Harness) {
     ));
 }
 
+/// A retry delay above `MAX_RETRY_DELAY` is refused before any round trip, with nothing
+/// changed; the maximum itself parks the job, and every store reports when it is due.
+async fn retry_delay_is_bounded(h: Harness) {
+    let q = h.open(Queue::builder("delaycap")).await;
+    let id = q.enqueue(b"x").await.expect("enqueue");
+    let c = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    for delay in [Duration::MAX, MAX_RETRY_DELAY + ms(1)] {
+        assert!(
+            matches!(
+                q.retry(id, 1, delay).await,
+                Err(Error::InvalidDuration { what: "retry delay", value, .. }) if value == delay
+            ),
+            "retry with a delay of {delay:?} was not refused"
+        );
+        assert!(matches!(
+            q.retry_because(id, 1, delay, "why").await,
+            Err(Error::InvalidDuration {
+                what: "retry delay",
+                ..
+            })
+        ));
+    }
+    let info = q.job(id).await.expect("job");
+    assert_eq!((info.state, info.attempts), (JobState::Active, 1));
+    assert!(matches!(
+        Worker::new(q.clone())
+            .backoff(ms(10), MAX_RETRY_DELAY + ms(1))
+            .start(|_| async { Ok(()) }),
+        Err(Error::InvalidDuration {
+            what: "max backoff",
+            ..
+        })
+    ));
+    let before = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_millis() as u64;
+    assert_eq!(
+        c.retry(MAX_RETRY_DELAY)
+            .await
+            .expect("the maximum is accepted"),
+        JobState::Delayed
+    );
+    let at = q.job(id).await.expect("job").at_ms.expect("a due time");
+    let year = MAX_RETRY_DELAY.as_millis() as u64;
+    assert!(
+        at >= before + year - 60_000 && at <= before + year + 60_000,
+        "due at {at}, not a year after {before}"
+    );
+}
+
+/// An attempt higher than any the job was given was never granted: it is not stale (no newer
+/// attempt superseded it), and no step of it lands.
+async fn unissued_attempt_is_refused(h: Harness) {
+    let q = h.open(Queue::builder("unissued")).await;
+    let id = q.enqueue(b"x").await.expect("enqueue");
+    let c = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert_eq!(c.attempts(), 1);
+    let res = q.complete(id, 7).await;
+    assert!(matches!(res, Err(Error::LeaseLost { .. })), "{res:?}");
+    assert!(matches!(
+        q.extend(id, 7, ms(5_000)).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    assert!(matches!(
+        q.retry(id, 7, Duration::ZERO).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    assert!(matches!(
+        q.fail(id, 7, "no").await,
+        Err(Error::LeaseLost { .. })
+    ));
+    // A lower attempt is still stale.
+    assert!(matches!(
+        q.complete(id, 0).await,
+        Err(Error::Stale { fence, highest, .. }) if fence.get() == 0 && highest.get() == 1
+    ));
+    let info = q.job(id).await.expect("job");
+    assert_eq!((info.state, info.attempts), (JobState::Active, 1));
+    c.complete().await.expect("the real attempt completes");
+    // The done marker remembers attempt 1; attempt 7 is still one that never was.
+    assert!(matches!(
+        q.complete(id, 7).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    q.complete(id, 1).await.expect("a repeated complete");
+    // A job never claimed has no attempt 1 yet.
+    let fresh = q.enqueue(b"y").await.expect("enqueue");
+    assert!(matches!(
+        q.complete(fresh, 1).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    assert_eq!(q.job(fresh).await.expect("job").state, JobState::Pending);
+}
+
 #[cfg(feature = "serde")]
 async fn typed_payloads(h: Harness) {
     let q = h.open(Queue::builder("typed")).await;
@@ -848,6 +944,14 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn bad_input() {
                 super::bad_input(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn retry_delay_is_bounded() {
+                super::retry_delay_is_bounded(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn unissued_attempt_is_refused() {
+                super::unissued_attempt_is_refused(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn typed_payloads() {

@@ -1,6 +1,7 @@
 //! Queue faults only a real server can show: keys of a foreign type, a restart with AOF, a
 //! worker process SIGKILLed mid-job, and worker processes whose clocks are minutes off (run
-//! under libfaketime). Each runs on Redis and on Valkey.
+//! under libfaketime). Each runs on Redis and on Valkey. Last, the memory queue under a wall
+//! clock that steps (libfaketime again, no server).
 
 mod support;
 
@@ -32,7 +33,8 @@ fn local_ms() -> u64 {
         .as_millis() as u64
 }
 
-/// Keys of a foreign type are reported as `WrongType` and nothing is changed or lost.
+/// A queue key of a foreign type is reported as `WrongType` with nothing changed; a job key of
+/// a foreign type is set aside in the dead set, untouched, and the rest of the queue goes on.
 async fn foreign_types(flavor: Flavor) {
     let server = Server::start(flavor);
     let q = Queue::redis(&server.url(), "wt").await.expect("connect");
@@ -69,8 +71,8 @@ async fn foreign_types(flavor: Flavor) {
     assert_eq!(id, JobId(2));
     assert_eq!(server.cmd::<i64>(&["LLEN", "{leasehold:wt}:job:1"]), 1);
 
-    // A claimed job's key replaced by a string: complete, job and reap refuse, and the active
-    // set keeps the id.
+    // A claimed job's key replaced by a string: complete and job refuse, and the active set
+    // keeps the id.
     let claim = q.claim(ms(50)).await.expect("claim").expect("job");
     let _: () = server.cmd(&["SET", "{leasehold:wt}:job:2", "clobbered"]);
     assert!(matches!(
@@ -81,14 +83,95 @@ async fn foreign_types(flavor: Flavor) {
         q.job(claim.id()).await,
         Err(Error::WrongType { .. })
     ));
-    sleep(ms(200)).await;
-    assert!(matches!(q.reap().await, Err(Error::WrongType { .. })));
     assert_eq!(
         server.cmd::<i64>(&["ZCARD", "{leasehold:wt}:active"]),
         1,
-        "a failed reap changed the active set"
+        "a refused complete changed the active set"
+    );
+    // Its lease expires beside a healthy one: the reaper returns the healthy job and sets the
+    // foreign one aside in the dead set, without touching its key.
+    let healthy = q.enqueue(b"healthy").await.expect("enqueue");
+    let lapsed = q.claim(ms(50)).await.expect("claim").expect("job");
+    assert_eq!(lapsed.id(), healthy);
+    sleep(ms(200)).await;
+    let mut reaped = q
+        .reap()
+        .await
+        .expect("a foreign job key stalled the reaper");
+    reaped.sort_by_key(|r| r.id);
+    assert_eq!(
+        reaped
+            .iter()
+            .map(|r| (r.id, r.attempts, r.to))
+            .collect::<Vec<_>>(),
+        vec![
+            (claim.id(), 0, JobState::Dead),
+            (healthy, 1, JobState::Pending)
+        ]
+    );
+    assert_eq!(server.cmd::<i64>(&["ZCARD", "{leasehold:wt}:active"]), 0);
+    assert!(
+        server
+            .cmd::<Option<String>>(&["ZSCORE", "{leasehold:wt}:dead", "2"])
+            .is_some(),
+        "the foreign job was not set aside in the dead set"
     );
     let kept: String = server.cmd(&["GET", "{leasehold:wt}:job:2"]);
+    assert_eq!(kept, "clobbered");
+    let again = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert_eq!((again.id(), again.attempts()), (healthy, 2));
+    again.complete().await.expect("complete");
+
+    // A foreign key at the head of pending: the claim sets it aside and takes the next job.
+    let foreign = q.enqueue(b"clobbered").await.expect("enqueue");
+    let next = q.enqueue(b"next").await.expect("enqueue");
+    let _: i64 = server.cmd(&["DEL", &format!("{{leasehold:wt}}:job:{foreign}")]);
+    let _: i64 = server.cmd(&[
+        "RPUSH",
+        &format!("{{leasehold:wt}}:job:{foreign}"),
+        "someone else's list",
+    ]);
+    let got = q
+        .claim(ms(5_000))
+        .await
+        .expect("a foreign job key at the head of pending stalled every claim")
+        .expect("the next pending job");
+    assert_eq!(got.id(), next);
+    got.complete().await.expect("complete");
+    assert_eq!(server.cmd::<i64>(&["ZCARD", "{leasehold:wt}:pending"]), 0);
+    assert!(
+        server
+            .cmd::<Option<String>>(&["ZSCORE", "{leasehold:wt}:dead", &foreign.to_string()])
+            .is_some(),
+        "the foreign pending job was not set aside in the dead set"
+    );
+    assert_eq!(
+        server.cmd::<i64>(&["LLEN", &format!("{{leasehold:wt}}:job:{foreign}")]),
+        1
+    );
+
+    // A foreign key on a delayed retry that comes due: the same.
+    let delayed = q.enqueue(b"delayed").await.expect("enqueue");
+    let c = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert_eq!(c.id(), delayed);
+    assert_eq!(c.retry(ms(50)).await.expect("retry"), JobState::Delayed);
+    let _: () = server.cmd(&[
+        "SET",
+        &format!("{{leasehold:wt}}:job:{delayed}"),
+        "clobbered",
+    ]);
+    let last = q.enqueue(b"last").await.expect("enqueue");
+    sleep(ms(200)).await;
+    let got = q
+        .claim(ms(5_000))
+        .await
+        .expect("a foreign delayed job key stalled every claim")
+        .expect("the last pending job");
+    assert_eq!(got.id(), last);
+    got.complete().await.expect("complete");
+    let c = q.counts().await.expect("counts");
+    assert_eq!((c.pending, c.active, c.delayed, c.dead), (0, 0, 0, 3));
+    let kept: String = server.cmd(&["GET", &format!("{{leasehold:wt}}:job:{delayed}")]);
     assert_eq!(kept, "clobbered");
 }
 
@@ -467,6 +550,103 @@ async fn skewed_clients(flavor: Flavor) {
         let again = q.claim(ms(5_000)).await.expect("claim").expect("job");
         again.complete().await.expect("complete");
     }
+}
+
+/// The child side of `memory_leases_ignore_clock_steps`: a memory queue whose process sees its
+/// wall clock step ten minutes forward, then twenty back, while leases are held. The child
+/// steps its own clock by rewriting libfaketime's timestamp file.
+#[tokio::test]
+#[ignore = "run as a child process under faketime by memory_leases_ignore_clock_steps"]
+async fn clock_step_child() {
+    let Ok(file) = std::env::var("LEASEHOLD_CLOCK_FILE") else {
+        return;
+    };
+    let step = |offset: &str| {
+        let wall = local_ms() as i64;
+        let mono = std::time::Instant::now();
+        std::fs::write(&file, offset).expect("rewrite the faketime file");
+        let stepped = local_ms() as i64 - wall - mono.elapsed().as_millis() as i64;
+        assert!(
+            stepped.unsigned_abs() > 5 * 60 * 1000,
+            "faketime did not step the wall clock to {offset}: {stepped} ms"
+        );
+    };
+    let q = Queue::memory("steps").expect("queue");
+
+    // Forward: a held lease must not expire because the wall clock jumped past its deadline.
+    let id = q.enqueue(b"held").await.expect("enqueue");
+    let mut held = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    step("+10m");
+    let reaped = q.reap().await.expect("reap");
+    assert!(
+        reaped.is_empty(),
+        "a wall-clock step forward expired a lease its holder still has: {reaped:?}"
+    );
+    assert!(
+        q.claim(ms(5_000)).await.expect("claim").is_none(),
+        "a second worker was given a job the first still holds"
+    );
+    // The deadline is still reported in wall-clock ms, on the clock as it reads now.
+    let at = q.job(id).await.expect("job").at_ms.expect("a deadline");
+    let now = local_ms();
+    assert!(
+        at > now && at <= now + 5_000,
+        "deadline {at} is not within the 5 s lease of the wall clock {now}"
+    );
+    held.extend(ms(5_000)).await.expect("the holder extends");
+    held.complete().await.expect("the holder completes");
+
+    // Backward: a lease must not outlive its ttl by the size of the step.
+    let left = q.enqueue(b"left").await.expect("enqueue");
+    let lapsed = q.claim(ms(200)).await.expect("claim").expect("job");
+    assert_eq!(lapsed.id(), left);
+    step("-10m");
+    sleep(ms(400)).await;
+    let reaped = q.reap().await.expect("reap");
+    assert_eq!(
+        reaped.iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![left],
+        "a wall-clock step back stretched a 200 ms lease"
+    );
+    println!("STEPPED ok");
+}
+
+/// The memory queue leases on the monotonic clock, as the memory lock backend does: a wall
+/// clock stepped forward (NTP, a resumed VM) must not hand a held job to a second worker, and
+/// one stepped back must not keep a lapsed job from the reaper. Only the wall clock is faked.
+#[tokio::test]
+async fn memory_leases_ignore_clock_steps() {
+    assert!(
+        has_binary("faketime"),
+        "`faketime` is not on PATH: install Debian's `faketime` package (scripts/test.sh does)"
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("faketime.rc");
+    std::fs::write(&file, "+0").expect("write the faketime file");
+    let exe = std::env::current_exe().expect("test binary");
+    // The wrapper preloads libfaketime; `env -u FAKETIME` then drops its fixed offset, which
+    // would outrank the file, so the child's clock follows the file it rewrites.
+    let mut child = Command::new("faketime")
+        .args(["-f", "+0", "env", "-u", "FAKETIME"])
+        .arg(exe)
+        .args([
+            "--exact",
+            "clock_step_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("FAKETIME_TIMESTAMP_FILE", &file)
+        .env("FAKETIME_NO_CACHE", "1")
+        .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+        .env("LEASEHOLD_CLOCK_FILE", &file)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn child process");
+    assert_eq!(read_tagged(&mut child, "STEPPED "), "ok");
+    let status = child.wait().expect("child exit");
+    assert!(status.success(), "the clock-step child failed: {status:?}");
 }
 
 /// A queue on a locker's backend shares its connection and subscription; a lock named like the

@@ -1,21 +1,31 @@
--- ARGV[3] lease ms. Returns {1, id, attempts, deadline ms, payload} or {0, ms until the next
--- delayed job is due, or -1}.
+-- ARGV[3] lease ms. Returns {1, id, attempts, deadline ms, payload, aside...} or {0, ms until
+-- the next delayed job is due or -1, aside...}, where aside is {job key, type} for every job key
+-- of a foreign type this claim set aside in the dead set.
 local bad = check_keys()
 if bad then return bad end
 local now = now_ms()
+local aside = {}
+local function reply(out)
+  for _, v in ipairs(aside) do
+    out[#out + 1] = v
+  end
+  return out
+end
 -- Delayed retries that are due join pending at their original place (their id).
 -- At most 100 a claim, the earliest due first (the memory queue's PROMOTE_PER_CLAIM): a claim's
 -- script must stay short.
 local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 100)
 for _, id in ipairs(due) do
-  bad = foreign(ARGV[1] .. id, 'hash')
-  if bad then return bad end
-end
-for _, id in ipairs(due) do
   redis.call('ZREM', KEYS[3], id)
-  if redis.call('EXISTS', ARGV[1] .. id) == 1 then
+  local jk = ARGV[1] .. id
+  local t = redis.call('TYPE', jk).ok
+  if t == 'hash' then
     redis.call('ZADD', KEYS[1], id, id)
-    redis.call('HSET', ARGV[1] .. id, 'state', 'pending')
+    redis.call('HSET', jk, 'state', 'pending')
+  elseif t ~= 'none' then
+    set_aside(id, now)
+    aside[#aside + 1] = jk
+    aside[#aside + 1] = t
   end
 end
 for _ = 1, 100 do
@@ -24,23 +34,26 @@ for _ = 1, 100 do
   local jk = ARGV[1] .. id
   local t = redis.call('TYPE', jk).ok
   if t == 'hash' then
-    -- The fence first: if the field is corrupt this fails before anything else is written.
+    -- The fence first: if the field is corrupt this fails before the job is changed.
     local att = redis.call('HINCRBY', jk, 'attempts', 1)
     redis.call('ZREM', KEYS[1], id)
     redis.call('HSET', jk, 'state', 'active')
     -- The deadline is the server's clock plus the lease, never the worker's clock.
     local deadline = now + tonumber(ARGV[3])
     redis.call('ZADD', KEYS[2], deadline, id)
-    return {1, id, att, deadline, redis.call('HGET', jk, 'payload') or ''}
+    return reply({1, id, att, deadline, redis.call('HGET', jk, 'payload') or ''})
   elseif t == 'none' then
     -- An id whose job was deleted from outside: nothing to run, drop it.
     redis.call('ZREM', KEYS[1], id)
   else
-    return {-1, jk, t}
+    redis.call('ZREM', KEYS[1], id)
+    set_aside(id, now)
+    aside[#aside + 1] = jk
+    aside[#aside + 1] = t
   end
 end
 local nxt = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
 if nxt[2] then
-  return {0, math.max(0, tonumber(nxt[2]) - now)}
+  return reply({0, math.max(0, tonumber(nxt[2]) - now)})
 end
-return {0, -1}
+return reply({0, -1})

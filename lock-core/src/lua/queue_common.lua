@@ -8,9 +8,14 @@
 -- Job keys are built from ARGV[1]: they share the queue's hash tag, so they live in the same
 -- cluster slot as the declared keys.
 --
--- Replies: {1, ...} done; {0, ...} nothing to do; {-1, key, type} a key of a foreign type,
--- found before any write; {-2} no such job; {-3, attempts} stale caller; {-4, state} the
--- caller's lease ended without a newer grant (reaped, retried, failed).
+-- Replies: {1, ...} done; {0, ...} nothing to do; {-1, key, type} a queue key, or the job key
+-- the caller named, holds a foreign type, found before any write; {-2} no such job;
+-- {-3, attempts} stale caller; {-4, state} the caller's lease ended without a newer grant
+-- (reaped, retried, failed); {-5, attempts} the caller named an attempt above the job's latest,
+-- one never granted.
+-- A job key of a foreign type met while claiming or reaping is no error: nobody asked for that
+-- job by name, and refusing would stall every job behind it. Its id is set aside in the dead
+-- set, the key itself never read or written, and the reply lists it.
 
 local function foreign(key, want)
   local t = redis.call('TYPE', key).ok
@@ -26,6 +31,11 @@ local function check_keys()
     if bad then return bad end
   end
   return foreign(KEYS[5], 'string')
+end
+
+-- Moves a job id whose key holds a foreign type to the dead set; the key is not ours to touch.
+local function set_aside(id, now)
+  redis.call('ZADD', KEYS[4], now, id)
 end
 
 local function now_ms()
@@ -46,6 +56,8 @@ local function guard(jk, want, done_ok)
   if t ~= 'hash' then return {-1, jk, t} end
   local h = redis.call('HMGET', jk, 'state', 'attempts')
   local att = tonumber(h[2]) or 0
+  -- Higher than the latest attempt: nothing superseded it, so it is not stale.
+  if want > att then return {-5, att} end
   if att ~= want then return {-3, att} end
   if done_ok and h[1] == 'done' then return {1, 'done'} end
   if h[1] ~= 'active' then return {-4, h[1] or ''} end

@@ -1,20 +1,18 @@
 -- ARGV[3] most jobs to move in one call. Returns {1, id, attempts, new state, ...} for every
--- active job whose deadline passed on the server clock.
+-- active job whose deadline passed on the server clock; a job whose key holds a foreign type is
+-- set aside in the dead set and listed as {id, -1, type}.
 local bad = check_keys()
 if bad then return bad end
 local now = now_ms()
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. s(now), 'LIMIT', 0,
   tonumber(ARGV[3]))
-for _, id in ipairs(expired) do
-  bad = foreign(ARGV[1] .. id, 'hash')
-  if bad then return bad end
-end
 local out = {1}
 local woke = false
 for _, id in ipairs(expired) do
   local jk = ARGV[1] .. id
   redis.call('ZREM', KEYS[2], id)
-  if redis.call('EXISTS', jk) == 1 then
+  local t = redis.call('TYPE', jk).ok
+  if t == 'hash' then
     local h = redis.call('HMGET', jk, 'attempts', 'max')
     local att = tonumber(h[1]) or 0
     local max = tonumber(h[2]) or 0
@@ -34,6 +32,11 @@ for _, id in ipairs(expired) do
     out[#out + 1] = id
     out[#out + 1] = att
     out[#out + 1] = to
+  elseif t ~= 'none' then
+    set_aside(id, now)
+    out[#out + 1] = id
+    out[#out + 1] = -1
+    out[#out + 1] = t
   end
 end
 if woke then

@@ -1,9 +1,11 @@
 //! The queue in this process: the same steps as the Redis scripts, each under one lock, with
-//! deadlines on this process's wall clock.
+//! deadlines on this process's monotonic clock.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::time::Instant;
 
 use super::{ClaimReply, JobInfo, JobState, Op, QueueCounts, Reaped, Refusal, Settled};
 use crate::error::Result;
@@ -15,6 +17,7 @@ pub(crate) struct MemoryQueue {
     state: Arc<Mutex<State>>,
     wakeups: Arc<Wakeups>,
     channel: String,
+    clock: Clock,
 }
 
 /// Due delayed jobs a claim moves back to pending, as `queue_claim.lua`'s `LIMIT 0 100`.
@@ -26,9 +29,9 @@ struct Job {
     max: u64,
     payload: Vec<u8>,
     error: Option<String>,
-    /// Deadline (active), ready time (delayed) or time of death (dead), in ms.
+    /// Deadline (active), ready time (delayed) or time of death (dead), in [`Clock`] ms.
     at_ms: Option<u64>,
-    /// When a done marker goes away, in ms.
+    /// When a done marker goes away, in [`Clock`] ms.
     expires_ms: Option<u64>,
 }
 
@@ -37,22 +40,43 @@ struct State {
     seq: u64,
     jobs: HashMap<u64, Job>,
     pending: BTreeSet<u64>,
-    /// (deadline ms, id)
+    /// (deadline, id), in [`Clock`] ms
     active: BTreeSet<(u64, u64)>,
-    /// (ready ms, id)
+    /// (ready time, id), in [`Clock`] ms
     delayed: BTreeSet<(u64, u64)>,
-    /// (died ms, id)
+    /// (time of death, id), in [`Clock`] ms
     dead: BTreeSet<(u64, u64)>,
     /// Done markers in completion order with their expiry; `keep_done` is fixed per queue, so
     /// expiries only grow along the queue.
     done: VecDeque<(u64, u64)>,
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The queue's time: ms on the monotonic clock since the queue was made. Leases are timed on
+/// it, as the memory lock backend times its leases, because the wall clock can step (NTP, a
+/// resumed VM): a step forward would let the reaper hand a held job to a second worker, a step
+/// back would keep a lapsed one from the reaper. The wall clock is read only to report a time.
+#[derive(Clone, Copy)]
+struct Clock {
+    origin: Instant,
+}
+
+impl Clock {
+    fn now(self) -> u64 {
+        millis(self.origin.elapsed())
+    }
+
+    /// `at` as ms since the Unix epoch, on the wall clock as it reads at `now`.
+    fn wall(self, at: u64, now: u64) -> u64 {
+        let wall = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(millis)
+            .unwrap_or(0);
+        wall.saturating_add(at).saturating_sub(now)
+    }
 }
 
 impl State {
@@ -120,6 +144,9 @@ impl MemoryQueue {
             state: Arc::default(),
             wakeups: Arc::default(),
             channel: LockKey::new(prefix, name).channel().to_owned(),
+            clock: Clock {
+                origin: Instant::now(),
+            },
         }
     }
 
@@ -160,7 +187,7 @@ impl MemoryQueue {
     }
 
     pub(crate) async fn claim(&self, lease_ms: u64) -> Result<ClaimReply> {
-        let now = now_ms();
+        let now = self.clock.now();
         let mut st = self.state();
         st.promote_due(now);
         let Some(id) = st.pending.pop_first() else {
@@ -183,7 +210,7 @@ impl MemoryQueue {
         Ok(ClaimReply::Claimed {
             id,
             attempts: job.attempts,
-            deadline_ms,
+            deadline_ms: self.clock.wall(deadline_ms, now),
             payload: job.payload.clone(),
         })
     }
@@ -194,7 +221,7 @@ impl MemoryQueue {
         attempts: u64,
         op: &Op<'_>,
     ) -> Result<std::result::Result<Settled, Refusal>> {
-        let now = now_ms();
+        let now = self.clock.now();
         let mut woke = false;
         let reply = {
             let mut st = self.state();
@@ -202,6 +229,11 @@ impl MemoryQueue {
             let Some(job) = st.jobs.get(&id) else {
                 return Ok(Err(Refusal::Unknown));
             };
+            if attempts > job.attempts {
+                return Ok(Err(Refusal::Unissued {
+                    current: job.attempts,
+                }));
+            }
             if job.attempts != attempts {
                 return Ok(Err(Refusal::Stale {
                     current: job.attempts,
@@ -289,11 +321,14 @@ impl MemoryQueue {
         if woke {
             self.wake();
         }
-        Ok(Ok(reply))
+        Ok(Ok(Settled {
+            state: reply.state,
+            at_ms: reply.at_ms.map(|at| self.clock.wall(at, now)),
+        }))
     }
 
     pub(crate) async fn reap(&self, limit: usize) -> Result<Vec<Reaped>> {
-        let now = now_ms();
+        let now = self.clock.now();
         let mut moved = Vec::new();
         {
             let mut st = self.state();
@@ -344,8 +379,9 @@ impl MemoryQueue {
     }
 
     pub(crate) async fn job(&self, id: u64) -> Result<Option<JobInfo>> {
+        let now = self.clock.now();
         let mut st = self.state();
-        st.expire_done(now_ms());
+        st.expire_done(now);
         Ok(st.jobs.get(&id).map(|j| JobInfo {
             id: super::JobId(id),
             state: j.state,
@@ -353,7 +389,7 @@ impl MemoryQueue {
             max_attempts: j.max,
             error: j.error.clone(),
             payload: (j.state != JobState::Done).then(|| j.payload.clone()),
-            at_ms: j.at_ms,
+            at_ms: j.at_ms.map(|at| self.clock.wall(at, now)),
         }))
     }
 

@@ -11,8 +11,10 @@
 //!
 //! Delivery is at least once: a worker that finishes its work but loses the lease before
 //! `complete` lands sees [`Error::Stale`] or [`Error::LeaseLost`], and the job runs again. Make
-//! handlers idempotent, or pass [`Claim::fence`] to the resource they write (see
-//! [`FenceGate`](crate::FenceGate)).
+//! handlers idempotent, or have the resource they write check [`Claim::fence`] keyed by the job
+//! id as well as the resource (see [`Claim::fence`]): the fence is the job's attempt count,
+//! which starts at 1 for every job, so a [`FenceGate`](crate::FenceGate) named after the
+//! resource alone would refuse job B's first attempt after job A's third.
 //!
 //! # Keys and clocks
 //!
@@ -20,8 +22,10 @@
 //! single cluster slot: `:pending`, `:active`, `:delayed`, `:dead` (sorted sets), `:seq` (the id
 //! counter) and `:job:<id>` (a hash with `state`, `attempts`, `max`, `payload`, `error`).
 //! Deadlines are read from the server's `TIME` inside the scripts; a worker's own clock is never
-//! consulted, so a skewed client leases correctly. The memory backend uses this process's
-//! clock.
+//! consulted, so a skewed client leases correctly. The memory backend times leases on this
+//! process's monotonic clock, so a step of the wall clock (NTP, a resumed VM) neither expires a
+//! held lease nor stretches a lapsed one; it reports times (`deadline_ms`, `at_ms`) in Unix
+//! epoch ms as the wall clock reads when it answers.
 //!
 //! Durability is the server's: with append-only persistence a restart loses no enqueued job;
 //! without it a restart loses the queue.
@@ -90,6 +94,10 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 pub const DEFAULT_KEEP_DONE: Duration = Duration::from_secs(60 * 60);
 /// The longest [`QueueBuilder::keep_done`] accepted: a year.
 pub const MAX_KEEP_DONE: Duration = Duration::from_secs(365 * 86_400);
+/// The longest delay [`Queue::retry`] accepts: a year. A longer one is refused with
+/// [`Error::InvalidDuration`] before any round trip; park a job for good with
+/// [`Queue::fail`] instead.
+pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(365 * 86_400);
 /// How often a waiting claim looks again when no wake-up arrives (a lost subscription, a
 /// reaped job whose wake-up was missed).
 pub const CLAIM_POLL_FALLBACK: Duration = Duration::from_secs(1);
@@ -200,7 +208,8 @@ pub struct JobInfo {
 pub struct Reaped {
     /// The job.
     pub id: JobId,
-    /// Its attempts, unchanged by the reap.
+    /// Its attempts, unchanged by the reap; 0 for a job whose server key held a foreign type,
+    /// which the reaper set aside in the dead set without reading it.
     pub attempts: u64,
     /// Where it went: [`JobState::Pending`], or [`JobState::Dead`] when out of attempts.
     pub to: JobState,
@@ -346,8 +355,17 @@ pub(crate) enum ClaimReply {
 /// Why a step on a job was refused.
 pub(crate) enum Refusal {
     Unknown,
-    Stale { current: u64 },
-    NotHeld { state: String },
+    Stale {
+        current: u64,
+    },
+    NotHeld {
+        state: String,
+    },
+    /// The caller named an attempt above the job's latest: one never granted (made up, or a
+    /// claim a failover lost), which no newer attempt superseded, so it is not stale.
+    Unissued {
+        current: u64,
+    },
 }
 
 /// One step on a claimed job.
@@ -410,6 +428,20 @@ impl fmt::Debug for Queue {
 
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Checks a retry delay before any round trip. A delay past the bound is a unit mistake, not
+/// a plan, and far enough past it the stores stop agreeing on when the job is due (the server's
+/// score overflows its integer reply, the memory store saturates).
+fn validate_retry_delay(delay: Duration) -> Result<()> {
+    if delay > MAX_RETRY_DELAY {
+        return Err(Error::InvalidDuration {
+            what: "retry delay",
+            value: delay,
+            reason: "above MAX_RETRY_DELAY (a year)",
+        });
+    }
+    Ok(())
 }
 
 /// Cuts `text` to [`MAX_ERROR_LEN`] bytes at a character boundary.
@@ -529,6 +561,10 @@ impl Queue {
     /// store's clock plus `ttl`. The lease is not renewed: call [`Claim::extend`] for long
     /// work, or run jobs through a [`Worker`], which does. A claim whose reply is lost in
     /// transit ([`Error::OutcomeUnknown`]) leaves the job active until the reaper returns it.
+    ///
+    /// On Redis / Valkey, a job whose key was overwritten with another type (by someone else)
+    /// is not claimed: its id is set aside in the dead set, its key left untouched, with a
+    /// warning in the log, and the claim goes on to the next job.
     #[instrument(level = "debug", skip_all, fields(queue = %self.inner.name, ttl = ?ttl))]
     pub async fn claim(&self, ttl: Duration) -> Result<Option<Claim>> {
         validate_ttl(ttl)?;
@@ -662,6 +698,18 @@ impl Queue {
                     highest: Fence(current),
                 })
             }
+            Err(Refusal::Unissued { current }) => {
+                debug!(
+                    op = name,
+                    id = id.0,
+                    attempts,
+                    current,
+                    "attempt never granted"
+                );
+                Err(Error::LeaseLost {
+                    key: self.job_name(id),
+                })
+            }
             Err(Refusal::NotHeld { state }) => {
                 debug!(
                     op = name,
@@ -681,7 +729,9 @@ impl Queue {
     ///
     /// Refused with [`Error::Stale`] when a newer attempt exists, [`Error::LeaseLost`] when the
     /// attempt's lease ended without a newer claim (reaped back to pending, or already retried
-    /// or failed), and [`Error::UnknownJob`] when no such job exists. Completing the same
+    /// or failed) or when `attempts` is above the job's latest attempt (one never granted, such
+    /// as a claim a failover lost: nothing superseded it, so it is not stale), and
+    /// [`Error::UnknownJob`] when no such job exists. Completing the same
     /// attempt twice succeeds while the job's done marker is kept
     /// ([`QueueBuilder::keep_done`]), so a complete whose reply was lost can be sent again;
     /// with `keep_done` zero, or once the marker has expired, the repeat finds no job
@@ -696,7 +746,8 @@ impl Queue {
 
     /// Gives the job back: pending at once (at its original place) when `delay` is zero,
     /// delayed otherwise, or dead when it has used all its attempts. Returns where it went.
-    /// Refused as [`Queue::complete`] is.
+    /// Refused as [`Queue::complete`] is, and a `delay` above [`MAX_RETRY_DELAY`] with
+    /// [`Error::InvalidDuration`] before any round trip.
     ///
     /// ```
     /// # #[tokio::main] async fn main() -> lock_core::Result<()> {
@@ -725,6 +776,7 @@ impl Queue {
         delay: Duration,
         error: &str,
     ) -> Result<JobState> {
+        validate_retry_delay(delay)?;
         let op = Op::Retry {
             delay_ms: ms(delay),
             error: clip(error),
@@ -756,6 +808,10 @@ impl Queue {
     /// Moves every active job whose deadline has passed on the store's clock back to pending,
     /// keeping its attempts, or to the dead set when it has used all its attempts. Returns what
     /// it moved. Safe to run from many workers at once: each job is moved once.
+    ///
+    /// On Redis / Valkey, an expired job whose key was overwritten with another type is set
+    /// aside in the dead set with its key untouched, logged as a warning and returned with
+    /// `attempts` 0, and the other expired leases are reaped as usual.
     ///
     /// ```
     /// # #[tokio::main] async fn main() -> lock_core::Result<()> {
@@ -831,6 +887,32 @@ impl Claim {
     }
 
     /// The attempt number as a [`Fence`], for resources that refuse older writers.
+    ///
+    /// It counts this job's claims only and starts at 1 for every job, so the check must be
+    /// keyed by the job id as well as the resource: a [`FenceGate`](crate::FenceGate) named
+    /// after the resource alone, having admitted job A's attempt 3, would refuse job B's
+    /// attempt 1. A gate per job leaves one small key per job on the server; where the resource
+    /// is your own store, keeping the (job id, attempts) pair beside the data does the same.
+    ///
+    /// ```
+    /// use lock_core::queue::Queue;
+    /// use lock_core::{Error, Locker};
+    /// use std::time::Duration;
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// let locker = Locker::memory();
+    /// let queue = Queue::memory("invoices")?;
+    /// queue.enqueue(b"invoice 17").await?;
+    /// let first = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// let (id, old) = (first.id(), first.fence());
+    /// first.retry(Duration::ZERO).await?; // as if its lease was lost
+    /// let second = queue.claim(Duration::from_secs(30)).await?.expect("the same job");
+    /// // The gate's resource names the job: fences of different jobs do not compare.
+    /// let gate = locker.fence_gate(&format!("invoices-table/job:{id}"))?;
+    /// gate.admit(second.fence()).await?;
+    /// assert!(matches!(gate.admit(old).await, Err(Error::Stale { .. })));
+    /// second.complete().await?;
+    /// # Ok(()) }
+    /// ```
     pub fn fence(&self) -> Fence {
         Fence(self.attempts)
     }

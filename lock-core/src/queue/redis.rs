@@ -4,6 +4,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use ::redis::{Script, Value};
+use tracing::warn;
 
 use super::{ClaimReply, JobId, JobInfo, JobState, Op, QueueCounts, Reaped, Refusal, Settled};
 use crate::backend::{Backend, ClusterBackend, RedisBackend};
@@ -198,16 +199,35 @@ impl RedisQueue {
             })
             .await?;
         match status("claim", &reply)? {
-            (1, [id, attempts, deadline, payload]) => Ok(ClaimReply::Claimed {
-                id: uint(id).ok_or_else(|| unexpected("claim", &reply))?,
-                attempts: uint(attempts).ok_or_else(|| unexpected("claim", &reply))?,
-                deadline_ms: uint(deadline).ok_or_else(|| unexpected("claim", &reply))?,
-                payload: bytes(payload).unwrap_or_default(),
-            }),
-            (0, [next]) => Ok(ClaimReply::Empty {
-                next_due: uint(next).map(Duration::from_millis),
-            }),
+            (1, [id, attempts, deadline, payload, aside @ ..]) => {
+                self.warn_set_aside(aside);
+                Ok(ClaimReply::Claimed {
+                    id: uint(id).ok_or_else(|| unexpected("claim", &reply))?,
+                    attempts: uint(attempts).ok_or_else(|| unexpected("claim", &reply))?,
+                    deadline_ms: uint(deadline).ok_or_else(|| unexpected("claim", &reply))?,
+                    payload: bytes(payload).unwrap_or_default(),
+                })
+            }
+            (0, [next, aside @ ..]) => {
+                self.warn_set_aside(aside);
+                Ok(ClaimReply::Empty {
+                    next_due: uint(next).map(Duration::from_millis),
+                })
+            }
             _ => Err(unexpected("claim", &reply)),
+        }
+    }
+
+    /// Logs the job keys of a foreign type a claim set aside, as `{key, type}` pairs: the
+    /// claim itself succeeded, so this is the only trace an operator gets of them.
+    fn warn_set_aside(&self, aside: &[Value]) {
+        for pair in aside.chunks(2) {
+            warn!(
+                queue = %self.tag,
+                server_key = pair.first().and_then(text).unwrap_or_default(),
+                found = pair.get(1).and_then(text).unwrap_or_default(),
+                "a job key holds a foreign type: its id was moved to the dead set, the key left untouched"
+            );
         }
     }
 
@@ -267,6 +287,12 @@ impl RedisQueue {
             -4 => Ok(Err(Refusal::NotHeld {
                 state: rest.first().and_then(text).unwrap_or_default(),
             })),
+            -5 => Ok(Err(Refusal::Unissued {
+                current: rest
+                    .first()
+                    .and_then(uint)
+                    .ok_or_else(|| unexpected(name, &reply))?,
+            })),
             _ => Err(unexpected(name, &reply)),
         }
     }
@@ -280,6 +306,21 @@ impl RedisQueue {
         let (_, rest) = status("reap", &reply)?;
         rest.chunks(3)
             .map(|c| match c {
+                // A job key of a foreign type, set aside in the dead set.
+                [id, att, found] if int(att) == Some(-1) => {
+                    let id = uint(id)?;
+                    warn!(
+                        queue = %self.tag,
+                        server_key = format!("{}{id}", self.job_prefix),
+                        found = text(found).unwrap_or_default(),
+                        "a job key holds a foreign type: its expired id was moved to the dead set, the key left untouched"
+                    );
+                    Some(Reaped {
+                        id: JobId(id),
+                        attempts: 0,
+                        to: JobState::Dead,
+                    })
+                }
                 [id, att, to] => Some(Reaped {
                     id: JobId(uint(id)?),
                     attempts: uint(att)?,

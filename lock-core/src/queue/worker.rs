@@ -13,7 +13,7 @@ use tokio::time::{Instant, sleep, sleep_until};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::{JobId, JobState, Queue};
+use super::{JobId, JobState, MAX_RETRY_DELAY, Queue};
 use crate::error::{Error, Result};
 use crate::types::{Fence, drift, validate_ttl, warn_ahead};
 
@@ -38,7 +38,11 @@ impl Job {
         self.attempts
     }
 
-    /// The attempt number as a [`Fence`]: pass it to resources that refuse older writers.
+    /// The attempt number as a [`Fence`], for resources that refuse older writers. It counts
+    /// this job's claims only and starts at 1 for every job, so a resource checking it must
+    /// key its check by the job id too (a [`FenceGate`](crate::FenceGate) named after the
+    /// resource *and* the job): one keyed by the resource alone would refuse job B's attempt 1
+    /// after admitting job A's attempt 3. See [`Claim::fence`](super::Claim::fence).
     pub fn fence(&self) -> Fence {
         Fence(self.attempts)
     }
@@ -235,7 +239,7 @@ impl Worker {
         self
     }
 
-    /// The first retry delay and the cap the doubling stops at.
+    /// The first retry delay and the cap the doubling stops at (at most [`MAX_RETRY_DELAY`]).
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
         self.backoff = first;
         self.max_backoff = max;
@@ -253,7 +257,7 @@ impl Worker {
 
     /// Starts claiming and running jobs on the current runtime. Fails at once with
     /// [`Error::InvalidTtl`] if the lease is out of range, or [`Error::InvalidDuration`] if the
-    /// reap interval is zero.
+    /// reap interval is zero or the backoff cap is above [`MAX_RETRY_DELAY`].
     pub fn start<F, Fut>(self, handler: F) -> Result<WorkerHandle>
     where
         F: Fn(Job) -> Fut + Send + Sync + 'static,
@@ -265,6 +269,15 @@ impl Worker {
                 what: "reap interval",
                 value: self.reap_every,
                 reason: "the reap interval must be above zero",
+            });
+        }
+        // Refused here rather than at the first retry, which would fail every retry for good
+        // and leave each failed job to the reaper, to run again without backoff.
+        if self.max_backoff > MAX_RETRY_DELAY {
+            return Err(Error::InvalidDuration {
+                what: "max backoff",
+                value: self.max_backoff,
+                reason: "above MAX_RETRY_DELAY (a year)",
             });
         }
         let stop = CancellationToken::new();
