@@ -353,7 +353,10 @@ async fn validity_counts_from_the_winning_attempt(h: Harness) {
         .expect("the waiter gets the key once the holder's lease expires");
     let remaining = waiter.remaining();
     let waited = started.elapsed();
-    assert!(waited >= Duration::from_millis(700), "waited only {waited:?}");
+    assert!(
+        waited >= Duration::from_millis(700),
+        "waited only {waited:?}"
+    );
     assert!(remaining <= ttl, "remaining {remaining:?} over the TTL");
     // 2 s less the drift allowance (53 ms) less one attempt's round trip and scheduling; the
     // wait (about a second) must not be charged.

@@ -669,6 +669,11 @@ async fn bad_input(h: Harness) {
         Queue::builder("q").prefix("p}x").memory(),
         Err(Error::InvalidKey { .. })
     ));
+    // Prefix `a:b` with queue `c` would be queue `b:c` under prefix `a`.
+    assert!(matches!(
+        Queue::builder("c").prefix("a:b").memory(),
+        Err(Error::InvalidKey { .. })
+    ));
     let q = h.open(Queue::builder("bad")).await;
     assert!(matches!(
         q.claim(Duration::ZERO).await,

@@ -51,11 +51,7 @@ async fn fence_ahead_of_the_clock_rises_by_one(flavor: Flavor) {
     let server = Server::start(flavor);
     let locker = Locker::redis(&server.url()).await.expect("connect");
     let k = locker.lock_key("ahead").expect("key");
-    for stored in [
-        (1u64 << 53) + 1,
-        9_999_999_999_999_999_999,
-        u64::MAX - 2,
-    ] {
+    for stored in [(1u64 << 53) + 1, 9_999_999_999_999_999_999, u64::MAX - 2] {
         let _: () = server.cmd(&["SET", k.fence_key(), &stored.to_string()]);
         let mut last = stored;
         for _ in 0..2 {

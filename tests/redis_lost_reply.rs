@@ -303,7 +303,10 @@ async fn a_cancelled_extend_shortens_the_lease(flavor: Flavor) {
         lease.extend(Duration::from_millis(3_000)),
     )
     .await;
-    assert!(gave_up.is_err(), "the extend answered in 50 ms: {gave_up:?}");
+    assert!(
+        gave_up.is_err(),
+        "the extend answered in 50 ms: {gave_up:?}"
+    );
     proxy.delay_replies(Duration::ZERO);
     let k = locker.lock_key("cut-short").expect("key");
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -314,7 +317,10 @@ async fn a_cancelled_extend_shortens_the_lease(flavor: Flavor) {
         }
         sleep(Duration::from_millis(5)).await;
     };
-    assert!(pttl > 0 && pttl <= 3_000, "the extend never ran: PTTL {pttl}");
+    assert!(
+        pttl > 0 && pttl <= 3_000,
+        "the extend never ran: PTTL {pttl}"
+    );
     assert!(
         lease.remaining() <= Duration::from_millis(pttl as u64),
         "remaining {:?} while the server expires the key in {pttl} ms",

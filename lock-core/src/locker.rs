@@ -14,7 +14,9 @@ use crate::error::{Error, Result};
 use crate::lease::{Lease, LeaseInfo};
 use crate::renew::{self, Cmd, Inbox, LeaseState};
 use crate::turnstile::Turnstiles;
-use crate::types::{Fence, LockKey, Token, drift, validate_key, validate_ttl, warn_ahead};
+use crate::types::{
+    Fence, LockKey, Token, drift, validate_key, validate_scope, validate_ttl, warn_ahead,
+};
 
 /// How one acquisition behaves. The defaults follow the common convention: a 30 s lease renewed
 /// automatically, and [`Locker::acquire`] waiting up to 10 s.
@@ -198,18 +200,6 @@ impl<B: Backend + Clone> Clone for Locker<B> {
 
 /// The key prefix used unless [`Locker::with_prefix`] says otherwise.
 pub const DEFAULT_PREFIX: &str = "leasehold";
-
-/// A prefix or namespace: the rules of a key, and no `:`, which ends it inside the hash tag
-/// (`{prefix:key}`), so that no other prefix and key can spell the same names.
-fn validate_scope(scope: &str) -> Result<()> {
-    validate_key(scope)?;
-    if scope.contains(':') {
-        return Err(Error::InvalidKey {
-            reason: "a prefix or namespace contains `:`, which separates it from the key",
-        });
-    }
-    Ok(())
-}
 
 impl Locker<AnyBackend> {
     /// A locker on a fresh in-memory backend.

@@ -126,6 +126,18 @@ pub(crate) fn validate_key(key: &str) -> Result<()> {
     Ok(())
 }
 
+/// A prefix or namespace: the rules of a key, and no `:`, which ends it inside the hash tag
+/// (`{prefix:key}`), so that no other prefix and key can spell the same names.
+pub(crate) fn validate_scope(scope: &str) -> Result<()> {
+    validate_key(scope)?;
+    if scope.contains(':') {
+        return Err(Error::InvalidKey {
+            reason: "a prefix or namespace contains `:`, which separates it from the key",
+        });
+    }
+    Ok(())
+}
+
 /// What a wait of `Duration::MAX` ("as long as it takes") comes to: about thirty years, as
 /// tokio's own timers make of it. Also how far ahead the renewal driver's "no timer" is, for
 /// senders comparing their due time with the driver's.

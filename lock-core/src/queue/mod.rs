@@ -75,7 +75,7 @@ use tracing::{debug, instrument};
 use crate::backend::{ClusterBackend, RedisBackend};
 use crate::error::{Error, Result};
 use crate::locker::DEFAULT_PREFIX;
-use crate::types::{Fence, drift, validate_key, validate_ttl};
+use crate::types::{Fence, drift, validate_key, validate_scope, validate_ttl};
 use crate::wake::Watch;
 
 pub use worker::{Job, JobError, Worker, WorkerHandle, WorkerReport};
@@ -239,6 +239,8 @@ pub struct QueueBuilder {
 
 impl QueueBuilder {
     /// The key prefix (default [`DEFAULT_PREFIX`]); server keys become `{prefix:queue}:...`.
+    /// The rules of a key, and no `:` (prefix `a:b` and queue `c` would name the queue `b:c`
+    /// under prefix `a`), else [`Error::InvalidKey`](crate::Error::InvalidKey) from `build`.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -263,7 +265,7 @@ impl QueueBuilder {
 
     fn check(&self) -> Result<()> {
         validate_key(&self.name)?;
-        validate_key(&self.prefix)?;
+        validate_scope(&self.prefix)?;
         // The server would refuse the marker's expiry only after the job was deleted.
         if self.keep_done > MAX_KEEP_DONE {
             return Err(Error::InvalidDuration {
