@@ -9,6 +9,7 @@ use syn::spanned::Spanned;
 use syn::{Expr, ExprLit, ItemFn, Lit, LitStr, Path, ReturnType, Type};
 
 mod duration;
+mod ttl_bounds;
 
 /// The arguments `#[locked]` accepts, for error messages.
 const ACCEPTED: &str = "key, ttl, wait, renew, locker, crate";
@@ -86,11 +87,10 @@ fn parse_args(args: TokenStream2) -> syn::Result<Args> {
                     }) => {
                         let d = duration::parse(&s.value())
                             .map_err(|why| syn::Error::new(s.span(), why))?;
-                        if name == "ttl" && d.is_zero() {
-                            return Err(syn::Error::new(
-                                s.span(),
-                                "`ttl` must be greater than zero: a zero lease expires before it is granted",
-                            ));
+                        // Only `ttl`: lock-core accepts any `wait`, up to `Duration::MAX`
+                        // (wait as long as it takes).
+                        if name == "ttl" {
+                            check_ttl(d).map_err(|why| syn::Error::new(s.span(), why))?;
                         }
                         Dur::Parsed(d, s.span())
                     }
@@ -136,6 +136,30 @@ fn parse_args(args: TokenStream2) -> syn::Result<Args> {
     });
     syn::parse::Parser::parse2(parser, args)?;
     Ok(out)
+}
+
+/// Refuses a `ttl` literal that lock-core would refuse with `InvalidTtl` on every call.
+fn check_ttl(ttl: std::time::Duration) -> Result<(), String> {
+    use ttl_bounds::{MAX_TTL, MIN_TTL};
+    let range = || {
+        format!(
+            "the allowed range is {} to {}",
+            duration::format(MIN_TTL),
+            duration::format(MAX_TTL)
+        )
+    };
+    if ttl.is_zero() {
+        Err("`ttl` must be greater than zero: a zero lease expires before it is granted".to_owned())
+    } else if ttl < MIN_TTL {
+        Err(format!("`ttl` is below MIN_TTL: {}", range()))
+    } else if ttl > MAX_TTL {
+        Err(format!(
+            "`ttl` is above MAX_TTL: {}; for longer work keep a shorter lease renewed",
+            range()
+        ))
+    } else {
+        Ok(())
+    }
 }
 
 /// Whether `ty` mentions `impl Trait`, which cannot be named in a `let` or a turbofish.

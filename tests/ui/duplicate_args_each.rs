@@ -25,4 +25,10 @@ async fn two_crates() -> Result<(), Error> {
     Ok(())
 }
 
-fn main() {}
+fn main() {
+    let _ = two_keys();
+    let _ = two_waits();
+    let _ = two_renews();
+    let _ = two_lockers(&Locker::memory());
+    let _ = two_crates();
+}

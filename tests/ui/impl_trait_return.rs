@@ -1,8 +1,12 @@
+use std::fmt::Debug;
+
 use leasehold::locked;
 
 #[locked(key = "job")]
-async fn run() -> impl std::fmt::Debug {
+async fn run() -> impl Debug {
     42
 }
 
-fn main() {}
+fn main() {
+    let _ = run();
+}

@@ -1,6 +1,10 @@
-use leasehold::locked;
+use leasehold::{current_fence, locked};
 
 #[locked(key = "job")]
-async fn run() {}
+async fn run() {
+    let _ = current_fence();
+}
 
-fn main() {}
+fn main() {
+    let _ = run();
+}

@@ -1,6 +1,8 @@
-use leasehold::locked;
+use leasehold::{Fence, locked};
 
 #[locked(key = "job")]
-struct Job;
+struct Job(Fence);
 
-fn main() {}
+fn main() {
+    let _ = Job;
+}

@@ -6,6 +6,5 @@ fn run() -> Result<(), Error> {
 }
 
 fn main() {
-    // The original item is still emitted, so callers of `run` type-check.
     let _ = run();
 }

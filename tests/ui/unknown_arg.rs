@@ -5,4 +5,6 @@ async fn run() -> Result<(), Error> {
     Ok(())
 }
 
-fn main() {}
+fn main() {
+    let _ = run();
+}

@@ -1,0 +1,13 @@
+//! The TTL bounds lock-core enforces at run time, mirrored here so that a `ttl` literal outside
+//! them is a compile error rather than an `InvalidTtl` on every call. They are copied because
+//! depending on lock-core from this proc-macro would build it, with tokio and redis, a second time
+//! for the host, only to read two constants. `tests/locked_bounds.rs` includes this file and
+//! asserts that they equal `leasehold::MIN_TTL` and `leasehold::MAX_TTL`; it must stay free of
+//! other items for that.
+
+use std::time::Duration;
+
+/// `lock_core::MIN_TTL`, from `lock-core/src/types.rs`.
+pub(crate) const MIN_TTL: Duration = Duration::from_millis(10);
+/// `lock_core::MAX_TTL`, from `lock-core/src/types.rs`.
+pub(crate) const MAX_TTL: Duration = Duration::from_secs(24 * 60 * 60);
