@@ -140,13 +140,16 @@ impl<B: Backend + Clone> Lease<B> {
             });
         }
         // From the moment it is sent, the extend may land and set the server's expiry to `ttl`,
-        // whether or not an answer comes back to us: a failed call (a dropped connection, part
-        // of a cluster or quorum timing out) or a caller that gives up waiting (a timeout
-        // around this future) must not leave `remaining()` at a longer expiry than the
-        // server's. So a shorter TTL shortens the local deadline now; a longer one counts only
-        // once it is answered.
-        self.state
-            .maybe_extended(Instant::now() + ttl - drift(ttl), warn_ahead(ttl));
+        // whether or not an answer comes back to us: a shorter TTL shortens the local deadline
+        // now, and until the extend is answered, its failure or a caller that gives up waiting
+        // (a timeout around this future) counts it as maybe landed (see `MaybeExtended`).
+        let deadline = Instant::now() + ttl - drift(ttl);
+        self.state.extending(deadline, warn_ahead(ttl));
+        let mut unanswered = MaybeExtended {
+            state: &self.state,
+            deadline,
+            ttl,
+        };
         // Taken after the line above marked the extend as sent, so that its answer counts as
         // an extend's and not as a reply overtaken by one.
         let start = Instant::now();
@@ -155,6 +158,7 @@ impl<B: Backend + Clone> Lease<B> {
             .backend
             .extend(&[(self.key.clone(), self.token.clone())], ttl)
             .await?;
+        unanswered.ttl = Duration::ZERO;
         if held.first().copied().unwrap_or(false) {
             if !self
                 .state
@@ -235,6 +239,26 @@ impl<B: Backend + Clone> Lease<B> {
     fn vacate_turn(&self) {
         if let Some(turn) = &self.turn {
             turn.vacate(&self.state);
+        }
+    }
+}
+
+/// An explicit extend sent and not answered yet. Dropped so (the call failed, or its caller's
+/// future was dropped), the extend may still have landed: the deadline may only shorten to its
+/// expiry, and a renewal sent meanwhile, which may have run before it on the server (another
+/// connection, a quorum member, a resent call), may no longer lengthen it.
+struct MaybeExtended<'a> {
+    state: &'a LeaseState,
+    deadline: Instant,
+    /// The extend's TTL; zero once it was answered.
+    ttl: Duration,
+}
+
+impl Drop for MaybeExtended<'_> {
+    fn drop(&mut self) {
+        if !self.ttl.is_zero() {
+            self.state
+                .maybe_extended(self.deadline, warn_ahead(self.ttl));
         }
     }
 }

@@ -138,18 +138,32 @@ impl LeaseState {
         true
     }
 
-    /// An explicit extend that may land (sent, its outcome not known yet or never): it may set
-    /// the server's expiry to `deadline`, so the local deadline may only shorten to it. One
-    /// that would lengthen it changes nothing: replies of renewals sent before it carry
-    /// deadlines no later than the server's expiry, whichever ran last.
+    /// An explicit extend about to be sent: from then on it may land and set the server's expiry
+    /// to `deadline`, whether or not its answer ever comes back, so the local deadline may only
+    /// shorten to it now. One that would lengthen it changes nothing yet.
+    pub(crate) fn extending(&self, deadline: Instant, ahead: Duration) {
+        self.shorten(deadline, ahead, false);
+    }
+
+    /// An explicit extend whose outcome is unknown (an error, or its caller gone before the
+    /// answer): it may have set the server's expiry to `deadline`, so the local deadline may
+    /// only shorten to it, and replies of renewals sent before now may have run before it on
+    /// the server, so, as after an extend that answered, they may only shorten.
     pub(crate) fn maybe_extended(&self, deadline: Instant, ahead: Duration) {
+        self.shorten(deadline, ahead, true);
+    }
+
+    /// Shortens the deadline to `deadline` if that is earlier, marking later replies of
+    /// renewals sent before now as overtaken when it does, or always with `mark`.
+    fn shorten(&self, deadline: Instant, ahead: Duration, mark: bool) {
         let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
-        if deadline >= t.deadline {
+        let earlier = deadline < t.deadline;
+        if mark || earlier {
+            t.extended_at = Some(Instant::now());
+        }
+        if !earlier {
             return;
         }
-        // Replies of renewals sent before now may have run before it on the server, so, as
-        // after an extend that answered, they may only shorten.
-        t.extended_at = Some(Instant::now());
         t.set(deadline, ahead);
         drop(t);
         // A `lost()` asleep until the old alarm must wake for the earlier one.
@@ -738,6 +752,44 @@ mod tests {
             "an earlier renewal's reply moved the deadline to {:?}",
             s.remaining()
         );
+    }
+
+    /// A shorter extend is sent (the deadline shortens at once); a renewal sent while it is out
+    /// is answered first and lengthens the deadline again (it may also have run last); then the
+    /// extend goes unanswered (an error, or its caller gone): it may have run last on the
+    /// server, so the deadline must come back down to it.
+    #[test]
+    fn an_unanswered_extend_undoes_renewals_sent_while_it_was_out() {
+        let t0 = Instant::now();
+        let s = LeaseState::new(t0 + Duration::from_secs(30), AHEAD);
+        let short = Instant::now() + Duration::from_secs(3);
+        s.extending(short, AHEAD);
+        assert!(s.remaining() <= Duration::from_secs(3));
+        std::thread::sleep(Duration::from_millis(2));
+        let renewal_sent = Instant::now();
+        assert!(s.renewed(renewal_sent, renewal_sent + Duration::from_secs(30), AHEAD));
+        s.maybe_extended(short, AHEAD);
+        assert!(
+            s.remaining() <= Duration::from_secs(3),
+            "remaining {:?} after an unanswered extend to 3 s",
+            s.remaining()
+        );
+        // And a reply of that renewal's kind, sent before the extend was given up, may only
+        // shorten from now on.
+        assert!(s.renewed(renewal_sent, renewal_sent + Duration::from_secs(30), AHEAD));
+        assert!(s.remaining() <= Duration::from_secs(3));
+    }
+
+    /// A longer extend about to be sent changes nothing until it is answered.
+    #[test]
+    fn a_longer_extend_counts_only_once_answered() {
+        let t0 = Instant::now();
+        let s = LeaseState::new(t0 + Duration::from_secs(3), AHEAD);
+        s.extending(t0 + Duration::from_secs(30), AHEAD);
+        assert_eq!(deadline(&s), t0 + Duration::from_secs(3));
+        let sent = Instant::now();
+        assert!(s.extended(sent, sent + Duration::from_secs(30), AHEAD));
+        assert_eq!(deadline(&s), sent + Duration::from_secs(30));
     }
 
     #[test]
