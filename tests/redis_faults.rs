@@ -67,6 +67,16 @@ async fn fence_ahead_of_the_clock_rises_by_one(flavor: Flavor) {
         let kept: String = server.cmd(&["GET", k.fence_key()]);
         assert_eq!(kept, last.to_string());
     }
+    // At 2^64 - 1 no higher fence exists: the acquire is refused, the lock taken back and the
+    // stored fence kept, rather than a grant with a fence no client can read holding the key.
+    let refused = locker.try_acquire("ahead", &opts(30_000)).await;
+    assert!(
+        matches!(&refused, Err(e) if !matches!(e, Error::Busy { .. })),
+        "an acquire past the largest fence: {refused:?}"
+    );
+    assert_eq!(server.cmd::<i64>(&["EXISTS", k.lock_key()]), 0);
+    let kept: String = server.cmd(&["GET", k.fence_key()]);
+    assert_eq!(kept, u64::MAX.to_string());
 }
 
 async fn acquire_retrying(locker: &Locker, key: &str) -> leasehold::Lease {

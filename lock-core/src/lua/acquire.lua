@@ -28,6 +28,12 @@ local function plus_one(d)
   return string.sub(d, 1, i - 1) .. string.char(string.byte(d, i) + 1) .. string.rep('0', #d - i)
 end
 
+-- The largest fence (2^64 - 1): one stored at or above it cannot rise any more.
+local MAX_FENCE = '18446744073709551615'
+local function exhausted(d)
+  return #d > #MAX_FENCE or (#d == #MAX_FENCE and d >= MAX_FENCE)
+end
+
 local out = {}
 -- Read before anything is written: a TIME the ACL user may not run refuses every item with
 -- nothing changed.
@@ -59,11 +65,19 @@ for i = 1, #KEYS / 2 do
       -- a canonical decimal counts as no fence stored.
       if stored and (#stored > #now_text or (#stored == #now_text and stored >= now_text))
           and string.match(stored, '^[1-9]%d*$') then
-        -- The stored fence is ahead of the clock (a clock stepped back, or grants within one
-        -- microsecond): it still rises by one.
-        value = plus_one(stored)
-        local set = redis.pcall('SET', fence_key, value)
-        if set.err then status, value = -3, set.err end
+        if exhausted(stored) then
+          -- No higher fence exists: refuse, taking the lock back, rather than grant a fence no
+          -- client can read (and leave the key held by a grant nobody has).
+          redis.pcall('SET', fence_key, stored)
+          redis.pcall('DEL', lock)
+          status, value = -3, 'ERR fence exhausted: the stored fence is 2^64 - 1 or more'
+        else
+          -- The stored fence is ahead of the clock (a clock stepped back, or grants within one
+          -- microsecond): it still rises by one.
+          value = plus_one(stored)
+          local set = redis.pcall('SET', fence_key, value)
+          if set.err then status, value = -3, set.err end
+        end
       end
     end
   elseif type(current) == 'table' then
@@ -76,7 +90,9 @@ for i = 1, #KEYS / 2 do
     else
       local renewed = redis.pcall('PEXPIRE', lock, ttl)
       status, value = 1, 0
-      if stored and string.match(stored, '^[1-9]%d*$') then value = stored end
+      if stored and string.match(stored, '^[1-9]%d*$') and not exhausted(stored) then
+        value = stored
+      end
       if type(renewed) == 'table' then status, value = -3, renewed.err end
     end
   else
