@@ -147,7 +147,9 @@ impl KeyExtractor {
     ///
     /// A string that is empty or only whitespace counts as absent (as an empty header does), so
     /// malformed events do not all share one key. A number is used as its decimal text, so `7`
-    /// and `"7"` are one key (as a route parameter `7` and a body field `7` name one account).
+    /// and `"7"` are one key (as a route parameter `7` and a body field `7` name one account);
+    /// only whole numbers within 64 bits are keys (`7.5` or `1e30` are invalid, 400), since
+    /// others are rounded when parsed and distinct ids could share a key.
     /// Keys longer than [`MAX_IDEMPOTENCY_KEY_LEN`] bytes are invalid (400).
     pub fn json_field(pointer: &str) -> KeyExtractor {
         KeyExtractor {
@@ -228,7 +230,15 @@ impl KeyExtractor {
                     .map_err(|e| missing(format!("the body is not JSON: {e}")))?;
                 let key = match value.pointer(pointer) {
                     Some(serde_json::Value::String(s)) => s.clone(),
-                    Some(serde_json::Value::Number(n)) => n.to_string(),
+                    // A whole number within 64 bits, exactly; any other number was rounded to
+                    // a double when parsed, and distinct ids could then share one key.
+                    Some(serde_json::Value::Number(n)) if n.is_u64() || n.is_i64() => n.to_string(),
+                    Some(serde_json::Value::Number(_)) => {
+                        return Err(invalid(format!(
+                            "the body field `{pointer}` is a number that is not a whole number \
+                             within 64 bits"
+                        )));
+                    }
                     Some(_) => {
                         return Err(invalid(format!(
                             "the body field `{pointer}` is neither a string nor a number"

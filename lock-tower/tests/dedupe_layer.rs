@@ -1989,6 +1989,22 @@ async fn json_ids_empty_long_or_numeric(h: Harness) {
     let r = event("/hooks/stripe", r#"{"id":"7"}"#.to_owned()).await;
     assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.text());
     assert_eq!(runs.load(Ordering::SeqCst), 4);
+
+    // Numbers that are not whole 64-bit ones were rounded when parsed: two distinct ids above
+    // 2^64 would share a key, so they are refused.
+    for id in [
+        "7.5",
+        "1e30",
+        "18446744073709551616",
+        "-9223372036854775809",
+    ] {
+        let r = event("/hooks/stripe", format!(r#"{{"id":{id}}}"#)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "id {id}: {}", r.text());
+        assert!(r.text().contains("invalid-key"), "{}", r.text());
+    }
+    let r = event("/hooks/stripe", format!(r#"{{"id":{}}}"#, u64::MAX)).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 5);
 }
 
 /// A route for every method whose handler counts its runs and answers `run N`.
