@@ -217,8 +217,10 @@ async fn extend_after_expiry(h: Harness) {
 /// holder may already have stopped on `lost()`.
 async fn extend_does_not_revive_a_lost_lease(h: Harness) {
     let locker = h.locker().await;
-    // A long TTL for a wide drift allowance (2.5% + 3 ms: 78 ms) between the alarm and the
-    // server's expiry, the window this extend must land in.
+    // A long TTL for a wide window between the alarm and the server's expiry (the alarm is
+    // 2.5% + 3 ms before the local deadline, itself 1% + 2 ms before the expiry: 110 ms), the
+    // window this extend must land in to test anything (a poll that oversleeps it finds the
+    // key expired, and the old code refused too).
     let a = locker
         .try_acquire("revive", &opts(3_000).renew(false))
         .await
@@ -358,8 +360,8 @@ async fn validity_counts_from_the_winning_attempt(h: Harness) {
         "waited only {waited:?}"
     );
     assert!(remaining <= ttl, "remaining {remaining:?} over the TTL");
-    // 2 s less the drift allowance (53 ms) less one attempt's round trip and scheduling; the
-    // wait (about a second) must not be charged.
+    // 2 s less the drift allowance (1% + 2 ms: 22 ms) less one attempt's round trip and
+    // scheduling; the wait (about a second) must not be charged.
     assert!(
         remaining > Duration::from_millis(1_700),
         "remaining {remaining:?} after waiting {waited:?}: the wait was charged to the lease"

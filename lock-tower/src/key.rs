@@ -134,7 +134,10 @@ impl KeyExtractor {
     /// hooks must not dedupe each other, and hooks on one path told apart by a query parameter
     /// (`/hooks/github?hook=ci`) are two hooks. The query is part of the scope because it is
     /// part of the request fingerprint: were it left out, the second hook would share the first
-    /// one's key without ever matching its fingerprint, and get a 422.
+    /// one's key without ever matching its fingerprint, and get a 422. Under a `DedupeLayer` the
+    /// key is hashed before it is stored; under a `LockLayer` it is the lock's name as it is, so
+    /// a secret in the hook URL's query (`?token=...`) would appear in server keys and traces:
+    /// keep secrets in headers.
     pub fn github_delivery() -> KeyExtractor {
         KeyExtractor {
             source: Source::GithubDelivery,
