@@ -111,9 +111,11 @@ impl<B: Backend + Clone> Lease<B> {
     }
 
     /// Resets the lease's TTL to `ttl` if this holder still holds it; later automatic renewals
-    /// use the new TTL. A shorter TTL shortens the lease: [`remaining`](Self::remaining) and
-    /// [`lost`](Self::lost) follow the new expiry. Returns [`Error::LeaseLost`] (and marks the
-    /// lease lost) if this holder no longer holds it.
+    /// use the new TTL. A shorter TTL shortens the lease from the moment the extend is sent
+    /// ([`remaining`](Self::remaining) and [`lost`](Self::lost) follow the new expiry), also
+    /// when the call fails or its caller stops waiting, since it may have landed; a longer one
+    /// counts once answered. Returns [`Error::LeaseLost`] (and marks the lease lost) if this
+    /// holder no longer holds it, or if the lease was already lost: loss is final.
     ///
     /// ```
     /// # #[tokio::main] async fn main() -> lock_core::Result<()> {
