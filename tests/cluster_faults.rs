@@ -7,7 +7,7 @@ mod support;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use leasehold::{Fence, LockOptions, Locker};
+use leasehold::{AnyBackend, Fence, LockOptions, Locker};
 use support::{Cluster, Flavor};
 use tokio::time::{Instant, sleep};
 
@@ -234,6 +234,243 @@ async fn waiter_woken_after_resubscribe(flavor: Flavor) {
         waited < Duration::from_secs(5),
         "woken by its timer, not by the resubscription: {waited:?}"
     );
+}
+
+/// Connections cut while requests are in flight (every client connection of every node killed
+/// every few milliseconds): a request whose reply was lost is an error, never sent again after
+/// the server may have run it. Without that, the client resent such requests: a release
+/// answered `NotHeld` for the lease it had freed, an enqueue stored its job twice.
+async fn nothing_runs_twice_when_connections_drop(flavor: Flavor) {
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use leasehold::Release;
+    use leasehold::queue::Queue;
+
+    let cluster = Cluster::start(flavor, 3, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = Locker::redis_cluster(&urls).await.expect("connect");
+    let AnyBackend::Cluster(backend) = locker.backend().clone() else {
+        unreachable!("a cluster locker")
+    };
+    let queue = Queue::builder("twice").on_cluster(backend).expect("queue");
+
+    let cutting = Arc::new(AtomicBool::new(true));
+    let cutter = {
+        let cutting = cutting.clone();
+        let nodes: Vec<String> = cluster.urls();
+        std::thread::spawn(move || {
+            let mut conns: Vec<redis::Connection> = nodes
+                .iter()
+                .map(|u| {
+                    redis::Client::open(u.as_str())
+                        .and_then(|c| c.get_connection())
+                        .expect("admin connection")
+                })
+                .collect();
+            let mut cuts = 0u64;
+            while cutting.load(Ordering::Relaxed) {
+                for c in &mut conns {
+                    let killed: i64 = redis::cmd("CLIENT")
+                        .arg(&["KILL", "TYPE", "normal", "SKIPME", "yes"])
+                        .query(c)
+                        .expect("CLIENT KILL");
+                    cuts += killed as u64;
+                }
+                std::thread::sleep(Duration::from_millis(3));
+            }
+            cuts
+        })
+    };
+
+    let stop_at = Instant::now() + Duration::from_secs(5);
+    let mut tasks = Vec::new();
+    for t in 0..6usize {
+        let (locker, queue) = (locker.clone(), queue.clone());
+        tasks.push(tokio::spawn(async move {
+            // (enqueued payloads with their outcome, lock cycles, releases answered NotHeld,
+            // errors)
+            let mut enqueued: Vec<(String, bool)> = Vec::new();
+            let (mut cycles, mut not_held, mut errors) = (0u64, 0u64, 0u64);
+            let opts = LockOptions::new().ttl(Duration::from_secs(30)).renew(false);
+            let mut i = 0u64;
+            while Instant::now() < stop_at {
+                i += 1;
+                let payload = format!("{t}-{i}");
+                let stored = queue.enqueue(&payload).await;
+                errors += u64::from(stored.is_err());
+                enqueued.push((payload, stored.is_ok()));
+                // Each task's own keys, held for 30 s: nobody else can take one, so a release
+                // may answer NotHeld only if its script ran twice.
+                match locker.try_acquire(&format!("t{t}-k{i}"), &opts).await {
+                    Ok(lease) => match lease.release().await {
+                        Ok(Release::Released) => cycles += 1,
+                        Ok(Release::NotHeld) => not_held += 1,
+                        Err(e) if e.is_transient() => errors += 1,
+                        Err(e) => panic!("unexpected release error: {e}"),
+                    },
+                    Err(e) if e.is_transient() => errors += 1,
+                    Err(e) => panic!("unexpected acquire error: {e}"),
+                }
+            }
+            (enqueued, cycles, not_held, errors)
+        }));
+    }
+    let (mut enqueued, mut cycles, mut not_held, mut errors) = (Vec::new(), 0, 0, 0);
+    for t in tasks {
+        let (e, c, n, r) = t.await.expect("load task");
+        enqueued.extend(e);
+        cycles += c;
+        not_held += n;
+        errors += r;
+    }
+    cutting.store(false, Ordering::Relaxed);
+    let cuts = cutter.join().expect("cutter thread");
+
+    // Every stored job, drained on a new connection (the old one may still hold connections
+    // cut at the last moment, whose next request fails).
+    let queue = Queue::builder("twice")
+        .cluster(&urls)
+        .await
+        .expect("a new connection");
+    let mut stored: HashMap<String, usize> = HashMap::new();
+    while let Some(job) = queue
+        .claim(Duration::from_secs(30))
+        .await
+        .expect("claim after the cuts")
+    {
+        let payload = String::from_utf8(job.payload().to_vec()).expect("utf-8 payload");
+        *stored.entry(payload).or_default() += 1;
+        job.complete().await.expect("complete after the cuts");
+    }
+    let twice: Vec<(&String, &usize)> = stored.iter().filter(|(_, n)| **n > 1).collect();
+    let missing: Vec<&String> = enqueued
+        .iter()
+        .filter(|(p, ok)| *ok && !stored.contains_key(p))
+        .map(|(p, _)| p)
+        .collect();
+    println!(
+        "{flavor:?}: {} enqueues, {} lock cycles, {errors} errors, {cuts} connections cut, {} jobs stored",
+        enqueued.len(),
+        cycles,
+        stored.len()
+    );
+    assert!(
+        cuts > 100 && errors > 0,
+        "the connections were cut under load ({cuts} cuts, {errors} errors)"
+    );
+    assert!(twice.is_empty(), "jobs stored more than once: {twice:?}");
+    assert!(
+        missing.is_empty(),
+        "enqueues answered Ok but not stored: {missing:?}"
+    );
+    assert_eq!(
+        not_held, 0,
+        "releases answered NotHeld for leases they held"
+    );
+    assert!(cycles > 100, "too few lock cycles to tell: {cycles}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_nothing_runs_twice_when_connections_drop() {
+    nothing_runs_twice_when_connections_drop(Flavor::Redis).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_nothing_runs_twice_when_connections_drop() {
+    nothing_runs_twice_when_connections_drop(Flavor::Valkey).await
+}
+
+/// A slot moved to another master while a locker's slot map still names the old one: the old
+/// master answers `ASK` while the slot migrates and `MOVED` once it has moved, neither having
+/// run the script, and the connection sends the acquire again until the new master grants it.
+/// The fence key moves with the slot, so the fence keeps rising.
+async fn acquire_follows_a_moving_slot(flavor: Flavor) {
+    let cluster = Cluster::start(flavor, 3, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = Locker::redis_cluster(&urls).await.expect("connect");
+    let opts = LockOptions::new().ttl(Duration::from_secs(10)).renew(false);
+    let first = locker.try_acquire("moving", &opts).await.expect("first");
+    let first_fence = first.fence();
+    first.release().await.expect("release");
+
+    let key = locker.lock_key("moving").expect("key");
+    let slot: i64 = cluster.nodes[0].cmd(&["CLUSTER", "KEYSLOT", key.lock_key()]);
+    let slot = slot.to_string();
+    let owns = |n: &support::Server| {
+        let count: i64 = n.cmd(&["CLUSTER", "COUNTKEYSINSLOT", &slot]);
+        // Only the owner holds the slot's keys; the fence key is one of them.
+        count > 0
+    };
+    let src = cluster
+        .nodes
+        .iter()
+        .position(owns)
+        .expect("the slot's owner");
+    let dst = (src + 1) % cluster.nodes.len();
+    let id = |i: usize| cluster.nodes[i].cmd::<String>(&["CLUSTER", "MYID"]);
+    let (src_id, dst_id) = (id(src), id(dst));
+    let _: () = cluster.nodes[dst].cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id]);
+    let _: () = cluster.nodes[src].cmd(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &dst_id]);
+    let keys: Vec<String> = cluster.nodes[src].cmd(&["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
+    assert!(!keys.is_empty(), "the fence key sits in the slot");
+    let port = cluster.nodes[dst].port.to_string();
+    let mut migrate = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+    migrate.extend(keys.iter().map(String::as_str));
+    let _: String = cluster.nodes[src].cmd(&migrate);
+
+    // Mid-move: the old owner answers ASK (the keys are gone from it) until the move ends.
+    let mid_move = tokio::spawn({
+        let (locker, opts) = (locker.clone(), opts.clone());
+        async move { locker.try_acquire("moving", &opts).await }
+    });
+    sleep(Duration::from_millis(300)).await;
+    if mid_move.is_finished() {
+        let answer = mid_move.await.expect("task").map(|lease| lease.fence());
+        panic!("answered while the slot was moving: {answer:?}");
+    }
+    for node in &cluster.nodes {
+        let _: () = node.cmd(&["CLUSTER", "SETSLOT", &slot, "NODE", &dst_id]);
+    }
+    let second = mid_move
+        .await
+        .expect("task")
+        .expect("granted once the slot moved");
+    let second_fence = second.fence();
+    assert!(second_fence > first_fence);
+    let held: i64 = cluster.nodes[dst].cmd(&["EXISTS", key.lock_key()]);
+    assert_eq!(held, 1, "the grant is on the new owner");
+    second.release().await.expect("release");
+
+    // And back, now at once: the locker's map names the new owner, which answers MOVED.
+    let keys: Vec<String> = cluster.nodes[dst].cmd(&["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
+    let _: () = cluster.nodes[src].cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &dst_id]);
+    let _: () = cluster.nodes[dst].cmd(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &src_id]);
+    let port = cluster.nodes[src].port.to_string();
+    let mut migrate = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+    migrate.extend(keys.iter().map(String::as_str));
+    let _: String = cluster.nodes[dst].cmd(&migrate);
+    for node in &cluster.nodes {
+        let _: () = node.cmd(&["CLUSTER", "SETSLOT", &slot, "NODE", &src_id]);
+    }
+    let third = locker
+        .try_acquire("moving", &opts)
+        .await
+        .expect("granted after MOVED");
+    assert!(third.fence() > second_fence);
+    third.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_acquire_follows_a_moving_slot() {
+    acquire_follows_a_moving_slot(Flavor::Redis).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_acquire_follows_a_moving_slot() {
+    acquire_follows_a_moving_slot(Flavor::Valkey).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

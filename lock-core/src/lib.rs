@@ -27,8 +27,8 @@ mod types;
 mod wake;
 
 pub use backend::{
-    AcquireReply, AnyBackend, Backend, ClusterBackend, MemoryBackend, QuorumBackend, QuorumConfig,
-    RedisBackend, RedisConfig,
+    AcquireReply, AnyBackend, Backend, ClusterBackend, ClusterConn, MemoryBackend, QuorumBackend,
+    QuorumConfig, RedisBackend, RedisConfig,
 };
 pub use error::{Error, Result};
 pub use lease::{Lease, LeaseInfo, Release};

@@ -5,10 +5,11 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use redis::aio::ConnectionLike;
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-use redis::{ProtocolVersion, PushInfo, PushKind, Script, Value};
+use redis::{Cmd, ProtocolVersion, PushInfo, PushKind, RedisFuture, Script, Value};
 use tokio::sync::mpsc;
 use tracing::debug;
 
@@ -44,7 +45,7 @@ const SLOTS: u16 = 16384;
 /// ```
 #[derive(Clone)]
 pub struct ClusterBackend {
-    conn: ClusterConnection,
+    conn: ClusterConn,
     scripts: Arc<Scripts>,
     /// Renewal across the slots of one node (`allow-cross-slot-keys`), sent per node.
     extend_cross: Arc<Script>,
@@ -102,6 +103,116 @@ impl SlotMap {
     }
 }
 
+/// A cluster connection that never sends a request twice once the server may have run it.
+///
+/// redis-rs's cluster client, left to itself, sends a request again when its connection drops
+/// or its reply times out, up to 16 times, although the server may have run it already; a
+/// script run twice can answer differently (a release would report `NotHeld` for the lease it
+/// freed, a queue would store a job twice). This connection turns that off and sends again only
+/// what a node refused without running it: `MOVED` and `ASK` (the slot is served elsewhere, or
+/// is moving; the client refreshes its slot map meanwhile), `TRYAGAIN`, `CLUSTERDOWN`,
+/// `MASTERDOWN`, `LOADING`, `READONLY` (a write sent to a node demoted to replica), and a
+/// request for which the client had no connection. Those are tried again with a growing pause
+/// (5 ms, doubling up to 200 ms) for as long as [`RedisConfig::response_timeout`]; a request
+/// whose connection dropped or whose reply did not come in time is an error, as on one server
+/// (the lock operations report it as [`Error::OutcomeUnknown`]).
+///
+/// Clones share the node connections. Commands run through it with redis-rs's
+/// [`AsyncCommands`](redis::AsyncCommands), [`Script::invoke_async`] or `query_async`. A
+/// pipeline is sent once, whatever the answer: a node may refuse some of its commands (`ASK`
+/// for keys already moved) after running others.
+#[derive(Clone)]
+pub struct ClusterConn {
+    inner: ClusterConnection,
+    /// How long refusals of requests that did not run are answered by sending again.
+    patience: Duration,
+}
+
+impl ClusterConn {
+    /// The underlying redis-rs connection (built with no resending of its own), for what
+    /// `ConnectionLike` does not cover, such as sharded subscriptions or routing a command to
+    /// a chosen node. Requests sent through it directly are not sent again on any refusal.
+    pub fn inner(&self) -> &ClusterConnection {
+        &self.inner
+    }
+}
+
+/// The first pause before a refused request is sent again; it doubles up to [`LAST_PAUSE`].
+const FIRST_PAUSE: Duration = Duration::from_millis(5);
+const LAST_PAUSE: Duration = Duration::from_millis(200);
+
+/// Whether `e` says the request was not run: a refusal before the command executed, or no
+/// connection to send it on. Anything else (a dropped connection, a timeout, an error the
+/// command itself raised) may follow a run and is never resent.
+fn unrun(e: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind as S};
+    matches!(
+        e.kind(),
+        ErrorKind::Server(
+            S::Moved | S::Ask | S::TryAgain | S::ClusterDown | S::MasterDown | S::BusyLoading
+        )
+        // A write refused by a replica: a script fails at its first write, so nothing ran
+        // that changed anything.
+        | ErrorKind::Server(S::ReadOnly)
+        | ErrorKind::ClusterConnectionNotFound
+    )
+}
+
+/// The pauses between sends of a refused request, while `patience` lasts.
+struct Pauses {
+    next: Duration,
+    give_up: tokio::time::Instant,
+}
+
+impl Pauses {
+    fn new(patience: Duration) -> Pauses {
+        Pauses {
+            next: FIRST_PAUSE,
+            give_up: tokio::time::Instant::now() + patience,
+        }
+    }
+
+    /// Sleeps before the next send; false when the patience would run out first.
+    async fn wait(&mut self, refused: &redis::RedisError) -> bool {
+        if tokio::time::Instant::now() + self.next >= self.give_up {
+            return false;
+        }
+        debug!(error = %refused, "refused without being run; sending again");
+        tokio::time::sleep(self.next).await;
+        self.next = (self.next * 2).min(LAST_PAUSE);
+        true
+    }
+}
+
+impl ConnectionLike for ClusterConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        Box::pin(async move {
+            let mut pauses = Pauses::new(self.patience);
+            loop {
+                match self.inner.req_packed_command(cmd).await {
+                    Err(e) if unrun(&e) && pauses.wait(&e).await => {}
+                    other => return other,
+                }
+            }
+        })
+    }
+
+    /// A pipeline is sent once: a node may refuse some of its commands (`ASK` for keys already
+    /// moved) after running others.
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        self.inner.req_packed_commands(pipeline, offset, count)
+    }
+
+    fn get_db(&self) -> i64 {
+        self.inner.get_db()
+    }
+}
+
 impl ClusterBackend {
     /// Connects to a cluster through any of its nodes (`redis://host:port/`), with default
     /// settings.
@@ -118,7 +229,12 @@ impl ClusterBackend {
             .use_protocol(ProtocolVersion::RESP3)
             .push_sender(push_tx)
             .response_timeout(config.response_timeout)
-            .connection_timeout(config.connection_timeout);
+            .connection_timeout(config.connection_timeout)
+            // The client would resend a request whose connection dropped or whose reply timed
+            // out, after the server may have run it: a script run twice can answer differently
+            // (a release reporting `NotHeld` for the lease it freed, a job enqueued twice).
+            // `ClusterConn` resends only what the server refused unrun.
+            .retries(0);
         #[cfg(feature = "tls")]
         let builder = {
             // As for one server: ring is the process's crypto provider unless the application
@@ -144,7 +260,10 @@ impl ClusterBackend {
         let (sub_tx, sub_rx) = mpsc::unbounded_channel();
         tokio::spawn(subscriptions(conn.clone(), sub_rx));
         Ok(ClusterBackend {
-            conn,
+            conn: ClusterConn {
+                inner: conn,
+                patience: config.response_timeout,
+            },
             scripts: Arc::new(Scripts::new()),
             extend_cross: Arc::new(Script::new(EXTEND_NODE)),
             slots: Arc::default(),
@@ -153,8 +272,19 @@ impl ClusterBackend {
         })
     }
 
-    /// The shared cluster connection, for callers that want to run their own commands.
-    pub fn connection(&self) -> ClusterConnection {
+    /// The shared cluster connection, for callers that want to run their own commands (see
+    /// [`ClusterConn`] for what it resends and what it never does).
+    ///
+    /// ```no_run
+    /// use lock_core::ClusterBackend;
+    /// use redis::AsyncCommands;
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let backend = ClusterBackend::connect(&["redis://127.0.0.1:7000/"]).await?;
+    /// let mut conn = backend.connection();
+    /// let _: () = conn.set("greeting", "hello").await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn connection(&self) -> ClusterConn {
         self.conn.clone()
     }
 
@@ -170,6 +300,7 @@ impl ClusterBackend {
         }
         let reply = self
             .conn
+            .inner
             .clone()
             .route_command(
                 redis::cmd("CLUSTER").arg("SLOTS").clone(),
@@ -288,7 +419,7 @@ impl ClusterBackend {
                 cmd.arg(key.lock_key()).arg(token.as_str());
             }
             let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
-            let mut conn = self.conn.clone();
+            let mut conn = self.conn.inner.clone();
             // A routed command reports server errors inside the value; lift them out.
             let mut reply = conn
                 .route_command(cmd.clone(), route.clone())

@@ -14,7 +14,7 @@ pub mod memory;
 pub mod quorum;
 pub mod redis;
 
-pub use self::cluster::ClusterBackend;
+pub use self::cluster::{ClusterBackend, ClusterConn};
 pub use self::memory::MemoryBackend;
 pub use self::quorum::{QuorumBackend, QuorumConfig};
 pub use self::redis::{RedisBackend, RedisConfig};

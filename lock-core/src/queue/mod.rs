@@ -240,7 +240,7 @@ pub struct QueueBuilder {
 impl QueueBuilder {
     /// The key prefix (default [`DEFAULT_PREFIX`]); server keys become `{prefix:queue}:...`.
     /// The rules of a key, and no `:` (prefix `a:b` and queue `c` would name the queue `b:c`
-    /// under prefix `a`), else [`Error::InvalidKey`](crate::Error::InvalidKey) from `build`.
+    /// under prefix `a`), else [`Error::InvalidKey`] from `build`.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self

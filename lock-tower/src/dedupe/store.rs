@@ -7,10 +7,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
-use lock_core::{AnyBackend, Lease, Locker};
+use lock_core::{AnyBackend, ClusterConn, Lease, Locker};
 use redis::Script;
 use redis::aio::{ConnectionLike, ConnectionManager};
-use redis::cluster_async::ClusterConnection;
 use tokio::time::Instant;
 
 /// A completed response, as stored.
@@ -50,7 +49,7 @@ pub(crate) enum Store {
         script: Arc<Script>,
     },
     Cluster {
-        conn: ClusterConnection,
+        conn: ClusterConn,
         script: Arc<Script>,
     },
     /// A backend with no shared place for results (for example a quorum of independent
