@@ -258,7 +258,7 @@ impl ClusterBackend {
         let wakeups = Arc::new(Wakeups::default());
         tokio::spawn(pushes(push_rx, wakeups.clone()));
         let (sub_tx, sub_rx) = mpsc::unbounded_channel();
-        tokio::spawn(subscriptions(conn.clone(), sub_rx));
+        tokio::spawn(subscriptions(conn.clone(), config.response_timeout, sub_rx));
         Ok(ClusterBackend {
             conn: ClusterConn {
                 inner: conn,
@@ -577,12 +577,27 @@ impl Backend for ClusterBackend {
 
 /// Subscribes and unsubscribes in order, so that a late unsubscribe of a key's last waiter can
 /// never undo the subscribe of its next first waiter.
-async fn subscriptions(mut conn: ClusterConnection, mut rx: mpsc::UnboundedReceiver<SubCmd>) {
+///
+/// A subscribe the node refused unrun (its slot moved, the shard is failing over) is sent again
+/// as [`ClusterConn`] sends requests, within `patience`.
+async fn subscriptions(
+    mut conn: ClusterConnection,
+    patience: Duration,
+    mut rx: mpsc::UnboundedReceiver<SubCmd>,
+) {
     while let Some(cmd) = rx.recv().await {
         match cmd {
             SubCmd::Subscribe(channel, ack) => {
-                if let Err(e) = conn.ssubscribe(&channel).await {
-                    debug!(error = %e, channel, "sharded subscribe failed; the waiter keeps its timer");
+                let mut pauses = Pauses::new(patience);
+                loop {
+                    match conn.ssubscribe(&channel).await {
+                        Err(e) if unrun(&e) && pauses.wait(&e).await => {}
+                        Err(e) => {
+                            debug!(error = %e, channel, "sharded subscribe failed; the waiter keeps its timer");
+                            break;
+                        }
+                        Ok(()) => break,
+                    }
                 }
                 let _ = ack.send(());
             }
