@@ -239,13 +239,28 @@ async fn waiter_woken_after_resubscribe(flavor: Flavor) {
 /// Connections cut while requests are in flight (every client connection of every node killed
 /// every few milliseconds): a request whose reply was lost is an error, never sent again after
 /// the server may have run it. Without that, the client resent such requests: a release
-/// answered `NotHeld` for the lease it had freed, an enqueue stored its job twice.
+/// answered `NotHeld` for the lease it had freed, an enqueue stored its job twice, a claim
+/// leased a second job and left the first active with no holder.
 async fn nothing_runs_twice_when_connections_drop(flavor: Flavor) {
-    use std::collections::HashMap;
+    use std::collections::{HashMap, HashSet};
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use leasehold::Release;
-    use leasehold::queue::Queue;
+    use leasehold::queue::{JobId, Queue};
+
+    /// What one load task saw.
+    #[derive(Default)]
+    struct Seen {
+        /// Each payload enqueued, and whether its enqueue was answered Ok.
+        enqueued: Vec<(String, bool)>,
+        /// Each claimed job's payload and id.
+        claimed: Vec<(String, JobId)>,
+        /// Claims and completes that failed: each may leave a job active with no holder.
+        claim_errors: u64,
+        cycles: u64,
+        not_held: u64,
+        errors: u64,
+    }
 
     let cluster = Cluster::start(flavor, 3, 0);
     let urls = cluster.urls();
@@ -254,7 +269,10 @@ async fn nothing_runs_twice_when_connections_drop(flavor: Flavor) {
     let AnyBackend::Cluster(backend) = locker.backend().clone() else {
         unreachable!("a cluster locker")
     };
-    let queue = Queue::builder("twice").on_cluster(backend).expect("queue");
+    let queue = Queue::builder("twice")
+        .max_attempts(0)
+        .on_cluster(backend)
+        .expect("queue");
 
     let cutting = Arc::new(AtomicBool::new(true));
     let cutter = {
@@ -284,81 +302,109 @@ async fn nothing_runs_twice_when_connections_drop(flavor: Flavor) {
         })
     };
 
+    // Claims lease for 1 s, so that jobs stranded by a failed claim can be reaped below.
+    const CLAIM_TTL: Duration = Duration::from_secs(1);
     let stop_at = Instant::now() + Duration::from_secs(5);
     let mut tasks = Vec::new();
     for t in 0..6usize {
         let (locker, queue) = (locker.clone(), queue.clone());
         tasks.push(tokio::spawn(async move {
-            // (enqueued payloads with their outcome, lock cycles, releases answered NotHeld,
-            // errors)
-            let mut enqueued: Vec<(String, bool)> = Vec::new();
-            let (mut cycles, mut not_held, mut errors) = (0u64, 0u64, 0u64);
+            let mut seen = Seen::default();
             let opts = LockOptions::new().ttl(Duration::from_secs(30)).renew(false);
             let mut i = 0u64;
             while Instant::now() < stop_at {
                 i += 1;
                 let payload = format!("{t}-{i}");
                 let stored = queue.enqueue(&payload).await;
-                errors += u64::from(stored.is_err());
-                enqueued.push((payload, stored.is_ok()));
+                seen.errors += u64::from(stored.is_err());
+                seen.enqueued.push((payload, stored.is_ok()));
                 // Each task's own keys, held for 30 s: nobody else can take one, so a release
                 // may answer NotHeld only if its script ran twice.
                 match locker.try_acquire(&format!("t{t}-k{i}"), &opts).await {
                     Ok(lease) => match lease.release().await {
-                        Ok(Release::Released) => cycles += 1,
-                        Ok(Release::NotHeld) => not_held += 1,
-                        Err(e) if e.is_transient() => errors += 1,
+                        Ok(Release::Released) => seen.cycles += 1,
+                        Ok(Release::NotHeld) => seen.not_held += 1,
+                        Err(e) if e.is_transient() => seen.errors += 1,
                         Err(e) => panic!("unexpected release error: {e}"),
                     },
-                    Err(e) if e.is_transient() => errors += 1,
+                    Err(e) if e.is_transient() => seen.errors += 1,
                     Err(e) => panic!("unexpected acquire error: {e}"),
                 }
+                if i.is_multiple_of(2) {
+                    match queue.claim(CLAIM_TTL).await {
+                        Ok(Some(job)) => {
+                            let payload =
+                                String::from_utf8(job.payload().to_vec()).expect("utf-8 payload");
+                            seen.claimed.push((payload, job.id()));
+                            if job.complete().await.is_err() {
+                                seen.claim_errors += 1;
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(_) => seen.claim_errors += 1,
+                    }
+                }
             }
-            (enqueued, cycles, not_held, errors)
+            seen
         }));
     }
-    let (mut enqueued, mut cycles, mut not_held, mut errors) = (Vec::new(), 0, 0, 0);
+    let mut seen = Seen::default();
     for t in tasks {
-        let (e, c, n, r) = t.await.expect("load task");
-        enqueued.extend(e);
-        cycles += c;
-        not_held += n;
-        errors += r;
+        let s = t.await.expect("load task");
+        seen.enqueued.extend(s.enqueued);
+        seen.claimed.extend(s.claimed);
+        seen.claim_errors += s.claim_errors;
+        seen.cycles += s.cycles;
+        seen.not_held += s.not_held;
+        seen.errors += s.errors;
     }
     cutting.store(false, Ordering::Relaxed);
     let cuts = cutter.join().expect("cutter thread");
 
-    // Every stored job, drained on a new connection (the old one may still hold connections
-    // cut at the last moment, whose next request fails).
+    // On a new connection (the old one may still hold connections cut at the last moment,
+    // whose next request fails): the jobs left active with no holder come back once their
+    // leases run out, then every stored job is drained.
     let queue = Queue::builder("twice")
+        .max_attempts(0)
         .cluster(&urls)
         .await
         .expect("a new connection");
-    let mut stored: HashMap<String, usize> = HashMap::new();
+    sleep(CLAIM_TTL + Duration::from_millis(200)).await;
+    let stranded = queue.reap().await.expect("reap after the cuts").len() as u64;
     while let Some(job) = queue
         .claim(Duration::from_secs(30))
         .await
         .expect("claim after the cuts")
     {
         let payload = String::from_utf8(job.payload().to_vec()).expect("utf-8 payload");
-        *stored.entry(payload).or_default() += 1;
+        seen.claimed.push((payload, job.id()));
         job.complete().await.expect("complete after the cuts");
     }
-    let twice: Vec<(&String, &usize)> = stored.iter().filter(|(_, n)| **n > 1).collect();
-    let missing: Vec<&String> = enqueued
+    // A job claimed again (its complete failed, or it was stranded) is one job; a payload
+    // under two ids was stored twice.
+    let mut ids: HashMap<&str, HashSet<JobId>> = HashMap::new();
+    for (payload, id) in &seen.claimed {
+        ids.entry(payload).or_default().insert(*id);
+    }
+    let twice: Vec<(&&str, &HashSet<JobId>)> = ids.iter().filter(|(_, i)| i.len() > 1).collect();
+    let missing: Vec<&String> = seen
+        .enqueued
         .iter()
-        .filter(|(p, ok)| *ok && !stored.contains_key(p))
+        .filter(|(p, ok)| *ok && !ids.contains_key(p.as_str()))
         .map(|(p, _)| p)
         .collect();
     println!(
-        "{flavor:?}: {} enqueues, {} lock cycles, {errors} errors, {cuts} connections cut, {} jobs stored",
-        enqueued.len(),
-        cycles,
-        stored.len()
+        "{flavor:?}: {} enqueues, {} lock cycles, {} errors, {} claim/complete errors, {stranded} jobs stranded, {cuts} connections cut, {} jobs stored",
+        seen.enqueued.len(),
+        seen.cycles,
+        seen.errors,
+        seen.claim_errors,
+        ids.len()
     );
     assert!(
-        cuts > 100 && errors > 0,
-        "the connections were cut under load ({cuts} cuts, {errors} errors)"
+        cuts > 100 && seen.errors > 0,
+        "the connections were cut under load ({cuts} cuts, {} errors)",
+        seen.errors
     );
     assert!(twice.is_empty(), "jobs stored more than once: {twice:?}");
     assert!(
@@ -366,10 +412,20 @@ async fn nothing_runs_twice_when_connections_drop(flavor: Flavor) {
         "enqueues answered Ok but not stored: {missing:?}"
     );
     assert_eq!(
-        not_held, 0,
+        seen.not_held, 0,
         "releases answered NotHeld for leases they held"
     );
-    assert!(cycles > 100, "too few lock cycles to tell: {cycles}");
+    // Only a claim or complete whose answer was lost may leave a job without a holder.
+    assert!(
+        stranded <= seen.claim_errors,
+        "{stranded} jobs left active with no holder, after {} failed claims and completes",
+        seen.claim_errors
+    );
+    assert!(
+        seen.cycles > 100,
+        "too few lock cycles to tell: {}",
+        seen.cycles
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
