@@ -121,6 +121,24 @@ impl SlotMap {
 /// [`AsyncCommands`](redis::AsyncCommands), [`Script::invoke_async`] or `query_async`. A
 /// pipeline is sent once, whatever the answer: a node may refuse some of its commands (`ASK`
 /// for keys already moved) after running others.
+///
+/// ```no_run
+/// use lock_core::ClusterBackend;
+/// use redis::AsyncCommands;
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let backend = ClusterBackend::connect(&["redis://127.0.0.1:7000/"]).await?;
+/// let mut conn = backend.connection();
+/// // Sent again while the slot is moving or its shard fails over; an error if the
+/// // connection drops after sending it, since the node may have counted it already.
+/// match conn.incr::<_, _, i64>("{orders}:count", 1).await {
+///     Ok(n) => println!("count {n}"),
+///     Err(e) if e.is_connection_dropped() || e.is_timeout() => {
+///         println!("unknown whether it counted: {e}")
+///     }
+///     Err(e) => return Err(e.into()),
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct ClusterConn {
     inner: ClusterConnection,
