@@ -438,6 +438,33 @@ async fn valkey_nothing_runs_twice_when_connections_drop() {
     nothing_runs_twice_when_connections_drop(Flavor::Valkey).await
 }
 
+/// The node id of `cluster.nodes[i]`.
+fn node_id(cluster: &Cluster, i: usize) -> String {
+    cluster.nodes[i].cmd(&["CLUSTER", "MYID"])
+}
+
+/// Starts moving `slot` from node `src` to node `dst` and migrates its keys, as
+/// `redis-cli --cluster reshard` does; until [`end_slot_move`], `src` answers `ASK` for them.
+fn begin_slot_move(cluster: &Cluster, slot: &str, src: usize, dst: usize) {
+    let (src_id, dst_id) = (node_id(cluster, src), node_id(cluster, dst));
+    let _: () = cluster.nodes[dst].cmd(&["CLUSTER", "SETSLOT", slot, "IMPORTING", &src_id]);
+    let _: () = cluster.nodes[src].cmd(&["CLUSTER", "SETSLOT", slot, "MIGRATING", &dst_id]);
+    let keys: Vec<String> = cluster.nodes[src].cmd(&["CLUSTER", "GETKEYSINSLOT", slot, "100"]);
+    assert!(!keys.is_empty(), "the fence key sits in the slot");
+    let port = cluster.nodes[dst].port.to_string();
+    let mut migrate = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+    migrate.extend(keys.iter().map(String::as_str));
+    let _: String = cluster.nodes[src].cmd(&migrate);
+}
+
+/// Gives `slot` to node `dst` on every node.
+fn end_slot_move(cluster: &Cluster, slot: &str, dst: usize) {
+    let dst_id = node_id(cluster, dst);
+    for node in &cluster.nodes {
+        let _: () = node.cmd(&["CLUSTER", "SETSLOT", slot, "NODE", &dst_id]);
+    }
+}
+
 /// A slot moved to another master while a locker's slot map still names the old one: the old
 /// master answers `ASK` while the slot migrates and `MOVED` once it has moved, neither having
 /// run the script, and the connection sends the acquire again until the new master grants it.
@@ -466,16 +493,7 @@ async fn acquire_follows_a_moving_slot(flavor: Flavor) {
         .position(owns)
         .expect("the slot's owner");
     let dst = (src + 1) % cluster.nodes.len();
-    let id = |i: usize| cluster.nodes[i].cmd::<String>(&["CLUSTER", "MYID"]);
-    let (src_id, dst_id) = (id(src), id(dst));
-    let _: () = cluster.nodes[dst].cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id]);
-    let _: () = cluster.nodes[src].cmd(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &dst_id]);
-    let keys: Vec<String> = cluster.nodes[src].cmd(&["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
-    assert!(!keys.is_empty(), "the fence key sits in the slot");
-    let port = cluster.nodes[dst].port.to_string();
-    let mut migrate = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
-    migrate.extend(keys.iter().map(String::as_str));
-    let _: String = cluster.nodes[src].cmd(&migrate);
+    begin_slot_move(&cluster, &slot, src, dst);
 
     // Mid-move: the old owner answers ASK (the keys are gone from it) until the move ends.
     let mid_move = tokio::spawn({
@@ -487,9 +505,7 @@ async fn acquire_follows_a_moving_slot(flavor: Flavor) {
         let answer = mid_move.await.expect("task").map(|lease| lease.fence());
         panic!("answered while the slot was moving: {answer:?}");
     }
-    for node in &cluster.nodes {
-        let _: () = node.cmd(&["CLUSTER", "SETSLOT", &slot, "NODE", &dst_id]);
-    }
+    end_slot_move(&cluster, &slot, dst);
     let second = mid_move
         .await
         .expect("task")
@@ -501,16 +517,8 @@ async fn acquire_follows_a_moving_slot(flavor: Flavor) {
     second.release().await.expect("release");
 
     // And back, now at once: the locker's map names the new owner, which answers MOVED.
-    let keys: Vec<String> = cluster.nodes[dst].cmd(&["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
-    let _: () = cluster.nodes[src].cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &dst_id]);
-    let _: () = cluster.nodes[dst].cmd(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &src_id]);
-    let port = cluster.nodes[src].port.to_string();
-    let mut migrate = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
-    migrate.extend(keys.iter().map(String::as_str));
-    let _: String = cluster.nodes[dst].cmd(&migrate);
-    for node in &cluster.nodes {
-        let _: () = node.cmd(&["CLUSTER", "SETSLOT", &slot, "NODE", &src_id]);
-    }
+    begin_slot_move(&cluster, &slot, dst, src);
+    end_slot_move(&cluster, &slot, src);
     let third = locker
         .try_acquire("moving", &opts)
         .await
