@@ -656,6 +656,51 @@ async fn pushes(mut rx: mpsc::UnboundedReceiver<PushInfo>, wakeups: Arc<Wakeups>
 mod tests {
     use super::*;
 
+    /// A server's error reply as redis-rs hands it over.
+    fn reply(line: &str) -> redis::RedisError {
+        match redis::parse_redis_value(format!("-{line}\r\n").as_bytes()) {
+            Ok(Value::ServerError(e)) => e.into(),
+            other => panic!("not an error reply: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn only_refusals_that_ran_nothing_are_sent_again() {
+        for line in [
+            "MOVED 3999 127.0.0.1:6381",
+            "ASK 3999 127.0.0.1:6381",
+            "TRYAGAIN Multiple keys request during rehashing of slot",
+            "CLUSTERDOWN The cluster is down",
+            "MASTERDOWN Link with MASTER is down",
+            "LOADING Redis is loading the dataset in memory",
+            "READONLY You can't write against a read only replica.",
+        ] {
+            assert!(unrun(&reply(line)), "{line}");
+        }
+        assert!(unrun(&redis::RedisError::from((
+            redis::ErrorKind::ClusterConnectionNotFound,
+            "No connections found",
+        ))));
+        // Errors raised by a command that ran, and everything the connection may have sent.
+        for line in [
+            "ERR Error running script",
+            "NOSCRIPT No matching script",
+            "OOM command not allowed when used memory > 'maxmemory'",
+            "NOPERM User has no permissions",
+            "WRONGTYPE Operation against a key holding the wrong kind of value",
+        ] {
+            assert!(!unrun(&reply(line)), "{line}");
+        }
+        for kind in [
+            std::io::ErrorKind::ConnectionReset,
+            std::io::ErrorKind::BrokenPipe,
+            std::io::ErrorKind::TimedOut,
+            std::io::ErrorKind::UnexpectedEof,
+        ] {
+            assert!(!unrun(&std::io::Error::from(kind).into()), "{kind:?}");
+        }
+    }
+
     #[test]
     fn slots_follow_the_hash_tag() {
         // The examples of the CLUSTER KEYSLOT documentation.
