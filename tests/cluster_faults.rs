@@ -514,6 +514,8 @@ async fn acquire_follows_a_moving_slot(flavor: Flavor) {
     assert!(second_fence > first_fence);
     let held: i64 = cluster.nodes[dst].cmd(&["EXISTS", key.lock_key()]);
     assert_eq!(held, 1, "the grant is on the new owner");
+    let left: i64 = cluster.nodes[src].cmd(&["CLUSTER", "COUNTKEYSINSLOT", &slot]);
+    assert_eq!(left, 0, "nothing was granted on the old owner");
     second.release().await.expect("release");
 
     // And back, now at once: the locker's map names the new owner, which answers MOVED.

@@ -204,7 +204,10 @@ impl Error {
 /// Sorts a redis error into "maybe applied", "refused by the server" and "not reached".
 pub(crate) fn classify(op: &'static str, key: &str, err: redis::RedisError) -> Error {
     let maybe_sent = (err.is_io_error() || err.is_timeout() || err.is_connection_dropped())
-        && !err.is_connection_refusal();
+        && !err.is_connection_refusal()
+        // The cluster client's "no connection" is also what it gives requests already sent
+        // when a slot-map refresh fails (see `ClusterConn`): it may follow a run.
+        || err.kind() == redis::ErrorKind::ClusterConnectionNotFound;
     if maybe_sent {
         Error::OutcomeUnknown {
             op,
@@ -221,5 +224,30 @@ pub(crate) fn classify(op: &'static str, key: &str, err: redis::RedisError) -> E
         }
     } else {
         Error::Unavailable(err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_are_sorted_by_whether_the_request_may_have_run() {
+        let sort = |e: redis::RedisError| classify("acquire", "k", e);
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert!(matches!(sort(reset.into()), Error::OutcomeUnknown { .. }));
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert!(matches!(sort(refused.into()), Error::Unavailable(_)));
+        let oom = match redis::parse_redis_value(b"-OOM command not allowed\r\n") {
+            Ok(redis::Value::ServerError(e)) => redis::RedisError::from(e),
+            other => panic!("not an error reply: {other:?}"),
+        };
+        assert!(matches!(sort(oom), Error::Refused { .. }));
+        // The cluster client's "no connection" can reach a request already sent.
+        let none = redis::RedisError::from((
+            redis::ErrorKind::ClusterConnectionNotFound,
+            "No connections found",
+        ));
+        assert!(matches!(sort(none), Error::OutcomeUnknown { .. }));
     }
 }

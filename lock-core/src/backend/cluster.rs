@@ -109,13 +109,18 @@ impl SlotMap {
 /// or its reply times out, up to 16 times, although the server may have run it already; a
 /// script run twice can answer differently (a release would report `NotHeld` for the lease it
 /// freed, a queue would store a job twice). This connection turns that off and sends again only
-/// what a node refused without running it: `MOVED` and `ASK` (the slot is served elsewhere, or
-/// is moving; the client refreshes its slot map meanwhile), `TRYAGAIN`, `CLUSTERDOWN`,
-/// `MASTERDOWN`, `LOADING`, `READONLY` (a write sent to a node demoted to replica), and a
-/// request for which the client had no connection. Those are tried again with a growing pause
-/// (5 ms, doubling up to 200 ms) for as long as [`RedisConfig::response_timeout`]; a request
-/// whose connection dropped or whose reply did not come in time is an error, as on one server
-/// (the lock operations report it as [`Error::OutcomeUnknown`]).
+/// what a node refused without running it: `MOVED` (the slot is served elsewhere; the client
+/// refreshes its slot map), `ASK` (the slot is moving; the request goes to the same node again
+/// until the move ends, not to the node named), `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN` and
+/// `READONLY` (a write sent to a node demoted to replica). Each is sent again after a growing
+/// pause (5 ms, doubling up to 200 ms) while [`RedisConfig::response_timeout`] has not passed
+/// since the first send; the last send may take a response timeout of its own, so a request
+/// refused over and over is answered within about twice that. A request whose connection
+/// dropped or whose reply did not come in time is an error, as on one server (the lock
+/// operations report it as [`Error::OutcomeUnknown`]), and so is one the client found no
+/// connection for or that met `LOADING`: redis-rs hands the error of a failed slot-map refresh
+/// (no connection, a node still loading) to every request in flight, including requests the
+/// node may have run.
 ///
 /// Clones share the node connections. Commands run through it with redis-rs's
 /// [`AsyncCommands`](redis::AsyncCommands), [`Script::invoke_async`] or `query_async`. A
@@ -159,20 +164,20 @@ impl ClusterConn {
 const FIRST_PAUSE: Duration = Duration::from_millis(5);
 const LAST_PAUSE: Duration = Duration::from_millis(200);
 
-/// Whether `e` says the request was not run: a refusal before the command executed, or no
-/// connection to send it on. Anything else (a dropped connection, a timeout, an error the
-/// command itself raised) may follow a run and is never resent.
+/// Whether `e` says the request was not run: a node's refusal before the command executed.
+/// Anything else (a dropped connection, a timeout, an error the command itself raised) may
+/// follow a run and is never resent. Nor are "no connection" and `LOADING`: redis-rs also
+/// gives those (the error of a failed slot-map refresh: no node reachable, or a `PING` to a
+/// node still loading) to requests already written to a node. The refusals kept here are never
+/// the answer of a refresh (`CLUSTER SLOTS`, `PING`).
 fn unrun(e: &redis::RedisError) -> bool {
     use redis::{ErrorKind, ServerErrorKind as S};
     matches!(
         e.kind(),
-        ErrorKind::Server(
-            S::Moved | S::Ask | S::TryAgain | S::ClusterDown | S::MasterDown | S::BusyLoading
-        )
+        ErrorKind::Server(S::Moved | S::Ask | S::TryAgain | S::ClusterDown | S::MasterDown)
         // A write refused by a replica: a script fails at its first write, so nothing ran
         // that changed anything.
         | ErrorKind::Server(S::ReadOnly)
-        | ErrorKind::ClusterConnectionNotFound
     )
 }
 
@@ -195,7 +200,7 @@ impl Pauses {
         if tokio::time::Instant::now() + self.next >= self.give_up {
             return false;
         }
-        debug!(error = %refused, "refused without being run; sending again");
+        debug!(error = %refused, "sending again after a pause");
         tokio::time::sleep(self.next).await;
         self.next = (self.next * 2).min(LAST_PAUSE);
         true
@@ -596,8 +601,9 @@ impl Backend for ClusterBackend {
 /// Subscribes and unsubscribes in order, so that a late unsubscribe of a key's last waiter can
 /// never undo the subscribe of its next first waiter.
 ///
-/// A subscribe the node refused unrun (its slot moved, the shard is failing over) is sent again
-/// as [`ClusterConn`] sends requests, within `patience`.
+/// A subscribe that was refused unrun, or whose connection dropped or timed out, is sent again
+/// after a pause, within `patience`: subscribing twice does no harm, so unlike [`ClusterConn`]
+/// this covers a lost answer too.
 async fn subscriptions(
     mut conn: ClusterConnection,
     patience: Duration,
@@ -609,7 +615,9 @@ async fn subscriptions(
                 let mut pauses = Pauses::new(patience);
                 loop {
                     match conn.ssubscribe(&channel).await {
-                        Err(e) if unrun(&e) && pauses.wait(&e).await => {}
+                        Err(e)
+                            if (unrun(&e) || e.is_connection_dropped() || e.is_timeout())
+                                && pauses.wait(&e).await => {}
                         Err(e) => {
                             debug!(error = %e, channel, "sharded subscribe failed; the waiter keeps its timer");
                             break;
@@ -672,17 +680,18 @@ mod tests {
             "TRYAGAIN Multiple keys request during rehashing of slot",
             "CLUSTERDOWN The cluster is down",
             "MASTERDOWN Link with MASTER is down",
-            "LOADING Redis is loading the dataset in memory",
             "READONLY You can't write against a read only replica.",
         ] {
             assert!(unrun(&reply(line)), "{line}");
         }
-        assert!(unrun(&redis::RedisError::from((
+        // What redis-rs also hands to requests in flight when a slot-map refresh fails.
+        assert!(!unrun(&redis::RedisError::from((
             redis::ErrorKind::ClusterConnectionNotFound,
             "No connections found",
         ))));
         // Errors raised by a command that ran, and everything the connection may have sent.
         for line in [
+            "LOADING Redis is loading the dataset in memory",
             "ERR Error running script",
             "NOSCRIPT No matching script",
             "OOM command not allowed when used memory > 'maxmemory'",
