@@ -451,10 +451,24 @@ fn begin_slot_move(cluster: &Cluster, slot: &str, src: usize, dst: usize) {
     let _: () = cluster.nodes[src].cmd(&["CLUSTER", "SETSLOT", slot, "MIGRATING", &dst_id]);
     let keys: Vec<String> = cluster.nodes[src].cmd(&["CLUSTER", "GETKEYSINSLOT", slot, "100"]);
     assert!(!keys.is_empty(), "the fence key sits in the slot");
+    migrate_keys(cluster, src, dst, &keys);
+}
+
+/// Moves `keys` from node `src` to node `dst` (`MIGRATE`).
+fn migrate_keys(cluster: &Cluster, src: usize, dst: usize, keys: &[String]) {
     let port = cluster.nodes[dst].port.to_string();
     let mut migrate = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
     migrate.extend(keys.iter().map(String::as_str));
     let _: String = cluster.nodes[src].cmd(&migrate);
+}
+
+/// Migrates what is left of `slot` on `src` to `dst`, then ends the move.
+fn end_slot_move_after(cluster: &Cluster, slot: &str, src: usize, dst: usize) {
+    let keys: Vec<String> = cluster.nodes[src].cmd(&["CLUSTER", "GETKEYSINSLOT", slot, "100"]);
+    if !keys.is_empty() {
+        migrate_keys(cluster, src, dst, &keys);
+    }
+    end_slot_move(cluster, slot, dst);
 }
 
 /// Gives `slot` to node `dst` on every node.
@@ -527,6 +541,88 @@ async fn acquire_follows_a_moving_slot(flavor: Flavor) {
         .expect("granted after MOVED");
     assert!(third.fence() > second_fence);
     third.release().await.expect("release");
+}
+
+/// A queue's slot migrated (resharding) while a delayed job is due and a lease has expired: a
+/// queue script reaches job keys it does not declare, so once a job key has moved, a claim or a
+/// reap fails with the server's error. It fails before that job is changed: the job stays in
+/// its set, and is claimed (or reaped) once the move ends.
+async fn queue_keeps_its_jobs_through_a_moving_slot(flavor: Flavor) {
+    use leasehold::queue::Queue;
+
+    let cluster = Cluster::start(flavor, 3, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let q = Queue::builder("mq").cluster(&urls).await.expect("queue");
+    for payload in ["a", "b", "c", "d"] {
+        q.enqueue(payload).await.expect("enqueue");
+    }
+    let long = Duration::from_secs(30);
+    let a = q.claim(long).await.expect("claim").expect("a");
+    let b = q
+        .claim(Duration::from_millis(50))
+        .await
+        .expect("claim")
+        .expect("b");
+    let c = q.claim(long).await.expect("claim").expect("c");
+    c.fail("dead on purpose").await.expect("fail");
+    let (a_id, b_id) = (a.id(), b.id());
+    a.retry(Duration::from_millis(1)).await.expect("retry");
+    // Every queue key exists now (d pending, a delayed, b active, c dead): a script whose
+    // declared keys are all still on the old owner runs there.
+    sleep(Duration::from_millis(100)).await;
+
+    let tag = "{leasehold:mq}";
+    let slot: i64 = cluster.nodes[0].cmd(&["CLUSTER", "KEYSLOT", tag]);
+    let slot = slot.to_string();
+    let src = cluster
+        .nodes
+        .iter()
+        .position(|n| n.cmd::<i64>(&["CLUSTER", "COUNTKEYSINSLOT", &slot]) > 0)
+        .expect("the queue's owner");
+    let dst = (src + 1) % cluster.nodes.len();
+    let (src_id, dst_id) = (node_id(&cluster, src), node_id(&cluster, dst));
+    let _: () = cluster.nodes[dst].cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id]);
+    let _: () = cluster.nodes[src].cmd(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &dst_id]);
+    // The job keys first, as a migration in progress may have moved them.
+    let job = |id: leasehold::queue::JobId| format!("{tag}:job:{}", id.get());
+    migrate_keys(&cluster, src, dst, &[job(a_id), job(b_id)]);
+
+    assert!(q.claim(long).await.is_err(), "a claim met a moved job key");
+    assert!(q.reap().await.is_err(), "a reap met a moved job key");
+    let member = |set: &str, id: leasehold::queue::JobId| -> bool {
+        let score: redis::RedisResult<Option<f64>> = redis::cmd("ZSCORE")
+            .arg(format!("{tag}:{set}"))
+            .arg(id.get())
+            .query(&mut cluster.nodes[src].conn());
+        match score {
+            Ok(score) => score.is_some(),
+            // The set is gone from the old owner (emptied): only the job keys were moved.
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask) => false,
+            Err(e) => panic!("ZSCORE on the old owner: {e}"),
+        }
+    };
+    assert!(member("delayed", a_id), "the due job left the delayed set");
+    assert!(
+        member("active", b_id),
+        "the expired job left the active set"
+    );
+
+    end_slot_move_after(&cluster, &slot, src, dst);
+    let again = q.claim(long).await.expect("claim").expect("a job");
+    assert_eq!((again.id(), again.payload()), (a_id, &b"a"[..]));
+    let reaped = q.reap().await.expect("reap");
+    assert_eq!(reaped.iter().map(|r| r.id).collect::<Vec<_>>(), [b_id]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_queue_keeps_its_jobs_through_a_moving_slot() {
+    queue_keeps_its_jobs_through_a_moving_slot(Flavor::Redis).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_queue_keeps_its_jobs_through_a_moving_slot() {
+    queue_keeps_its_jobs_through_a_moving_slot(Flavor::Valkey).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,9 +16,11 @@ end
 -- script must stay short.
 local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 100)
 for _, id in ipairs(due) do
-  redis.call('ZREM', KEYS[3], id)
   local jk = ARGV[1] .. id
+  -- Read before the job is moved: on a cluster whose slot is migrating, a job key already
+  -- moved fails the script here, and the job must still be in a set when it does.
   local t = redis.call('TYPE', jk).ok
+  redis.call('ZREM', KEYS[3], id)
   if t == 'hash' then
     redis.call('ZADD', KEYS[1], id, id)
     redis.call('HSET', jk, 'state', 'pending')

@@ -10,8 +10,10 @@ local out = {1}
 local woke = false
 for _, id in ipairs(expired) do
   local jk = ARGV[1] .. id
-  redis.call('ZREM', KEYS[2], id)
+  -- Read first, as in a claim: a job key already moved by a slot migration fails the script
+  -- before this job leaves the active set.
   local t = redis.call('TYPE', jk).ok
+  redis.call('ZREM', KEYS[2], id)
   if t == 'hash' then
     local h = redis.call('HMGET', jk, 'attempts', 'max')
     local att = tonumber(h[1]) or 0
