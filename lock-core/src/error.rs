@@ -171,7 +171,9 @@ pub enum Error {
         #[source]
         source: redis::RedisError,
     },
-    /// The connection dropped after the command was sent, so whether it took effect is unknown.
+    /// The connection dropped or the reply timed out after the command was sent, so whether it
+    /// took effect is unknown. On a cluster also when the client lost its connections while
+    /// the command was in flight (redis-rs reports that as "no connection").
     #[error("outcome of {op} on `{key}` is unknown: the connection failed mid-command")]
     OutcomeUnknown {
         /// The operation that was in flight.
