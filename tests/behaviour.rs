@@ -870,8 +870,11 @@ async fn waiters_take_turns(h: Harness) {
             for _ in 0..2 {
                 let lease = locker.acquire("turns", &o).await.expect("turn");
                 order.lock().expect("order").push(id);
-                // A round trip's worth of work while holding, then straight back into line.
-                sleep(Duration::from_millis(2)).await;
+                // Work while holding, then straight back into line. Long enough that the task
+                // before this one is back in line (a release round trip after its turn)
+                // before this turn ends, also on a loaded machine over TLS: at 2 ms a task
+                // was once late, and the next one queued ahead of it.
+                sleep(Duration::from_millis(20)).await;
                 lease.release().await.expect("release");
             }
         }));
