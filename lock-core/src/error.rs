@@ -205,8 +205,8 @@ impl Error {
 
 /// Sorts a redis error into "maybe applied", "refused by the server" and "not reached".
 pub(crate) fn classify(op: &'static str, key: &str, err: redis::RedisError) -> Error {
-    let maybe_sent = (err.is_io_error() || err.is_timeout() || err.is_connection_dropped())
-        && !err.is_connection_refusal()
+    let maybe_sent = ((err.is_io_error() || err.is_timeout() || err.is_connection_dropped())
+        && !err.is_connection_refusal())
         // The cluster client's "no connection" is also what it gives requests already sent
         // when a slot-map refresh fails (see `ClusterConn`): it may follow a run.
         || err.kind() == redis::ErrorKind::ClusterConnectionNotFound;
@@ -229,6 +229,16 @@ pub(crate) fn classify(op: &'static str, key: &str, err: redis::RedisError) -> E
     }
 }
 
+/// A server's error reply line (`OOM command not allowed ...`) as the error redis-rs makes of
+/// it, or a client error carrying the line when it does not parse as one.
+pub(crate) fn error_reply(line: &str) -> redis::RedisError {
+    let line = line.replace(['\r', '\n'], " ");
+    match redis::parse_redis_value(format!("-{line}\r\n").as_bytes()) {
+        Ok(redis::Value::ServerError(e)) => e.into(),
+        _ => redis::RedisError::from((redis::ErrorKind::Client, "refused", line)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -240,10 +250,7 @@ mod tests {
         assert!(matches!(sort(reset.into()), Error::OutcomeUnknown { .. }));
         let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
         assert!(matches!(sort(refused.into()), Error::Unavailable(_)));
-        let oom = match redis::parse_redis_value(b"-OOM command not allowed\r\n") {
-            Ok(redis::Value::ServerError(e)) => redis::RedisError::from(e),
-            other => panic!("not an error reply: {other:?}"),
-        };
+        let oom = error_reply("OOM command not allowed");
         assert!(matches!(sort(oom), Error::Refused { .. }));
         // The cluster client's "no connection" can reach a request already sent.
         let none = redis::RedisError::from((

@@ -174,10 +174,11 @@ fn unrun(e: &redis::RedisError) -> bool {
     use redis::{ErrorKind, ServerErrorKind as S};
     matches!(
         e.kind(),
-        ErrorKind::Server(S::Moved | S::Ask | S::TryAgain | S::ClusterDown | S::MasterDown)
-        // A write refused by a replica: a script fails at its first write, so nothing ran
-        // that changed anything.
-        | ErrorKind::Server(S::ReadOnly)
+        // READONLY: a write refused by a replica; a script fails at its first write, so
+        // nothing ran that changed anything.
+        ErrorKind::Server(
+            S::Moved | S::Ask | S::TryAgain | S::ClusterDown | S::MasterDown | S::ReadOnly
+        )
     )
 }
 
@@ -281,12 +282,13 @@ impl ClusterBackend {
         let wakeups = Arc::new(Wakeups::default());
         tokio::spawn(pushes(push_rx, wakeups.clone()));
         let (sub_tx, sub_rx) = mpsc::unbounded_channel();
-        tokio::spawn(subscriptions(conn.clone(), config.response_timeout, sub_rx));
+        let conn = ClusterConn {
+            inner: conn,
+            patience: config.response_timeout,
+        };
+        tokio::spawn(subscriptions(conn.clone(), sub_rx));
         Ok(ClusterBackend {
-            conn: ClusterConn {
-                inner: conn,
-                patience: config.response_timeout,
-            },
+            conn,
             scripts: Arc::new(Scripts::new()),
             extend_cross: Arc::new(Script::new(EXTEND_NODE)),
             slots: Arc::default(),
@@ -602,19 +604,16 @@ impl Backend for ClusterBackend {
 /// never undo the subscribe of its next first waiter.
 ///
 /// A subscribe that was refused unrun, or whose connection dropped or timed out, is sent again
-/// after a pause, within `patience`: subscribing twice does no harm, so unlike [`ClusterConn`]
-/// this covers a lost answer too.
-async fn subscriptions(
-    mut conn: ClusterConnection,
-    patience: Duration,
-    mut rx: mpsc::UnboundedReceiver<SubCmd>,
-) {
+/// after a pause, within the connection's patience: subscribing twice does no harm, so unlike
+/// [`ClusterConn`]'s requests this covers a lost answer too.
+async fn subscriptions(conn: ClusterConn, mut rx: mpsc::UnboundedReceiver<SubCmd>) {
+    let (mut sub, patience) = (conn.inner, conn.patience);
     while let Some(cmd) = rx.recv().await {
         match cmd {
             SubCmd::Subscribe(channel, ack) => {
                 let mut pauses = Pauses::new(patience);
                 loop {
-                    match conn.ssubscribe(&channel).await {
+                    match sub.ssubscribe(&channel).await {
                         Err(e)
                             if (unrun(&e) || e.is_connection_dropped() || e.is_timeout())
                                 && pauses.wait(&e).await => {}
@@ -628,7 +627,7 @@ async fn subscriptions(
                 let _ = ack.send(());
             }
             SubCmd::Unsubscribe(channel) => {
-                let _ = conn.sunsubscribe(&channel).await;
+                let _ = sub.sunsubscribe(&channel).await;
             }
         }
     }
@@ -663,14 +662,7 @@ async fn pushes(mut rx: mpsc::UnboundedReceiver<PushInfo>, wakeups: Arc<Wakeups>
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A server's error reply as redis-rs hands it over.
-    fn reply(line: &str) -> redis::RedisError {
-        match redis::parse_redis_value(format!("-{line}\r\n").as_bytes()) {
-            Ok(Value::ServerError(e)) => e.into(),
-            other => panic!("not an error reply: {other:?}"),
-        }
-    }
+    use crate::error::error_reply as reply;
 
     #[test]
     fn only_refusals_that_ran_nothing_are_sent_again() {

@@ -393,11 +393,7 @@ pub(super) mod ops {
     /// The server's refusal of one item, as the error its own reply would have been: a script
     /// that carries many items answers each one's refusal as text instead of failing them all.
     fn refusal(err: &Value) -> redis::RedisError {
-        let line = text(err).replace(['\r', '\n'], " ");
-        match redis::parse_redis_value(format!("-{line}\r\n").as_bytes()) {
-            Ok(Value::ServerError(e)) => e.into(),
-            _ => redis::RedisError::from((redis::ErrorKind::Client, "refused", line)),
-        }
+        crate::error::error_reply(&text(err))
     }
 
     /// One script call for `items`, which must all sit in one slot on a cluster.
