@@ -428,30 +428,29 @@ async fn nothing_runs_twice_when_connections_drop(flavor: Flavor) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_nothing_runs_twice_when_connections_drop() {
-    nothing_runs_twice_when_connections_drop(Flavor::Redis).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn valkey_nothing_runs_twice_when_connections_drop() {
-    nothing_runs_twice_when_connections_drop(Flavor::Valkey).await
-}
-
 /// The node id of `cluster.nodes[i]`.
 fn node_id(cluster: &Cluster, i: usize) -> String {
     cluster.nodes[i].cmd(&["CLUSTER", "MYID"])
 }
 
-/// Starts moving `slot` from node `src` to node `dst` and migrates its keys, as
-/// `redis-cli --cluster reshard` does; until [`end_slot_move`], `src` answers `ASK` for them.
-fn begin_slot_move(cluster: &Cluster, slot: &str, src: usize, dst: usize) {
+/// The slot of `key` and the node serving it (the only one holding keys of that slot).
+fn slot_and_owner(cluster: &Cluster, key: &str) -> (String, usize) {
+    let slot: i64 = cluster.nodes[0].cmd(&["CLUSTER", "KEYSLOT", key]);
+    let slot = slot.to_string();
+    let owner = cluster
+        .nodes
+        .iter()
+        .position(|n| n.cmd::<i64>(&["CLUSTER", "COUNTKEYSINSLOT", &slot]) > 0)
+        .expect("a node holding keys of the slot");
+    (slot, owner)
+}
+
+/// Starts moving `slot` from node `src` to node `dst`, as `redis-cli --cluster reshard` does:
+/// until [`end_slot_move`], `src` answers `ASK` for the slot's keys it no longer holds.
+fn start_slot_move(cluster: &Cluster, slot: &str, src: usize, dst: usize) {
     let (src_id, dst_id) = (node_id(cluster, src), node_id(cluster, dst));
     let _: () = cluster.nodes[dst].cmd(&["CLUSTER", "SETSLOT", slot, "IMPORTING", &src_id]);
     let _: () = cluster.nodes[src].cmd(&["CLUSTER", "SETSLOT", slot, "MIGRATING", &dst_id]);
-    let keys: Vec<String> = cluster.nodes[src].cmd(&["CLUSTER", "GETKEYSINSLOT", slot, "100"]);
-    assert!(!keys.is_empty(), "the fence key sits in the slot");
-    migrate_keys(cluster, src, dst, &keys);
 }
 
 /// Moves `keys` from node `src` to node `dst` (`MIGRATE`).
@@ -462,13 +461,13 @@ fn migrate_keys(cluster: &Cluster, src: usize, dst: usize, keys: &[String]) {
     let _: String = cluster.nodes[src].cmd(&migrate);
 }
 
-/// Migrates what is left of `slot` on `src` to `dst`, then ends the move.
-fn end_slot_move_after(cluster: &Cluster, slot: &str, src: usize, dst: usize) {
+/// Moves every key of `slot` still on `src` to `dst`; how many there were.
+fn migrate_rest(cluster: &Cluster, slot: &str, src: usize, dst: usize) -> usize {
     let keys: Vec<String> = cluster.nodes[src].cmd(&["CLUSTER", "GETKEYSINSLOT", slot, "100"]);
     if !keys.is_empty() {
         migrate_keys(cluster, src, dst, &keys);
     }
-    end_slot_move(cluster, slot, dst);
+    keys.len()
 }
 
 /// Gives `slot` to node `dst` on every node.
@@ -494,20 +493,14 @@ async fn acquire_follows_a_moving_slot(flavor: Flavor) {
     first.release().await.expect("release");
 
     let key = locker.lock_key("moving").expect("key");
-    let slot: i64 = cluster.nodes[0].cmd(&["CLUSTER", "KEYSLOT", key.lock_key()]);
-    let slot = slot.to_string();
-    let owns = |n: &support::Server| {
-        let count: i64 = n.cmd(&["CLUSTER", "COUNTKEYSINSLOT", &slot]);
-        // Only the owner holds the slot's keys; the fence key is one of them.
-        count > 0
-    };
-    let src = cluster
-        .nodes
-        .iter()
-        .position(owns)
-        .expect("the slot's owner");
+    // The fence key stays in the slot after the release, so its owner is found by it.
+    let (slot, src) = slot_and_owner(&cluster, key.lock_key());
     let dst = (src + 1) % cluster.nodes.len();
-    begin_slot_move(&cluster, &slot, src, dst);
+    start_slot_move(&cluster, &slot, src, dst);
+    assert!(
+        migrate_rest(&cluster, &slot, src, dst) > 0,
+        "the fence key moved"
+    );
 
     // Mid-move: the old owner answers ASK (the keys are gone from it) until the move ends.
     let mid_move = tokio::spawn({
@@ -533,7 +526,8 @@ async fn acquire_follows_a_moving_slot(flavor: Flavor) {
     second.release().await.expect("release");
 
     // And back, now at once: the locker's map names the new owner, which answers MOVED.
-    begin_slot_move(&cluster, &slot, dst, src);
+    start_slot_move(&cluster, &slot, dst, src);
+    migrate_rest(&cluster, &slot, dst, src);
     end_slot_move(&cluster, &slot, src);
     let third = locker
         .try_acquire("moving", &opts)
@@ -573,17 +567,9 @@ async fn queue_keeps_its_jobs_through_a_moving_slot(flavor: Flavor) {
     sleep(Duration::from_millis(100)).await;
 
     let tag = "{leasehold:mq}";
-    let slot: i64 = cluster.nodes[0].cmd(&["CLUSTER", "KEYSLOT", tag]);
-    let slot = slot.to_string();
-    let src = cluster
-        .nodes
-        .iter()
-        .position(|n| n.cmd::<i64>(&["CLUSTER", "COUNTKEYSINSLOT", &slot]) > 0)
-        .expect("the queue's owner");
+    let (slot, src) = slot_and_owner(&cluster, tag);
     let dst = (src + 1) % cluster.nodes.len();
-    let (src_id, dst_id) = (node_id(&cluster, src), node_id(&cluster, dst));
-    let _: () = cluster.nodes[dst].cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id]);
-    let _: () = cluster.nodes[src].cmd(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &dst_id]);
+    start_slot_move(&cluster, &slot, src, dst);
     // The job keys first, as a migration in progress may have moved them.
     let job = |id: leasehold::queue::JobId| format!("{tag}:job:{}", id.get());
     migrate_keys(&cluster, src, dst, &[job(a_id), job(b_id)]);
@@ -608,52 +594,44 @@ async fn queue_keeps_its_jobs_through_a_moving_slot(flavor: Flavor) {
         "the expired job left the active set"
     );
 
-    end_slot_move_after(&cluster, &slot, src, dst);
+    migrate_rest(&cluster, &slot, src, dst);
+    end_slot_move(&cluster, &slot, dst);
     let again = q.claim(long).await.expect("claim").expect("a job");
     assert_eq!((again.id(), again.payload()), (a_id, &b"a"[..]));
     let reaped = q.reap().await.expect("reap");
     assert_eq!(reaped.iter().map(|r| r.id).collect::<Vec<_>>(), [b_id]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_queue_keeps_its_jobs_through_a_moving_slot() {
-    queue_keeps_its_jobs_through_a_moving_slot(Flavor::Redis).await
+/// Every scenario above on a Redis cluster and on a Valkey cluster, as
+/// `on_redis::<scenario>` and `on_valkey::<scenario>`.
+macro_rules! on_each_flavor {
+    ($($scenario:ident),* $(,)?) => {
+        mod on_redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    super::$scenario(super::Flavor::Redis).await
+                }
+            )*
+        }
+        mod on_valkey {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    super::$scenario(super::Flavor::Valkey).await
+                }
+            )*
+        }
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn valkey_queue_keeps_its_jobs_through_a_moving_slot() {
-    queue_keeps_its_jobs_through_a_moving_slot(Flavor::Valkey).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_acquire_follows_a_moving_slot() {
-    acquire_follows_a_moving_slot(Flavor::Redis).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn valkey_acquire_follows_a_moving_slot() {
-    acquire_follows_a_moving_slot(Flavor::Valkey).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_waiter_woken_after_resubscribe() {
-    waiter_woken_after_resubscribe(Flavor::Redis).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn valkey_waiter_woken_after_resubscribe() {
-    waiter_woken_after_resubscribe(Flavor::Valkey).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_master_killed_under_load() {
-    master_killed_under_load(Flavor::Redis).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn valkey_master_killed_under_load() {
-    master_killed_under_load(Flavor::Valkey).await
-}
+on_each_flavor!(
+    master_killed_under_load,
+    waiter_woken_after_resubscribe,
+    nothing_runs_twice_when_connections_drop,
+    acquire_follows_a_moving_slot,
+    queue_keeps_its_jobs_through_a_moving_slot,
+);
 
 /// The README's ACL section says the plain `leasehold` rule cannot even connect to a cluster
 /// (the client reads the slot map with `CLUSTER SLOTS`, which that rule does not allow), so
