@@ -179,6 +179,70 @@ async fn slow_replies_never_give_expired_leases(flavor: Flavor) {
     );
 }
 
+/// A waiting acquire whose grant comes back after its validity gives that grant back and goes
+/// on waiting, as it would after a busy answer: it is handed a later grant, with a token of its
+/// own, well within its wait.
+async fn a_late_grant_does_not_end_the_wait(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    let ttl = Duration::from_millis(200);
+    let o = LockOptions::new()
+        .ttl(ttl)
+        .renew(false)
+        .wait(Duration::from_secs(5));
+    locker
+        .try_acquire("warm", &o)
+        .await
+        .expect("warm")
+        .release()
+        .await
+        .expect("release");
+    let key = "late-wait";
+    let k = locker.lock_key(key).expect("key");
+    // Read when the reply comes in, so the first grant's reply takes 260 ms whatever follows.
+    proxy.delay_replies(ttl.mul_f64(1.3));
+    let waiter = {
+        let (locker, o) = (locker.clone(), o.clone());
+        tokio::spawn(async move { locker.acquire(key, &o).await })
+    };
+    let give_up = Instant::now() + Duration::from_secs(2);
+    let late_token: String = loop {
+        if let Some(t) = server.cmd::<Option<String>>(&["GET", k.lock_key()]) {
+            break t;
+        }
+        assert!(
+            Instant::now() < give_up,
+            "the acquire never reached the server"
+        );
+        sleep(Duration::from_millis(2)).await;
+    };
+    let late_fence = fence_of(&server, &locker, key);
+    proxy.delay_replies(Duration::ZERO);
+    let lease = waiter
+        .await
+        .expect("task")
+        .expect("a grant that came late ended the wait");
+    assert_ne!(
+        lease.token().as_str(),
+        late_token,
+        "the grant that came after its validity was handed out"
+    );
+    assert!(
+        lease.fence().get() > late_fence,
+        "the lease handed out is not a later grant: fence {:?}, the late one {late_fence}",
+        lease.fence()
+    );
+    assert!(lease.remaining() > Duration::ZERO, "handed out expired");
+    let holder: String = server.cmd(&["GET", k.lock_key()]);
+    assert_eq!(
+        holder,
+        lease.token().as_str(),
+        "the lock holds the lease's token"
+    );
+    assert_eq!(lease.release().await.expect("release"), Release::Released);
+}
+
 /// A link whose round trip is a third of the TTL: renewal still keeps the lease. The first
 /// renewal is due a third of the TTL after the grant was *asked for*, which is when its validity
 /// starts; due a third after the grant's slow reply arrived, it would be sent so late that its
@@ -545,6 +609,10 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn slow_replies_never_give_expired_leases() {
                 super::slow_replies_never_give_expired_leases($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_late_grant_does_not_end_the_wait() {
+                super::a_late_grant_does_not_end_the_wait($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn renewal_keeps_a_lease_over_a_slow_link() {

@@ -396,11 +396,15 @@ impl<B: Backend + Clone> Locker<B> {
     /// Waiters of one locker take turns in arrival order: only the first asks the server, and a
     /// task that asks again after releasing queues behind them. Waiters in other processes still
     /// race for the key when it frees.
+    ///
+    /// A grant whose reply comes too late to be handed out (see
+    /// [`try_acquire`](Self::try_acquire)) is given back and the wait goes on; only when the
+    /// wait is over is it reported, as [`Error::LeaseLost`].
     #[instrument(level = "debug", skip(self, opts), fields(ttl = ?opts.ttl, wait = ?opts.wait))]
     pub async fn acquire(&self, key: &str, opts: &LockOptions) -> Result<Lease<B>> {
         let key = self.lock_key(key)?;
         opts.validate()?;
-        let token = Token::generate();
+        let mut token = Token::generate();
         let started = Instant::now();
         let give_up = crate::types::deadline_after(started, opts.wait);
         let turn = self.core.turnstiles.enter(key.user());
@@ -416,14 +420,25 @@ impl<B: Backend + Clone> Locker<B> {
             if let Some(w) = watch.as_mut() {
                 crate::wake::Watch::mark_seen(w);
             }
-            let remaining = match self.attempt(&key, &token, opts).await? {
-                Ok(mut lease) => {
+            let remaining = match self.attempt(&key, &token, opts).await {
+                Ok(Ok(mut lease)) => {
                     debug!(waited = ?started.elapsed(), fence = lease.fence.0, "acquired");
                     turn.hold(lease.state.clone(), permit);
                     lease.turn = Some(turn);
                     return Ok(lease);
                 }
-                Err(remaining) => remaining,
+                Ok(Err(remaining)) => remaining,
+                // A grant whose reply came too late to be handed out is being given back:
+                // within the wait it is one more attempt that did not win. The caller asked
+                // for a lease, not for one round trip, and a loaded machine or a slow link
+                // makes a late reply a passing thing.
+                Err(Error::LeaseLost { .. }) if Instant::now() < give_up => {
+                    // A fresh token: the give-back still on its way is token-checked, and with
+                    // the same token it could free the grant the next attempt wins.
+                    token = Token::generate();
+                    None
+                }
+                Err(e) => return Err(e),
             };
             if watch.is_none() {
                 // Subscribe, then try once more at once: a release between the failed attempt
