@@ -744,6 +744,103 @@ mod tests {
         LockOptions::new().ttl(ttl)
     }
 
+    /// The memory backend, except that its first acquire is granted and answered
+    /// `OutcomeUnknown` (a reply lost on the way back) and every later one never answers (a
+    /// retry still queued behind a slow call). It claims to undo grants its own acquires made,
+    /// as the Redis backend does, so only the locker can free the first grant once the caller
+    /// gives up during the retry.
+    #[derive(Clone)]
+    struct LostReplyThenSilence {
+        inner: MemoryBackend,
+        acquires: Arc<AtomicU64>,
+    }
+
+    impl Backend for LostReplyThenSilence {
+        fn acquire(
+            &self,
+            key: &LockKey,
+            token: &Token,
+            ttl: Duration,
+        ) -> impl Future<Output = Result<AcquireReply>> + Send {
+            let first = self.acquires.fetch_add(1, Ordering::SeqCst) == 0;
+            let grant = self.inner.acquire(key, token, ttl);
+            let user = key.user().to_owned();
+            async move {
+                if !first {
+                    return std::future::pending().await;
+                }
+                grant.await?;
+                Err(Error::OutcomeUnknown {
+                    op: "acquire",
+                    key: user,
+                    source: redis::RedisError::from((redis::ErrorKind::Io, "reply lost")),
+                })
+            }
+        }
+        fn release(
+            &self,
+            key: &LockKey,
+            token: &Token,
+        ) -> impl Future<Output = Result<bool>> + Send {
+            self.inner.release(key, token)
+        }
+        fn extend(
+            &self,
+            items: &[(LockKey, Token)],
+            ttl: Duration,
+        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+            self.inner.extend(items, ttl)
+        }
+        fn admit(
+            &self,
+            gate_key: &str,
+            fence: u64,
+        ) -> impl Future<Output = Result<Option<u64>>> + Send {
+            self.inner.admit(gate_key, fence)
+        }
+        fn watch(&self, key: &LockKey) -> impl Future<Output = Result<crate::wake::Watch>> + Send {
+            self.inner.watch(key)
+        }
+        fn wakeups(&self) -> &Arc<crate::wake::Wakeups> {
+            self.inner.wakeups()
+        }
+        fn undoes_abandoned_grants(&self) -> bool {
+            true
+        }
+    }
+
+    /// An acquire whose reply was lost is asked again with the same token; a caller that gives
+    /// up while that retry is unanswered leaves the first grant holding the key, with no one to
+    /// hold it and nothing in the backend to undo it: the locker frees it.
+    #[tokio::test]
+    async fn a_caller_gone_during_the_retry_frees_the_first_grant() {
+        let memory = MemoryBackend::new();
+        let locker = Locker::new(LostReplyThenSilence {
+            inner: memory.clone(),
+            acquires: Arc::default(),
+        });
+        let o = opts(Duration::from_secs(30)).renew(false);
+        let gone =
+            tokio::time::timeout(Duration::from_millis(50), locker.try_acquire("k", &o)).await;
+        assert!(gone.is_err(), "the retry answered: {gone:?}");
+        assert_eq!(
+            locker.backend().acquires.load(Ordering::SeqCst),
+            2,
+            "asked twice"
+        );
+        let plain = Locker::new(memory);
+        let give_up = Instant::now() + Duration::from_secs(2);
+        loop {
+            match plain.try_acquire("k", &o).await {
+                Ok(_) => break,
+                Err(Error::Busy { .. }) if Instant::now() < give_up => {
+                    tokio::time::sleep(Duration::from_millis(5)).await
+                }
+                Err(e) => panic!("the first grant still holds the key (30 s TTL): {e}"),
+            }
+        }
+    }
+
     /// Takes a 150 ms lease on `key` and checks that renewal keeps it over four TTLs.
     async fn assert_renewed(locker: &Locker, key: &str) {
         let lease = locker
