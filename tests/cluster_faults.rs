@@ -537,6 +537,45 @@ async fn acquire_follows_a_moving_slot(flavor: Flavor) {
     third.release().await.expect("release");
 }
 
+/// A sharded subscribe sent with a stale slot map: the slot's old owner answers `MOVED`, having
+/// subscribed nothing, and the subscription is sent again until the new owner has it. Without
+/// that, the waiter would be left to its timer (the holder's whole TTL) for a release it could
+/// have heard.
+async fn subscribe_follows_a_moved_slot(flavor: Flavor) {
+    use leasehold::Backend;
+
+    let cluster = Cluster::start(flavor, 3, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = Locker::redis_cluster(&urls).await.expect("connect");
+    let opts = LockOptions::new().ttl(Duration::from_secs(10)).renew(false);
+    // The fence key a grant leaves behind shows which node serves the slot.
+    let lease = locker.try_acquire("sub-moved", &opts).await.expect("grant");
+    lease.release().await.expect("release");
+    let key = locker.lock_key("sub-moved").expect("key");
+    let (slot, src) = slot_and_owner(&cluster, key.lock_key());
+    let dst = (src + 1) % cluster.nodes.len();
+    start_slot_move(&cluster, &slot, src, dst);
+    migrate_rest(&cluster, &slot, src, dst);
+    end_slot_move(&cluster, &slot, dst);
+    let subscribers = |node: usize| -> i64 {
+        cluster.nodes[node]
+            .cmd::<Vec<(String, i64)>>(&["PUBSUB", "SHARDNUMSUB", key.channel()])
+            .first()
+            .map_or(0, |(_, n)| *n)
+    };
+
+    // The locker's map still names `src`: the subscribe goes there first.
+    let watch = locker.backend().watch(&key).await.expect("watch");
+    let on_each: Vec<i64> = (0..cluster.nodes.len()).map(subscribers).collect();
+    assert_eq!(
+        on_each[dst], 1,
+        "not subscribed on the slot's new owner (subscribers per node: {on_each:?})"
+    );
+    assert_eq!(on_each.iter().sum::<i64>(), 1, "{on_each:?}");
+    drop(watch);
+}
+
 /// A queue's slot migrated (resharding) while a delayed job is due and a lease has expired: a
 /// queue script reaches job keys it does not declare, so once a job key has moved, a claim or a
 /// reap fails with the server's error. It fails before that job is changed: the job stays in
@@ -631,6 +670,7 @@ on_each_flavor!(
     nothing_runs_twice_when_connections_drop,
     acquire_follows_a_moving_slot,
     queue_keeps_its_jobs_through_a_moving_slot,
+    subscribe_follows_a_moved_slot,
 );
 
 /// The README's ACL section says the plain `leasehold` rule cannot even connect to a cluster
