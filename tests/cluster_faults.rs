@@ -565,8 +565,20 @@ async fn subscribe_follows_a_moved_slot(flavor: Flavor) {
             .map_or(0, |(_, n)| *n)
     };
 
+    // `MOVED` answers the old owner has given so far (`count=N`, or nothing before the first).
+    let moved = || -> u64 {
+        let stat = cluster.nodes[src].info_field("errorstats", "errorstat_MOVED");
+        stat.strip_prefix("count=")
+            .map_or(0, |n| n.parse().expect("a count"))
+    };
+    let moved_before = moved();
+
     // The locker's map still names `src`: the subscribe goes there first.
     let watch = locker.backend().watch(&key).await.expect("watch");
+    assert!(
+        moved() > moved_before,
+        "the old owner answered no MOVED: the subscribe did not go there first"
+    );
     let on_each: Vec<i64> = (0..cluster.nodes.len()).map(subscribers).collect();
     assert_eq!(
         on_each[dst], 1,

@@ -200,25 +200,26 @@ async fn a_late_grant_does_not_end_the_wait(flavor: Flavor) {
         .expect("release");
     let key = "late-wait";
     let k = locker.lock_key(key).expect("key");
-    // Read when the reply comes in, so the first grant's reply takes 260 ms whatever follows.
+    // Taken when the proxy reads a reply: the first grant's reply is held back 260 ms, past
+    // the lease's validity, whatever is set afterwards.
     proxy.delay_replies(ttl.mul_f64(1.3));
     let waiter = {
         let (locker, o) = (locker.clone(), o.clone());
         tokio::spawn(async move { locker.acquire(key, &o).await })
     };
     let give_up = Instant::now() + Duration::from_secs(2);
-    let late_token: String = loop {
-        if let Some(t) = server.cmd::<Option<String>>(&["GET", k.lock_key()]) {
-            break t;
-        }
+    while proxy.delayed.load(Ordering::SeqCst) == 0 {
         assert!(
             Instant::now() < give_up,
-            "the acquire never reached the server"
+            "the grant's reply never came back"
         );
         sleep(Duration::from_millis(2)).await;
-    };
-    let late_fence = fence_of(&server, &locker, key);
+    }
     proxy.delay_replies(Duration::ZERO);
+    let late_token: String = server
+        .cmd::<Option<String>>(&["GET", k.lock_key()])
+        .expect("the first grant holds the key while its reply is held back");
+    let late_fence = fence_of(&server, &locker, key);
     let lease = waiter
         .await
         .expect("task")

@@ -26,8 +26,8 @@ pub enum Error {
         waited: Duration,
     },
     /// The lease ran out or was taken away while it was supposed to be held, or its grant
-    /// arrived after its validity had already run out (from `try_acquire`, or from `acquire`
-    /// once its wait is over).
+    /// arrived after its validity had already run out (from `try_acquire`; from `acquire` when
+    /// its wait is over or after three such grants).
     #[error("lease on `{key}` was lost")]
     LeaseLost {
         /// The key whose lease was lost.

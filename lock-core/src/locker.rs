@@ -159,6 +159,18 @@ impl<B: Backend + Clone> Drop for Core<B> {
 
 /// An acquire in flight: dropped before its answer came (the caller's future dropped), it
 /// releases what the acquire may have granted.
+/// How many grants that came back after their validity end a waiting acquire.
+const MAX_LATE_GRANTS: u32 = 3;
+
+/// What one acquire round trip came to.
+enum Attempt<B: Backend + Clone> {
+    Granted(Lease<B>),
+    /// Held by another, with its remaining TTL when it has one.
+    Held(Option<Duration>),
+    /// Granted, but the reply came after the grant's validity: it is being given back.
+    Late,
+}
+
 struct Abandoned<'a, B: Backend + Clone> {
     locker: &'a Locker<B>,
     key: &'a LockKey,
@@ -379,10 +391,13 @@ impl<B: Backend + Clone> Locker<B> {
         opts.validate()?;
         let token = Token::generate();
         match self.attempt(&key, &token, opts).await? {
-            Ok(lease) => Ok(lease),
-            Err(remaining) => Err(Error::Busy {
+            Attempt::Granted(lease) => Ok(lease),
+            Attempt::Held(remaining) => Err(Error::Busy {
                 key: key.user().to_owned(),
                 remaining,
+            }),
+            Attempt::Late => Err(Error::LeaseLost {
+                key: key.user().to_owned(),
             }),
         }
     }
@@ -398,8 +413,9 @@ impl<B: Backend + Clone> Locker<B> {
     /// race for the key when it frees.
     ///
     /// A grant whose reply comes too late to be handed out (see
-    /// [`try_acquire`](Self::try_acquire)) is given back and the wait goes on; only when the
-    /// wait is over is it reported, as [`Error::LeaseLost`].
+    /// [`try_acquire`](Self::try_acquire)) is given back and the wait goes on after a pause,
+    /// with a new token. One that comes when the wait is over, or the third in one call (a TTL
+    /// too short for the link), is reported as [`Error::LeaseLost`].
     #[instrument(level = "debug", skip(self, opts), fields(ttl = ?opts.ttl, wait = ?opts.wait))]
     pub async fn acquire(&self, key: &str, opts: &LockOptions) -> Result<Lease<B>> {
         let key = self.lock_key(key)?;
@@ -416,29 +432,47 @@ impl<B: Backend + Clone> Locker<B> {
         };
         let mut watch = None;
         let mut backoff = Duration::from_millis(5);
+        let mut late = 0;
         loop {
             if let Some(w) = watch.as_mut() {
                 crate::wake::Watch::mark_seen(w);
             }
-            let remaining = match self.attempt(&key, &token, opts).await {
-                Ok(Ok(mut lease)) => {
+            let remaining = match self.attempt(&key, &token, opts).await? {
+                Attempt::Granted(mut lease) => {
                     debug!(waited = ?started.elapsed(), fence = lease.fence.0, "acquired");
                     turn.hold(lease.state.clone(), permit);
                     lease.turn = Some(turn);
                     return Ok(lease);
                 }
-                Ok(Err(remaining)) => remaining,
+                Attempt::Held(remaining) => remaining,
                 // A grant whose reply came too late to be handed out is being given back:
-                // within the wait it is one more attempt that did not win. The caller asked
-                // for a lease, not for one round trip, and a loaded machine or a slow link
-                // makes a late reply a passing thing.
-                Err(Error::LeaseLost { .. }) if Instant::now() < give_up => {
+                // within the wait it is one more attempt that did not win, since a loaded
+                // machine or a slow link makes a late reply a passing thing. Not forever: a
+                // TTL too short for the link would take the key and wake every waiter on
+                // each try, so a few late grants end the wait.
+                Attempt::Late => {
+                    late += 1;
+                    let now = Instant::now();
+                    if late >= MAX_LATE_GRANTS || now >= give_up {
+                        return Err(Error::LeaseLost {
+                            key: key.user().to_owned(),
+                        });
+                    }
+                    debug!(
+                        late,
+                        "grant came back after its validity; given back, waiting on"
+                    );
                     // A fresh token: the give-back still on its way is token-checked, and with
-                    // the same token it could free the grant the next attempt wins.
+                    // the same token it would free the grant the next attempt wins (the acquire
+                    // script grants a token its own key again).
                     token = Token::generate();
-                    None
+                    // A pause the give-back's own wake-up does not cut short, so that late
+                    // tries are spaced out as busy ones are.
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                    tokio::time::sleep_until((now + jitter(backoff) + backoff / 2).min(give_up))
+                        .await;
+                    continue;
                 }
-                Err(e) => return Err(e),
             };
             if watch.is_none() {
                 // Subscribe, then try once more at once: a release between the failed attempt
@@ -469,13 +503,13 @@ impl<B: Backend + Clone> Locker<B> {
         }
     }
 
-    /// One acquire round trip; `Err(remaining)` inside `Ok` means the key is held.
+    /// One acquire round trip.
     async fn attempt(
         &self,
         key: &LockKey,
         token: &Token,
         opts: &LockOptions,
-    ) -> Result<std::result::Result<Lease<B>, Option<Duration>>> {
+    ) -> Result<Attempt<B>> {
         // Validity counts from before the request leaves, so a slow reply can only shorten it.
         let start = Instant::now();
         // Dropped mid-call (a timeout around the acquire, a caller that went away), the acquire
@@ -523,7 +557,7 @@ impl<B: Backend + Clone> Locker<B> {
         // Answered, either way: a grant is handled below, a failure by the backend.
         abandoned.armed = false;
         match reply? {
-            AcquireReply::Held { remaining } => Ok(Err(remaining)),
+            AcquireReply::Held { remaining } => Ok(Attempt::Held(remaining)),
             AcquireReply::Granted { fence } => {
                 let state =
                     LeaseState::new(start + opts.ttl - drift(opts.ttl), warn_ahead(opts.ttl));
@@ -533,9 +567,7 @@ impl<B: Backend + Clone> Locker<B> {
                     // in case it has not expired yet.
                     debug!(fence, "grant arrived after its validity; releasing it");
                     self.release_in_background(key, token);
-                    return Err(Error::LeaseLost {
-                        key: key.user().to_owned(),
-                    });
+                    return Ok(Attempt::Late);
                 }
                 let id = self.core.next_id.fetch_add(1, Ordering::Relaxed);
                 if opts.renew {
@@ -548,7 +580,7 @@ impl<B: Backend + Clone> Locker<B> {
                         state: state.clone(),
                     });
                 }
-                Ok(Ok(Lease {
+                Ok(Attempt::Granted(Lease {
                     core: self.core.clone(),
                     id,
                     key: key.clone(),
@@ -744,37 +776,72 @@ mod tests {
         LockOptions::new().ttl(ttl)
     }
 
-    /// The memory backend, except that its first acquire is granted and answered
-    /// `OutcomeUnknown` (a reply lost on the way back) and every later one never answers (a
-    /// retry still queued behind a slow call). It claims to undo grants its own acquires made,
-    /// as the Redis backend does, so only the locker can free the first grant once the caller
-    /// gives up during the retry.
-    #[derive(Clone)]
-    struct LostReplyThenSilence {
-        inner: MemoryBackend,
-        acquires: Arc<AtomicU64>,
+    /// How [`Faulty`] answers acquires.
+    #[derive(Clone, Copy)]
+    enum AcquireFault {
+        /// The first acquire is granted and answered `OutcomeUnknown` (a reply lost on the way
+        /// back); every later one never answers (a retry still queued behind a slow call).
+        LostReplyThenSilence,
+        /// The first `count` acquires are granted, and answered `after` later (a slow link).
+        LateReplies { count: u64, after: Duration },
     }
 
-    impl Backend for LostReplyThenSilence {
+    /// The memory backend with faults of a network in front of it. It claims to undo grants
+    /// its own acquires made, as the Redis backend does, so that only the locker can free
+    /// what the faults leave behind.
+    #[derive(Clone)]
+    struct Faulty {
+        inner: MemoryBackend,
+        acquires: Arc<AtomicU64>,
+        fault: AcquireFault,
+        /// How long each release takes to reach the store.
+        release_delay: Duration,
+    }
+
+    impl Faulty {
+        fn new(inner: &MemoryBackend, fault: AcquireFault, release_delay: Duration) -> Faulty {
+            Faulty {
+                inner: inner.clone(),
+                acquires: Arc::default(),
+                fault,
+                release_delay,
+            }
+        }
+
+        fn acquires(&self) -> u64 {
+            self.acquires.load(Ordering::SeqCst)
+        }
+    }
+
+    impl Backend for Faulty {
         fn acquire(
             &self,
             key: &LockKey,
             token: &Token,
             ttl: Duration,
         ) -> impl Future<Output = Result<AcquireReply>> + Send {
-            let first = self.acquires.fetch_add(1, Ordering::SeqCst) == 0;
+            let n = self.acquires.fetch_add(1, Ordering::SeqCst);
             let grant = self.inner.acquire(key, token, ttl);
-            let user = key.user().to_owned();
+            let (fault, user) = (self.fault, key.user().to_owned());
             async move {
-                if !first {
-                    return std::future::pending().await;
+                match fault {
+                    AcquireFault::LostReplyThenSilence if n > 0 => std::future::pending().await,
+                    AcquireFault::LostReplyThenSilence => {
+                        grant.await?;
+                        Err(Error::OutcomeUnknown {
+                            op: "acquire",
+                            key: user,
+                            source: redis::RedisError::from((redis::ErrorKind::Io, "reply lost")),
+                        })
+                    }
+                    AcquireFault::LateReplies { count, after } => {
+                        let reply = grant.await;
+                        if n < count {
+                            tokio::time::sleep(after).await;
+                        }
+                        reply
+                    }
                 }
-                grant.await?;
-                Err(Error::OutcomeUnknown {
-                    op: "acquire",
-                    key: user,
-                    source: redis::RedisError::from((redis::ErrorKind::Io, "reply lost")),
-                })
             }
         }
         fn release(
@@ -782,7 +849,16 @@ mod tests {
             key: &LockKey,
             token: &Token,
         ) -> impl Future<Output = Result<bool>> + Send {
-            self.inner.release(key, token)
+            let (inner, key, token, delay) = (
+                self.inner.clone(),
+                key.clone(),
+                token.clone(),
+                self.release_delay,
+            );
+            async move {
+                tokio::time::sleep(delay).await;
+                inner.release(&key, &token).await
+            }
         }
         fn extend(
             &self,
@@ -809,25 +885,85 @@ mod tests {
         }
     }
 
+    /// A waiting acquire whose grant came back after its validity (970 ms for a 1 s lease,
+    /// whose alarm is at 960 ms) waits on with a new token, and is handed a later grant that
+    /// the late one's give-back cannot free: that give-back takes 20 ms to land, while the
+    /// late grant still holds the key, and finds a different token. (With the same token the
+    /// next attempt would be granted the key again and the give-back would then delete it.)
+    #[tokio::test(start_paused = true)]
+    async fn a_late_grant_is_given_back_and_the_wait_goes_on_with_a_new_token() {
+        let memory = MemoryBackend::new();
+        let late = AcquireFault::LateReplies {
+            count: 1,
+            after: Duration::from_millis(970),
+        };
+        let locker = Locker::new(Faulty::new(&memory, late, Duration::from_millis(20)));
+        let o = opts(Duration::from_secs(1))
+            .renew(false)
+            .wait(Duration::from_secs(5));
+        let lease = locker.acquire("k", &o).await.expect("a later grant");
+        assert!(locker.backend().acquires() >= 2, "the first grant was late");
+        assert!(!lease.is_lost());
+        // Every give-back has landed by now; the lease's own TTL runs for most of a second.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let other = Locker::new(memory);
+        match other.try_acquire("k", &o).await {
+            Err(Error::Busy { .. }) => {}
+            Ok(_) => panic!("the late grant's give-back freed the lease handed out"),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// A TTL too short for the link: every grant comes back late. The wait ends after the
+    /// third such grant, long before its deadline, rather than taking the key and waking every
+    /// waiter on each try for a minute.
+    #[tokio::test(start_paused = true)]
+    async fn late_grants_end_the_wait_after_three() {
+        let always_late = AcquireFault::LateReplies {
+            count: u64::MAX,
+            after: Duration::from_millis(970),
+        };
+        let locker = Locker::new(Faulty::new(
+            &MemoryBackend::new(),
+            always_late,
+            Duration::ZERO,
+        ));
+        let o = opts(Duration::from_secs(1))
+            .renew(false)
+            .wait(Duration::from_secs(60));
+        let started = Instant::now();
+        match locker.acquire("k", &o).await {
+            Err(Error::LeaseLost { .. }) => {}
+            other => panic!("want LeaseLost, got {:?}", other.map(|l| l.fence())),
+        }
+        assert_eq!(
+            locker.backend().acquires(),
+            3,
+            "late grants before the wait ended"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
     /// An acquire whose reply was lost is asked again with the same token; a caller that gives
     /// up while that retry is unanswered leaves the first grant holding the key, with no one to
     /// hold it and nothing in the backend to undo it: the locker frees it.
     #[tokio::test]
     async fn a_caller_gone_during_the_retry_frees_the_first_grant() {
         let memory = MemoryBackend::new();
-        let locker = Locker::new(LostReplyThenSilence {
-            inner: memory.clone(),
-            acquires: Arc::default(),
-        });
+        let locker = Locker::new(Faulty::new(
+            &memory,
+            AcquireFault::LostReplyThenSilence,
+            Duration::ZERO,
+        ));
         let o = opts(Duration::from_secs(30)).renew(false);
         let gone =
             tokio::time::timeout(Duration::from_millis(50), locker.try_acquire("k", &o)).await;
         assert!(gone.is_err(), "the retry answered: {gone:?}");
-        assert_eq!(
-            locker.backend().acquires.load(Ordering::SeqCst),
-            2,
-            "asked twice"
-        );
+        assert_eq!(locker.backend().acquires(), 2, "asked twice");
         let plain = Locker::new(memory);
         let give_up = Instant::now() + Duration::from_secs(2);
         loop {

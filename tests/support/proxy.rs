@@ -34,6 +34,9 @@ pub struct Proxy {
     pub dropped: Arc<AtomicUsize>,
     /// Delay added to every reply, in microseconds (0: none).
     delay_us: Arc<AtomicU64>,
+    /// How many reads of replies the reply delay has held back so far (a read that started
+    /// while it was set).
+    pub delayed: Arc<AtomicUsize>,
     /// One-way latency added to every chunk in both directions, in microseconds (0: none).
     latency_us: Arc<AtomicU64>,
     /// Per connection, in the order they were accepted: latency added to its requests alone,
@@ -53,6 +56,7 @@ impl Proxy {
             to_drop: Arc::default(),
             dropped: Arc::default(),
             delay_us: Arc::default(),
+            delayed: Arc::default(),
             latency_us: Arc::default(),
             request_latency_us: Arc::default(),
             state,
@@ -62,6 +66,7 @@ impl Proxy {
             to_drop: proxy.to_drop.clone(),
             dropped: proxy.dropped.clone(),
             delay: proxy.delay_us.clone(),
+            delayed: proxy.delayed.clone(),
             latency: proxy.latency_us.clone(),
             request_latency: proxy.request_latency_us.clone(),
         };
@@ -133,6 +138,7 @@ struct Faults {
     to_drop: Arc<AtomicUsize>,
     dropped: Arc<AtomicUsize>,
     delay: Arc<AtomicU64>,
+    delayed: Arc<AtomicUsize>,
     latency: Arc<AtomicU64>,
     request_latency: Arc<std::sync::Mutex<Vec<Arc<AtomicU64>>>>,
 }
@@ -245,7 +251,9 @@ async fn forward(
     mut state: watch::Receiver<NetState>,
 ) {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
-    let serial_delay = replies.as_ref().map(|f| f.delay.clone());
+    let serial_delay = replies
+        .as_ref()
+        .map(|f| (f.delay.clone(), f.delayed.clone()));
     // Reading goes on while the writer waits out latency or a stall; each chunk carries the
     // time it is due.
     let _reader = AbortOnDrop(tokio::spawn(async move {
@@ -256,11 +264,12 @@ async fn forward(
             }
             // The serial reply delay holds up reading too: replies that arrive meanwhile
             // are read, and delayed, together with this one.
-            let wait = serial_delay
-                .as_ref()
-                .map_or(0, |d| d.load(Ordering::SeqCst));
-            if wait > 0 {
-                tokio::time::sleep(Duration::from_micros(wait)).await;
+            if let Some((delay, delayed)) = &serial_delay {
+                let wait = delay.load(Ordering::SeqCst);
+                if wait > 0 {
+                    delayed.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_micros(wait)).await;
+                }
             }
             let added: u64 = latency.iter().map(|l| l.load(Ordering::SeqCst)).sum();
             let due = Instant::now() + Duration::from_micros(added);
