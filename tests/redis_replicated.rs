@@ -5,7 +5,7 @@ mod support;
 use std::time::Duration;
 
 use leasehold::{Error, LockOptions, Locker};
-use support::{Flavor, Server};
+use support::{Cluster, Flavor, Server};
 use tokio::time::Instant;
 
 fn replicated(timeout_ms: u64) -> LockOptions {
@@ -125,6 +125,42 @@ async fn memory_refuses_replicas() {
     match locker.try_acquire("k", &replicated(100)).await {
         Err(Error::Unsupported { backend, .. }) => assert_eq!(backend, "in-memory"),
         other => panic!("expected Unsupported, got {other:?}"),
+    }
+}
+
+/// A cluster and a Redlock quorum refuse `replicas(n)` before sending anything, rather than
+/// handing out grants the caller believes replicated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_and_quorum_refuse_replicas() {
+    let cluster = Cluster::start(Flavor::Redis, 3, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = Locker::redis_cluster(&urls).await.expect("connect");
+    match locker.try_acquire("k", &replicated(100)).await {
+        Err(Error::Unsupported { backend, .. }) => assert_eq!(backend, "cluster"),
+        other => panic!("cluster: expected Unsupported, got {other:?}"),
+    }
+    let k = locker.lock_key("k").expect("key");
+    assert_eq!(
+        cluster.cmd::<i64>(&["EXISTS", k.lock_key()]),
+        0,
+        "cluster: key written"
+    );
+
+    let members: Vec<Server> = (0..3).map(|_| Server::start(Flavor::Redis)).collect();
+    let urls: Vec<String> = members.iter().map(Server::url).collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = Locker::redlock(&urls).await.expect("connect");
+    match locker.try_acquire("k", &replicated(100)).await {
+        Err(Error::Unsupported { backend, .. }) => assert_eq!(backend, "quorum"),
+        other => panic!("quorum: expected Unsupported, got {other:?}"),
+    }
+    for m in &members {
+        assert_eq!(
+            m.cmd::<i64>(&["EXISTS", k.lock_key()]),
+            0,
+            "quorum: key written"
+        );
     }
 }
 

@@ -544,6 +544,22 @@ async fn reconnect(inner: Weak<Inner>, index: usize, url: String) {
 }
 
 impl Backend for QuorumBackend {
+    // Each member is a master of its own: `WAIT` on one says nothing of the grant's safety,
+    // which comes from the majority.
+    async fn acquire_replicated(
+        &self,
+        _key: &LockKey,
+        _token: &Token,
+        _ttl: Duration,
+        _replicas: u32,
+        _timeout: Duration,
+    ) -> Result<(AcquireReply, u32)> {
+        Err(crate::Error::Unsupported {
+            what: "waiting for replicas",
+            backend: "quorum",
+        })
+    }
+
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
         crate::types::validate_ttl(ttl)?;
         let span = debug_span!("quorum_acquire", key = key.user(), members = self.members());
