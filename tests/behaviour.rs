@@ -464,6 +464,40 @@ async fn renewal_and_loss(h: Harness) {
     );
 }
 
+/// A lease's view (`LeaseInfo`, what a request handler or a spawned task holds) is told when
+/// the lease ends by release or by drop, not only when it is lost: code that watches it stops
+/// once the guard is given up.
+async fn lease_view_ends_with_the_lease(h: Harness) {
+    let locker = h.locker().await;
+    for how in ["release", "drop"] {
+        let lease = locker
+            .try_acquire("view", &opts(30_000))
+            .await
+            .expect("free");
+        let info = lease.info();
+        assert!(!info.is_lost(), "{how}: lost while held");
+        let watcher = tokio::spawn({
+            let info = info.clone();
+            async move { info.lost().await }
+        });
+        sleep(Duration::from_millis(20)).await;
+        assert!(!watcher.is_finished(), "{how}: lost() resolved while held");
+        if how == "release" {
+            lease.release().await.expect("release");
+        } else {
+            drop(lease);
+        }
+        tokio::time::timeout(Duration::from_secs(2), watcher)
+            .await
+            .unwrap_or_else(|_| panic!("{how}: lost() still pending after the lease ended"))
+            .expect("watcher");
+        assert!(
+            info.is_lost(),
+            "{how}: the view still counts the lease held"
+        );
+    }
+}
+
 /// An extend to a shorter TTL shortens the lease: `remaining()` and `lost()` follow the new
 /// expiry, not the old, longer one; the key frees with it; and renewals go on at the new TTL.
 async fn extend_to_a_shorter_ttl(h: Harness) {
@@ -973,6 +1007,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn renewal_and_loss() {
                 super::renewal_and_loss(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn lease_view_ends_with_the_lease() {
+                super::lease_view_ends_with_the_lease(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn extend_to_a_shorter_ttl() {
