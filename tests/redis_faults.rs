@@ -283,6 +283,109 @@ async fn waiters_woken_after_resubscribe(flavor: Flavor) {
     drop(held);
 }
 
+/// A lock key someone else set with a plain `SET` (no expiry): `Busy` with no remaining time,
+/// the value left alone, and a waiter that backs off rather than spinning until its deadline.
+async fn held_without_expiry(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    start_counting(&server, &locker).await;
+    let k = locker.lock_key("forever").expect("key");
+    let _: () = server.cmd(&["SET", k.lock_key(), "someone"]);
+    match locker.try_acquire("forever", &opts(1_000)).await {
+        Err(Error::Busy { remaining, .. }) => {
+            assert_eq!(
+                remaining, None,
+                "a key without expiry has no time left to report"
+            )
+        }
+        other => panic!("expected Busy, got {other:?}"),
+    }
+    let started = Instant::now();
+    match locker
+        .acquire("forever", &opts(1_000).wait(Duration::from_millis(500)))
+        .await
+    {
+        Err(Error::WaitTimeout { .. }) => {}
+        other => panic!("expected WaitTimeout, got {other:?}"),
+    }
+    assert!(started.elapsed() >= Duration::from_millis(500));
+    // Backing off from 10 ms and doubling, half a second takes a handful of tries; a loop
+    // without a pause would make thousands.
+    let tries = calls(&server, "evalsha") - 1;
+    assert!(tries <= 12, "{tries} acquire calls in 500 ms");
+    let value: String = server.cmd(&["GET", k.lock_key()]);
+    assert_eq!(value, "someone", "the other holder's key was touched");
+    assert_eq!(server.cmd::<i64>(&["PTTL", k.lock_key()]), -1);
+}
+
+/// Clients connected to the server (normal and pub/sub), counting `conn`, which asks: the
+/// same connection each time, so that a test connection closing does not count.
+fn clients(conn: &mut ::redis::Connection) -> usize {
+    let list: String = ::redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(conn)
+        .expect("CLIENT LIST");
+    list.lines().filter(|l| !l.trim().is_empty()).count()
+}
+
+/// One locker, however many keys it holds and waits for, uses two connections: one
+/// multiplexed connection for every command and one subscription for every waited key.
+async fn one_connection_and_one_subscription_per_locker(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let holder = Locker::redis(&server.url()).await.expect("connect");
+    let mut held = Vec::new();
+    for i in 0..50 {
+        let key = format!("many:{i}");
+        held.push(
+            holder
+                .try_acquire(&key, &opts(30_000))
+                .await
+                .expect("holder"),
+        );
+    }
+    let mut test_conn = server.conn();
+    let before = clients(&mut test_conn);
+    let waiter_side = Locker::redis(&server.url()).await.expect("connect");
+    let waiters: Vec<_> = (0..50)
+        .map(|i| {
+            let locker = waiter_side.clone();
+            tokio::spawn(async move {
+                let o = opts(30_000).wait(Duration::from_secs(20));
+                let lease = locker.acquire(&format!("many:{i}"), &o).await;
+                lease.map(|l| l.fence())
+            })
+        })
+        .collect();
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        let channels: Vec<String> = ::redis::cmd("PUBSUB")
+            .arg("CHANNELS")
+            .query(&mut test_conn)
+            .expect("PUBSUB CHANNELS");
+        if channels.len() == 50 {
+            break;
+        }
+        assert!(
+            Instant::now() < give_up,
+            "{} of 50 keys subscribed",
+            channels.len()
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        clients(&mut test_conn) - before,
+        2,
+        "the waiting locker's connections (50 keys held, 50 waited for)"
+    );
+    for lease in held {
+        lease.release().await.expect("release");
+    }
+    for w in waiters {
+        w.await.expect("waiter").expect("each waiter gets its key");
+    }
+    assert_eq!(clients(&mut test_conn) - before, 2, "after the waits");
+}
+
 /// Calls of `command` the server has answered since its stats were last reset.
 fn calls(server: &Server, command: &str) -> u64 {
     let stats = server.info_field("commandstats", &format!("cmdstat_{command}"));
@@ -439,6 +542,14 @@ macro_rules! faults {
             #[tokio::test(flavor = "current_thread")]
             async fn one_foreign_key_in_a_batch() {
                 super::one_foreign_key_in_a_batch($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn held_without_expiry() {
+                super::held_without_expiry($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn one_connection_and_one_subscription_per_locker() {
+                super::one_connection_and_one_subscription_per_locker($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn server_goes_away() {
