@@ -285,6 +285,33 @@ async fn renewal_reaches_every_member(flavor: Flavor) {
     a.release().await.expect("release");
 }
 
+/// Renewal needs a majority: with two of five members down the lease is kept, renewed on the
+/// other three; with a third down no renewal can count, and the lease is reported lost before
+/// its local deadline (counted from before the last renewal that reached a majority).
+async fn renewal_without_a_majority_is_lost(flavor: Flavor) {
+    let mut servers = start(flavor, 5);
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let ttl = Duration::from_millis(600);
+    let lease = locker
+        .try_acquire("majority", &opts(600))
+        .await
+        .expect("all up");
+    servers[0].kill();
+    servers[1].kill();
+    sleep(ttl * 3).await;
+    assert!(
+        !lease.is_lost(),
+        "lost with three of five members renewing it"
+    );
+    // The last renewal that can count was sent before this kill, so the lease's deadline is
+    // at most a TTL away.
+    servers[2].kill();
+    tokio::time::timeout(ttl, lease.lost())
+        .await
+        .expect("not reported lost within a TTL of losing the majority");
+    assert_eq!(lease.remaining(), Duration::ZERO);
+}
+
 /// A member restarted empty in the middle of a held, renewing lease: the lease survives on the
 /// rest of the quorum, scripts are reloaded on the restarted member, and fences keep rising.
 async fn restart_empty_mid_run(flavor: Flavor) {
@@ -806,6 +833,64 @@ async fn a_member_down_at_start_joins_later() {
     );
 }
 
+/// A release missed while one member's subscription was down still wakes the waiter: when
+/// that member's subscriber reconnects it wakes every waiter, which retries. The key is
+/// deleted on every member without a publish, then one member's pub/sub connections are
+/// killed; the waiter must get the key long before the holder's 20 s TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_woken_when_a_member_resubscribes() {
+    let servers = start(Flavor::Redis, 3);
+    let holder_side = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let waiter_side = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let held = holder_side
+        .try_acquire("gap", &opts(20_000))
+        .await
+        .expect("holder");
+    let waiter = tokio::spawn(async move {
+        let started = Instant::now();
+        let lease = waiter_side
+            .acquire("gap", &opts(1_000).wait(Duration::from_secs(15)))
+            .await;
+        (lease.map(|l| l.fence()), started.elapsed())
+    });
+    let k = holder_side.lock_key("gap").expect("key");
+    let subscribing = Instant::now();
+    while !servers.iter().all(|s| {
+        let (_, n): (String, i64) = s.cmd(&["PUBSUB", "NUMSUB", k.channel()]);
+        n > 0
+    }) {
+        assert!(
+            subscribing.elapsed() < Duration::from_secs(5),
+            "never subscribed on every member"
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+    // Past the attempt the waiter makes right after subscribing: it now sleeps on the TTL.
+    sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the waiter got the key while it was held"
+    );
+    for s in &servers {
+        let _: i64 = s.cmd(&["DEL", k.lock_key()]);
+    }
+    // As on one server, a kill right after NUMSUB counted the client may find none yet.
+    let killing = Instant::now();
+    while servers[0].cmd::<i64>(&["CLIENT", "KILL", "TYPE", "pubsub"]) == 0 {
+        assert!(
+            killing.elapsed() < Duration::from_secs(3),
+            "no pub/sub client to kill on member 0"
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    let (fence, waited) = waiter.await.expect("waiter task");
+    assert!(fence.expect("the waiter got the key") > held.fence());
+    assert!(
+        waited < Duration::from_secs(5),
+        "woken by its timer, not by the member's resubscription: {waited:?}"
+    );
+}
+
 /// A waiter on a quorum wakes on release even with a member down, long before the TTL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiter_wakes_with_a_member_down() {
@@ -936,6 +1021,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn contention_one_winner() {
                 super::contention_one_winner($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn renewal_without_a_majority_is_lost() {
+                super::renewal_without_a_majority_is_lost($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn gate_on_a_quorum() {
