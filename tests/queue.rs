@@ -444,6 +444,71 @@ async fn worker_settles_by_outcome(h: Harness) {
     assert_eq!(q.job(flaky).await.expect("job").state, JobState::Done);
 }
 
+/// A failed attempt is retried after `backoff × 2^(attempts-1)`, capped at `max_backoff`:
+/// with 50 ms and a 100 ms cap, the gaps between the five attempts are at least 50, 100, 100
+/// and 100 ms, and the last stays well under the 400 ms an uncapped doubling would give.
+async fn retries_back_off_exponentially_up_to_the_cap(h: Harness) {
+    let q = h.open(Queue::builder("backoff").max_attempts(5)).await;
+    q.enqueue(b"always fails").await.expect("enqueue");
+    let starts: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let rec = starts.clone();
+    let w = Worker::new(q.clone())
+        .ttl(ms(5_000))
+        .backoff(ms(50), ms(100))
+        .start(move |_job| {
+            let rec = rec.clone();
+            async move {
+                rec.lock().expect("starts").push(Instant::now());
+                Err::<(), _>(JobError::retry("not yet"))
+            }
+        })
+        .expect("start");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            starts.lock().expect("starts").len() == 5
+        })
+        .await,
+        "five attempts: {:?}",
+        w.report()
+    );
+    w.shutdown(Duration::from_secs(5)).await;
+    let starts = starts.lock().expect("starts").clone();
+    let gaps: Vec<Duration> = starts.windows(2).map(|p| p[1] - p[0]).collect();
+    // The delay runs on the server's clock and the gaps on this one: a millisecond of slack.
+    for (gap, at_least) in gaps.iter().zip([50, 100, 100, 100]) {
+        assert!(*gap + ms(1) >= ms(at_least), "gaps {gaps:?}");
+    }
+    assert!(gaps[3] < ms(300), "the cap did not hold: gaps {gaps:?}");
+}
+
+/// A worker whose handle is dropped goes on working: the handle is for stopping it, not a
+/// guard that stops it.
+async fn dropped_handle_leaves_the_worker_running(h: Harness) {
+    let q = h.open(Queue::builder("unowned")).await;
+    drop(
+        Worker::new(q.clone())
+            .start(|_job| async { Ok::<(), JobError>(()) })
+            .expect("start"),
+    );
+    let ids = [
+        q.enqueue(b"a").await.expect("enqueue"),
+        q.enqueue(b"b").await.expect("enqueue"),
+        q.enqueue(b"c").await.expect("enqueue"),
+    ];
+    let done = eventually(Duration::from_secs(10), || async {
+        let mut all = true;
+        for id in ids {
+            all &= q.job(id).await.expect("job").state == JobState::Done;
+        }
+        all
+    })
+    .await;
+    assert!(
+        done,
+        "jobs enqueued after the handle was dropped were not run"
+    );
+}
+
 /// A claim moves at most 100 due retries back to pending, the earliest due first, on every
 /// backend alike: with 150 due, the 100 that came due first are claimable at once (the lowest
 /// id among them first), and the other 50 join with the next claim.
@@ -921,6 +986,14 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn worker_settles_by_outcome() {
                 super::worker_settles_by_outcome(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn retries_back_off_exponentially_up_to_the_cap() {
+                super::retries_back_off_exponentially_up_to_the_cap(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn dropped_handle_leaves_the_worker_running() {
+                super::dropped_handle_leaves_the_worker_running(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn due_retries_return_a_hundred_a_claim() {
