@@ -470,6 +470,22 @@ fn migrate_rest(cluster: &Cluster, slot: &str, src: usize, dst: usize) -> usize 
     keys.len()
 }
 
+/// `MOVED` answers node `i` has given so far (its error stats say `count=N`, or nothing before
+/// the first).
+fn moved_answers(cluster: &Cluster, i: usize) -> u64 {
+    let stat = cluster.nodes[i].info_field("errorstats", "errorstat_MOVED");
+    stat.strip_prefix("count=")
+        .map_or(0, |n| n.parse().expect("a count"))
+}
+
+/// Script calls (`EVALSHA`) node `i` has refused so far.
+fn failed_scripts(cluster: &Cluster, i: usize) -> u64 {
+    let stat = cluster.nodes[i].info_field("commandstats", "cmdstat_evalsha");
+    stat.split(',')
+        .find_map(|f| f.strip_prefix("failed_calls="))
+        .map_or(0, |n| n.parse().expect("a count"))
+}
+
 /// Gives `slot` to node `dst` on every node.
 fn end_slot_move(cluster: &Cluster, slot: &str, dst: usize) {
     let dst_id = node_id(cluster, dst);
@@ -565,18 +581,12 @@ async fn subscribe_follows_a_moved_slot(flavor: Flavor) {
             .map_or(0, |(_, n)| *n)
     };
 
-    // `MOVED` answers the old owner has given so far (`count=N`, or nothing before the first).
-    let moved = || -> u64 {
-        let stat = cluster.nodes[src].info_field("errorstats", "errorstat_MOVED");
-        stat.strip_prefix("count=")
-            .map_or(0, |n| n.parse().expect("a count"))
-    };
-    let moved_before = moved();
+    let moved_before = moved_answers(&cluster, src);
 
     // The locker's map still names `src`: the subscribe goes there first.
     let watch = locker.backend().watch(&key).await.expect("watch");
     assert!(
-        moved() > moved_before,
+        moved_answers(&cluster, src) > moved_before,
         "the old owner answered no MOVED: the subscribe did not go there first"
     );
     let on_each: Vec<i64> = (0..cluster.nodes.len()).map(subscribers).collect();
@@ -586,6 +596,51 @@ async fn subscribe_follows_a_moved_slot(flavor: Flavor) {
     );
     assert_eq!(on_each.iter().sum::<i64>(), 1, "{on_each:?}");
     drop(watch);
+}
+
+/// A renewing lease whose slot moves to another master after the locker learned the slot
+/// map: the renewal batch sent by that map reaches the old owner, whose script is refused (the
+/// key is no longer local), and the lease is renewed on the new owner instead. It is kept for
+/// several TTLs, and the new owner holds it.
+async fn renewal_follows_a_moved_slot(flavor: Flavor) {
+    let cluster = Cluster::start(flavor, 3, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = Locker::redis_cluster(&urls).await.expect("connect");
+    let other = Locker::redis_cluster(&urls).await.expect("connect");
+    let ttl = Duration::from_millis(600);
+    let lease = locker
+        .try_acquire("renew-moved", &LockOptions::new().ttl(ttl))
+        .await
+        .expect("grant");
+    let key = locker.lock_key("renew-moved").expect("key");
+    let (slot, src) = slot_and_owner(&cluster, key.lock_key());
+    let dst = (src + 1) % cluster.nodes.len();
+    // Past the first renewal (a third of the TTL), which fetches the slot map it then keeps.
+    sleep(ttl / 2).await;
+    let refused_before = failed_scripts(&cluster, src);
+    start_slot_move(&cluster, &slot, src, dst);
+    migrate_rest(&cluster, &slot, src, dst);
+    end_slot_move(&cluster, &slot, dst);
+    sleep(ttl * 4).await;
+    assert!(
+        failed_scripts(&cluster, src) > refused_before,
+        "no renewal batch went to the old owner: the slot map was not stale"
+    );
+    assert!(!lease.is_lost(), "lost after its slot moved");
+    let pttl: i64 = cluster.nodes[dst].cmd(&["PTTL", key.lock_key()]);
+    assert!(pttl > 0, "the new owner does not hold it (PTTL {pttl})");
+    match other
+        .try_acquire("renew-moved", &LockOptions::new().ttl(ttl))
+        .await
+    {
+        Err(leasehold::Error::Busy { .. }) => {}
+        other => panic!(
+            "another locker got past the renewed lease: {:?}",
+            other.map(|l| l.fence())
+        ),
+    }
+    lease.release().await.expect("release");
 }
 
 /// A queue's slot migrated (resharding) while a delayed job is due and a lease has expired: a
@@ -683,6 +738,7 @@ on_each_flavor!(
     acquire_follows_a_moving_slot,
     queue_keeps_its_jobs_through_a_moving_slot,
     subscribe_follows_a_moved_slot,
+    renewal_follows_a_moved_slot,
 );
 
 /// The README's ACL section says the plain `leasehold` rule cannot even connect to a cluster
