@@ -59,6 +59,16 @@ run_torture --seed 6 --secs 20 --persist --faults pause,restart
 run_torture --deploy quorum --seed 1 --secs 20
 run_torture --deploy cluster --seed 1 --secs 30
 run_torture --deploy cluster --seed 1 --secs 20 --faults masterkill --lag-replica
+# The checker's self-test: with the resource script swapped for one that accepts every write,
+# the run must fail on stale writes; a checker that passes this would pass anything.
+echo "torture --seed 4 --secs 15 --faults pause --break-resource (self-test: must fail on stale writes)"
+selftest=$(cargo run --all-features --example torture -- --seed 4 --secs 15 --faults pause --break-resource 2>&1) \
+  && st=0 || st=$?
+echo "$selftest" | sed -n '/^result:/,$p'
+if [ "$st" = 0 ] || ! echo "$selftest" | grep -Eq '^  - [1-9][0-9]* stale writes accepted'; then
+  echo "error: the torture self-test did not fail on stale writes (exit $st)" >&2
+  torture=1
+fi
 # One closing line for the whole run, summed over every test binary above.
 awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "total: %d passed, %d failed, %d skipped\n", p, f, i }' "$log"
 [ "$torture" = 0 ] || exit "$torture"
