@@ -469,6 +469,20 @@ async fn waiting_gets_the_key_after_the_holder(h: Harness) {
     assert!(r.header("retry-after").is_some());
     go.add_permits(1);
     assert_eq!(first.await.expect("join").status, StatusCode::OK);
+
+    // Unconfigured, a wait that runs out is answered 409 with `Retry-After`.
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let go = Arc::new(Semaphore::new(0));
+    let plain = LockLayer::new(h.locker().await, KeyExtractor::route_param("id"))
+        .wait(Duration::from_millis(300));
+    let addr = serve(gated(plain, tx, go.clone())).await;
+    let first = tokio::spawn(async move { post_to(addr, "/accounts/3/withdraw").await });
+    entered.recv().await.expect("first");
+    let r = post_to(addr, "/accounts/3/withdraw").await;
+    assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.text());
+    assert!(r.header("retry-after").is_some());
+    go.add_permits(1);
+    assert_eq!(first.await.expect("join").status, StatusCode::OK);
 }
 
 async fn json_body_key_is_handed_on_untouched(h: Harness) {
@@ -492,6 +506,31 @@ async fn json_body_key_is_handed_on_untouched(h: Harness) {
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     let big = format!(r#"{{"account":{{"id":"a"}},"pad":"{}"}}"#, "x".repeat(2000));
     let r = send(addr, Method::POST, "/transfers", &[], big).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", r.text());
+
+    // Unconfigured, the cap is DEFAULT_KEY_BODY_LIMIT (64 KiB): a body of exactly that size
+    // is read, one byte more is refused.
+    let app = Router::new()
+        .route(
+            "/transfers",
+            post(|Fence(_): Fence, body: Bytes| async move { body.len().to_string() }),
+        )
+        .route_layer(LockLayer::new(
+            h.locker().await,
+            KeyExtractor::json_field("/account/id"),
+        ));
+    let addr = serve(app).await;
+    let sized = |len: usize| {
+        let frame = r#"{"account":{"id":"b"},"pad":""}"#;
+        let pad = "x".repeat(len - frame.len());
+        format!(r#"{{"account":{{"id":"b"}},"pad":"{pad}"}}"#)
+    };
+    let at_cap = sized(lock_tower::DEFAULT_KEY_BODY_LIMIT);
+    let r = send(addr, Method::POST, "/transfers", &[], at_cap).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(r.text(), lock_tower::DEFAULT_KEY_BODY_LIMIT.to_string());
+    let over = sized(lock_tower::DEFAULT_KEY_BODY_LIMIT + 1);
+    let r = send(addr, Method::POST, "/transfers", &[], over).await;
     assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", r.text());
 }
 
