@@ -1327,9 +1327,63 @@ async fn client_hangs_up_while_the_result_is_stored(h: Harness) {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// The server goes away while the handler runs: the first caller still gets the handler's
+/// answer (nothing can be stored), and a delivery that arrives while the server is down is
+/// answered 503 with `Retry-After: 1`, its handler not run.
+async fn backend_down_still_answers_then_refuses(flavor: support::Flavor) {
+    let mut s = support::Server::start(flavor);
+    let locker = lock_core::Locker::redis(&s.url()).await.expect("connect");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let addr = serve(counting(
+        DedupeLayer::new(locker),
+        runs.clone(),
+        Duration::from_millis(500),
+    ))
+    .await;
+    let first = tokio::spawn(async move { deliver(addr, r#""going""#, "{}").await });
+    assert!(
+        eventually(Duration::from_secs(5), async || runs.load(Ordering::SeqCst)
+            == 1)
+        .await,
+        "the handler never ran"
+    );
+    s.kill();
+    let first = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .expect("the first caller got no answer within 10 s of the server going away")
+        .expect("join");
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    assert!(first.text().contains(r#""run":1"#), "{}", first.text());
+
+    let r = deliver(addr, r#""while-down""#, "{}").await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "a handler ran while the server was down"
+    );
+}
+
 /// Faults only a real server can show (a refused write, slow replies).
 mod server_faults {
     use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn backend_down_on_redis() {
+        common::bounded(backend_down_still_answers_then_refuses(
+            support::Flavor::Redis,
+        ))
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn backend_down_on_valkey() {
+        common::bounded(backend_down_still_answers_then_refuses(
+            support::Flavor::Valkey,
+        ))
+        .await
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn store_write_failure_on_redis() {
