@@ -750,41 +750,61 @@ async fn raw_deliver(addr: std::net::SocketAddr, path: &str, key: &str) -> TcpSt
 /// The client hangs up after the handler answered, while the layer still reads the answer's
 /// body to store it. The handler's work is done, so its result is still stored and the claim
 /// released: the sender's retry gets the replay instead of a second run (or a 409 until the
-/// claim's TTL ran out).
+/// claim's TTL ran out). Also for a body above the stored cap, which the layer streams to the
+/// caller as it comes: it reads on to the end after the hang-up, and records status and
+/// headers, as it would had the caller stayed.
 async fn client_hangs_up_while_the_result_is_collected(h: Harness) {
-    let locker = h.locker().await;
-    let runs = Arc::new(AtomicUsize::new(0));
-    let (tx, mut entered) = mpsc::unbounded_channel();
-    let r2 = runs.clone();
-    let app = Router::new()
-        .route(
-            "/hooks/drip",
-            post(move || {
-                let (runs, tx) = (r2.clone(), tx.clone());
-                async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    let _ = tx.send(());
-                    // Five chunks, 100 ms apart: the layer reads them all before it answers.
-                    Response::new(Body::new(Drip::new(Duration::from_millis(100), 5)))
-                }
-            }),
-        )
-        // A long TTL: only a release can free the claim within the test.
-        .layer(DedupeLayer::new(locker).claim_ttl(Duration::from_secs(60)));
-    let addr = serve(app).await;
-    let conn = raw_deliver(addr, "/hooks/drip", r#""gone""#).await;
-    entered.recv().await.expect("entered");
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    drop(conn);
-    let last = deliver_until_not_busy(addr, "/hooks/drip", r#""gone""#).await;
-    assert_eq!(last.status, StatusCode::OK, "{}", last.text());
-    assert_eq!(
-        last.header("idempotent-replayed"),
-        Some("true"),
-        "the result was not stored after the client hung up"
-    );
-    assert_eq!(last.text(), "chunk\n".repeat(5));
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran again");
+    // Five chunks of six bytes: 30 under a cap of 1 KiB, and above a cap of 10.
+    for cap in [1024, 10] {
+        let locker = h.locker().await;
+        let runs = Arc::new(AtomicUsize::new(0));
+        let (tx, mut entered) = mpsc::unbounded_channel();
+        let r2 = runs.clone();
+        let app = Router::new()
+            .route(
+                "/hooks/drip",
+                post(move || {
+                    let (runs, tx) = (r2.clone(), tx.clone());
+                    async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        let _ = tx.send(());
+                        // Five chunks, 100 ms apart: the hang-up comes after the first.
+                        Response::new(Body::new(Drip::new(Duration::from_millis(100), 5)))
+                    }
+                }),
+            )
+            // A long TTL: only a release can free the claim within the test.
+            .layer(
+                DedupeLayer::new(locker)
+                    .claim_ttl(Duration::from_secs(60))
+                    .stored_body_limit(cap),
+            );
+        let addr = serve(app).await;
+        let key = format!(r#""gone-{cap}""#);
+        let conn = raw_deliver(addr, "/hooks/drip", &key).await;
+        entered.recv().await.expect("entered");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        drop(conn);
+        let last = deliver_until_not_busy(addr, "/hooks/drip", &key).await;
+        assert_eq!(last.status, StatusCode::OK, "cap {cap}: {}", last.text());
+        assert_eq!(
+            last.header("idempotent-replayed"),
+            Some("true"),
+            "cap {cap}: the result was not stored after the client hung up"
+        );
+        if cap == 10 {
+            assert_eq!(last.header("idempotent-body-omitted"), Some("true"));
+            assert_eq!(last.text(), "");
+        } else {
+            assert_eq!(last.header("idempotent-body-omitted"), None);
+            assert_eq!(last.text(), "chunk\n".repeat(5));
+        }
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "cap {cap}: the handler ran again"
+        );
+    }
 }
 
 /// A client that hangs up while the handler still runs: the handler is cancelled (its future
