@@ -8,7 +8,7 @@ mod support;
 mod tls_support;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use leasehold::{Error, Fence, LockOptions, Locker, MemoryBackend, Release};
@@ -732,6 +732,78 @@ async fn with_lock_cancels_on_loss(h: Harness) {
     assert!(ok > Fence(0));
 }
 
+/// `with_lock` holds the key for the whole body, renewing it well past its TTL, frees it
+/// as soon as it returns, and never runs the body on a key it could not take.
+async fn with_lock_holds_renews_and_releases(h: Harness) {
+    let locker = h.locker().await;
+    let other = h.locker().await;
+    let (held_mid_body, ran) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let mid = held_mid_body.clone();
+    let o = opts(300);
+    let answer = locker
+        .with_lock("scope", &o, |info| {
+            let other = other.clone();
+            async move {
+                // Four TTLs: only renewal keeps the lease.
+                sleep(Duration::from_millis(1_200)).await;
+                let busy = matches!(
+                    other.try_acquire("scope", &opts(300)).await,
+                    Err(Error::Busy { .. })
+                );
+                mid.store(busy && !info.is_lost(), Ordering::SeqCst);
+                info.fence()
+            }
+        })
+        .await
+        .expect("the body ran to its end");
+    assert!(answer > Fence(0));
+    assert!(
+        held_mid_body.load(Ordering::SeqCst),
+        "the key was not held (or counted lost) four TTLs into the body"
+    );
+    let next = other
+        .try_acquire("scope", &opts(300))
+        .await
+        .expect("free as soon as with_lock returned");
+    let r = locker
+        .with_lock("scope", &opts(300).wait(Duration::from_millis(300)), |_| {
+            let ran = ran.clone();
+            async move { ran.store(true, Ordering::SeqCst) }
+        })
+        .await;
+    assert!(matches!(r, Err(Error::WaitTimeout { .. })), "{r:?}");
+    assert!(
+        !ran.load(Ordering::SeqCst),
+        "the body ran without the lease"
+    );
+    next.release().await.expect("release");
+}
+
+/// A fence gate's record lives with the resource, not the gate: two gates on one resource, from
+/// two lockers, refuse each other's stale fences.
+async fn fence_gates_share_their_resource(h: Harness) {
+    let (a, b) = (h.locker().await, h.locker().await);
+    let (g1, g2) = (
+        a.fence_gate("shared").expect("gate"),
+        b.fence_gate("shared").expect("gate"),
+    );
+    g1.admit(Fence(10)).await.expect("first");
+    let stale = g2.admit(Fence(9)).await;
+    assert!(
+        matches!(stale, Err(Error::Stale { highest, .. }) if highest == Fence(10)),
+        "{stale:?}"
+    );
+    g2.admit(Fence(12)).await.expect("higher");
+    let stale = g1.admit(Fence(11)).await;
+    assert!(
+        matches!(stale, Err(Error::Stale { highest, .. }) if highest == Fence(12)),
+        "{stale:?}"
+    );
+}
+
 async fn bad_input(h: Harness) {
     let locker = h.locker().await;
     let o = LockOptions::default();
@@ -1027,6 +1099,14 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn cancellation() {
                 super::cancellation(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn with_lock_holds_renews_and_releases() {
+                super::with_lock_holds_renews_and_releases(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fence_gates_share_their_resource() {
+                super::fence_gates_share_their_resource(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn with_lock_cancels_on_loss() {
