@@ -888,6 +888,207 @@ async fn retry_delay_is_bounded(h: Harness) {
     );
 }
 
+/// A lease past its deadline that no reap has returned still holds (the module's limits say
+/// so): nobody else can claim the job, and its holder may still extend and complete it.
+async fn lapsed_unreaped_lease_still_holds(h: Harness) {
+    let q = h.open(Queue::builder("lapsed")).await;
+    let id = q.enqueue(b"x").await.expect("enqueue");
+    let c = q.claim(ms(100)).await.expect("claim").expect("job");
+    sleep(ms(300)).await;
+    assert!(
+        q.claim(ms(1_000)).await.expect("claim").is_none(),
+        "a lapsed, unreaped lease was claimed again"
+    );
+    q.extend(id, c.attempts(), ms(5_000))
+        .await
+        .expect("its holder may extend it");
+    q.complete(id, c.attempts())
+        .await
+        .expect("its holder may complete it");
+    assert_eq!(q.job(id).await.expect("job").state, JobState::Done);
+}
+
+/// A retry without delay puts the job back where it was in line, not behind the jobs enqueued
+/// after it.
+async fn zero_delay_retry_keeps_its_place(h: Harness) {
+    let q = h.open(Queue::builder("inline")).await;
+    let a = q.enqueue(b"a").await.expect("enqueue");
+    let b = q.enqueue(b"b").await.expect("enqueue");
+    q.enqueue(b"c").await.expect("enqueue");
+    let first = q.claim(ms(5_000)).await.expect("claim").expect("a");
+    assert_eq!(first.id(), a);
+    assert_eq!(
+        q.retry(a, first.attempts(), Duration::ZERO)
+            .await
+            .expect("retry"),
+        JobState::Pending
+    );
+    let again = q.claim(ms(5_000)).await.expect("claim").expect("a again");
+    assert_eq!(
+        (again.id(), again.attempts()),
+        (a, 2),
+        "not back at its place"
+    );
+    let next = q.claim(ms(5_000)).await.expect("claim").expect("b");
+    assert_eq!(next.id(), b);
+}
+
+/// A worker runs `concurrency` handlers at once, no more and (with jobs waiting) no fewer;
+/// zero counts as one.
+async fn concurrency_is_the_number_of_handlers_at_once(h: Harness) {
+    for (n, jobs, want) in [(3usize, 9, 3usize), (0, 4, 1)] {
+        let q = h.open(Queue::builder(format!("conc{n}"))).await;
+        for i in 0..jobs {
+            q.enqueue(vec![i as u8]).await.expect("enqueue");
+        }
+        let (running, peak) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (r, p) = (running.clone(), peak.clone());
+        let w = Worker::new(q.clone())
+            .concurrency(n)
+            .ttl(ms(5_000))
+            .start(move |_job| {
+                let (r, p) = (r.clone(), p.clone());
+                async move {
+                    let now = r.fetch_add(1, Ordering::SeqCst) + 1;
+                    p.fetch_max(now, Ordering::SeqCst);
+                    sleep(ms(300)).await;
+                    r.fetch_sub(1, Ordering::SeqCst);
+                    Ok::<(), JobError>(())
+                }
+            })
+            .expect("start");
+        assert!(
+            eventually(Duration::from_secs(15), || async {
+                w.report().completed == jobs as u64
+            })
+            .await,
+            "concurrency {n}: {:?}",
+            w.report()
+        );
+        w.shutdown(Duration::from_secs(5)).await;
+        assert_eq!(
+            peak.load(Ordering::SeqCst),
+            want as u64,
+            "concurrency {n}: handlers at once"
+        );
+    }
+}
+
+/// Reaps run at once from several handles move each expired job once.
+async fn concurrent_reaps_move_each_job_once(h: Harness) {
+    let q = h.open(Queue::builder("reapers")).await;
+    let mut ids = Vec::new();
+    for i in 0..40u8 {
+        ids.push(q.enqueue(vec![i]).await.expect("enqueue"));
+    }
+    for _ in 0..40 {
+        q.claim(ms(50)).await.expect("claim").expect("job");
+    }
+    sleep(ms(200)).await;
+    let mut reapers = Vec::new();
+    for _ in 0..4 {
+        let r = h.open(Queue::builder("reapers")).await;
+        reapers.push(tokio::spawn(async move { r.reap().await }));
+    }
+    let mut moved = Vec::new();
+    for r in reapers {
+        moved.extend(r.await.expect("join").expect("reap"));
+    }
+    let mut got: Vec<JobId> = moved.iter().map(|m| m.id).collect();
+    got.sort();
+    let before = got.len();
+    got.dedup();
+    assert_eq!(before, got.len(), "a job was reaped twice");
+    assert_eq!(got, ids, "reaped {} of 40", got.len());
+    for id in got {
+        let job = q.job(id).await.expect("job");
+        assert_eq!((job.state, job.attempts), (JobState::Pending, 1));
+    }
+}
+
+/// `max_attempts(0)` sets no limit: a job retried more often than the default limit allows
+/// stays pending.
+async fn no_attempt_limit_with_zero(h: Harness) {
+    let q = h.open(Queue::builder("unlimited").max_attempts(0)).await;
+    let id = q.enqueue(b"x").await.expect("enqueue");
+    for attempt in 1..=8u64 {
+        let c = q.claim(ms(5_000)).await.expect("claim").expect("job");
+        assert_eq!((c.id(), c.attempts()), (id, attempt));
+        assert_eq!(
+            q.retry(id, attempt, Duration::ZERO).await.expect("retry"),
+            JobState::Pending,
+            "attempt {attempt}"
+        );
+    }
+}
+
+/// Waiters wake when a retry or a reap returns a job to pending, not only on enqueue.
+async fn claim_wait_wakes_on_retry_and_reap(h: Harness) {
+    let q = h.open(Queue::builder("rewake")).await;
+    for how in ["retry", "reap"] {
+        let id = q.enqueue(how.as_bytes()).await.expect("enqueue");
+        let held = q
+            .claim(if how == "reap" { ms(100) } else { ms(5_000) })
+            .await
+            .expect("claim")
+            .expect("job");
+        let waiter = {
+            let q = h.open(Queue::builder("rewake")).await;
+            tokio::spawn(async move {
+                let c = q.claim_wait(ms(5_000), Duration::from_secs(10)).await;
+                (Instant::now(), c)
+            })
+        };
+        // Midway between the 1 s fallback polls, so a wake-up is told apart from a poll.
+        sleep(ms(1_200)).await;
+        let returned = Instant::now();
+        if how == "retry" {
+            q.retry(id, held.attempts(), Duration::ZERO)
+                .await
+                .expect("retry");
+        } else {
+            assert_eq!(q.reap().await.expect("reap").len(), 1);
+        }
+        let (woke, claim) = waiter.await.expect("waiter");
+        let claim = claim.expect("claim_wait").expect("a job");
+        assert_eq!((claim.id(), claim.attempts()), (id, 2), "{how}");
+        let lag = woke - returned;
+        assert!(
+            lag < ms(500),
+            "{how}: woken only by the fallback poll: {lag:?}"
+        );
+        q.complete(id, 2).await.expect("complete");
+    }
+}
+
+/// A completed job's marker stays for `keep_done`: until then a late caller of an old attempt
+/// is told `Stale`, after it `UnknownJob`, as is everyone else.
+async fn done_marker_expires_after_keep_done(h: Harness) {
+    let q = h.open(Queue::builder("marker").keep_done(ms(300))).await;
+    let id = q.enqueue(b"x").await.expect("enqueue");
+    let first = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    q.retry(id, first.attempts(), Duration::ZERO)
+        .await
+        .expect("retry");
+    let second = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert_eq!(second.attempts(), 2);
+    q.complete(id, 2).await.expect("complete");
+    let late = q.complete(id, 1).await;
+    assert!(matches!(late, Err(Error::Stale { .. })), "{late:?}");
+    q.complete(id, 2)
+        .await
+        .expect("the same completion again, while the marker stays");
+    sleep(ms(600)).await;
+    for attempt in [1, 2] {
+        let r = q.complete(id, attempt).await;
+        assert!(
+            matches!(r, Err(Error::UnknownJob { .. })),
+            "attempt {attempt}: {r:?}"
+        );
+    }
+    assert!(matches!(q.job(id).await, Err(Error::UnknownJob { .. })));
+}
+
 /// An attempt higher than any the job was given was never granted: it is not stale (no newer
 /// attempt superseded it), and no step of it lands.
 async fn unissued_attempt_is_refused(h: Harness) {
@@ -1010,6 +1211,34 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_lease_cancels_handler() {
                 super::lost_lease_cancels_handler(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn lapsed_unreaped_lease_still_holds() {
+                super::lapsed_unreaped_lease_still_holds(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn zero_delay_retry_keeps_its_place() {
+                super::zero_delay_retry_keeps_its_place(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrency_is_the_number_of_handlers_at_once() {
+                super::concurrency_is_the_number_of_handlers_at_once(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_reaps_move_each_job_once() {
+                super::concurrent_reaps_move_each_job_once(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn no_attempt_limit_with_zero() {
+                super::no_attempt_limit_with_zero(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn claim_wait_wakes_on_retry_and_reap() {
+                super::claim_wait_wakes_on_retry_and_reap(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn done_marker_expires_after_keep_done() {
+                super::done_marker_expires_after_keep_done(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn claim_wait_wakes_on_enqueue() {
