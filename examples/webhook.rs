@@ -102,6 +102,29 @@ async fn payment_hook(State(bank): State<Bank>, body: Bytes) -> Answer {
     }
 }
 
+/// The service: a locked withdrawal route and a deduplicated payment webhook on `locker`.
+/// (`tests/webhook_example.rs` replays the README's session against it.)
+pub fn app(locker: Locker) -> Router {
+    let bank = Bank::default();
+    Router::new()
+        .route("/accounts/{id}/withdraw", post(withdraw))
+        .route_layer(
+            LockLayer::new(locker.clone(), KeyExtractor::route_param("id"))
+                .key_prefix("account:")
+                .ttl(Duration::from_secs(10)),
+        )
+        // On the method router, so only this endpoint is deduplicated.
+        .route(
+            "/hooks/payments",
+            post(payment_hook).layer(
+                DedupeLayer::new(locker)
+                    .key(KeyExtractor::webhook_id())
+                    .scope("payments"),
+            ),
+        )
+        .with_state(bank)
+}
+
 struct Args {
     addr: String,
     redis: Option<String>,
@@ -134,24 +157,7 @@ async fn main() -> Result<(), BoxError> {
         Some(url) => (Locker::redis(url).await?, format!("redis at {url}")),
         None => (Locker::memory(), "memory".to_owned()),
     };
-    let bank = Bank::default();
-    let app = Router::new()
-        .route("/accounts/{id}/withdraw", post(withdraw))
-        .route_layer(
-            LockLayer::new(locker.clone(), KeyExtractor::route_param("id"))
-                .key_prefix("account:")
-                .ttl(Duration::from_secs(10)),
-        )
-        // On the method router, so only this endpoint is deduplicated.
-        .route(
-            "/hooks/payments",
-            post(payment_hook).layer(
-                DedupeLayer::new(locker)
-                    .key(KeyExtractor::webhook_id())
-                    .scope("payments"),
-            ),
-        )
-        .with_state(bank);
+    let app = app(locker);
     let listener = tokio::net::TcpListener::bind(&args.addr).await?;
     println!(
         "listening on http://{} (backend: {backend})",
