@@ -742,13 +742,13 @@ async fn with_lock_holds_renews_and_releases(h: Harness) {
         Arc::new(AtomicBool::new(false)),
     );
     let mid = held_mid_body.clone();
-    let o = opts(300);
+    let o = opts(600);
     let answer = locker
         .with_lock("scope", &o, |info| {
             let other = other.clone();
             async move {
-                // Four TTLs: only renewal keeps the lease.
-                sleep(Duration::from_millis(1_200)).await;
+                // Over three TTLs: only renewal keeps the lease.
+                sleep(Duration::from_millis(2_000)).await;
                 let busy = matches!(
                     other.try_acquire("scope", &opts(300)).await,
                     Err(Error::Busy { .. })
@@ -762,7 +762,7 @@ async fn with_lock_holds_renews_and_releases(h: Harness) {
     assert!(answer > Fence(0));
     assert!(
         held_mid_body.load(Ordering::SeqCst),
-        "the key was not held (or counted lost) four TTLs into the body"
+        "the key was not held (or counted lost) three TTLs into the body"
     );
     let next = other
         .try_acquire("scope", &opts(300))
