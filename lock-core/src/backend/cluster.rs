@@ -533,23 +533,11 @@ fn slot(server_key: &str) -> u16 {
 }
 
 impl Backend for ClusterBackend {
+    const NAME: &'static str = "cluster";
+
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
         crate::types::validate_ttl(ttl)?;
         ops::acquire(&mut self.conn.clone(), &self.scripts, key, token, ttl).await
-    }
-
-    async fn acquire_replicated(
-        &self,
-        _key: &LockKey,
-        _token: &Token,
-        _ttl: Duration,
-        _replicas: u32,
-        _timeout: Duration,
-    ) -> Result<(AcquireReply, u32)> {
-        Err(crate::Error::Unsupported {
-            what: "waiting for replicas",
-            backend: "cluster",
-        })
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {

@@ -128,6 +128,8 @@ fn now_micros() -> u64 {
 }
 
 impl Backend for MemoryBackend {
+    const NAME: &'static str = "in-memory";
+
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
         crate::types::validate_ttl(ttl)?;
         let now = Instant::now();
@@ -146,20 +148,6 @@ impl Backend for MemoryBackend {
         slot.fence = (slot.fence + 1).max(now_micros());
         slot.holder = Some((token.clone(), now + ttl));
         Ok(AcquireReply::Granted { fence: slot.fence })
-    }
-
-    async fn acquire_replicated(
-        &self,
-        _key: &LockKey,
-        _token: &Token,
-        _ttl: Duration,
-        _replicas: u32,
-        _timeout: Duration,
-    ) -> Result<(AcquireReply, u32)> {
-        Err(crate::Error::Unsupported {
-            what: "waiting for replicas",
-            backend: "in-memory",
-        })
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {

@@ -46,6 +46,10 @@ pub enum AcquireReply {
 /// `ttl` outside [`MIN_TTL`](crate::MIN_TTL)`..=`[`MAX_TTL`](crate::MAX_TTL) is refused with
 /// [`Error::InvalidTtl`](crate::Error::InvalidTtl) before anything is sent.
 pub trait Backend: Send + Sync + 'static {
+    /// The backend's name in messages, such as the [`Error::Unsupported`](crate::Error::Unsupported)
+    /// a backend without replicas answers to [`acquire_replicated`](Backend::acquire_replicated).
+    const NAME: &'static str = "chosen";
+
     /// Grants the lease (`SET NX PX` semantics) and advances the fence, or reports the holder.
     fn acquire(
         &self,
@@ -71,7 +75,7 @@ pub trait Backend: Send + Sync + 'static {
         async {
             Err(crate::Error::Unsupported {
                 what: "waiting for replicas",
-                backend: "chosen",
+                backend: Self::NAME,
             })
         }
     }

@@ -545,20 +545,8 @@ async fn reconnect(inner: Weak<Inner>, index: usize, url: String) {
 
 impl Backend for QuorumBackend {
     // Each member is a master of its own: `WAIT` on one says nothing of the grant's safety,
-    // which comes from the majority.
-    async fn acquire_replicated(
-        &self,
-        _key: &LockKey,
-        _token: &Token,
-        _ttl: Duration,
-        _replicas: u32,
-        _timeout: Duration,
-    ) -> Result<(AcquireReply, u32)> {
-        Err(crate::Error::Unsupported {
-            what: "waiting for replicas",
-            backend: "quorum",
-        })
-    }
+    // which comes from the majority, so replicas are not waited for.
+    const NAME: &'static str = "quorum";
 
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
         crate::types::validate_ttl(ttl)?;
