@@ -853,16 +853,8 @@ async fn waiter_woken_when_a_member_resubscribes() {
         (lease.map(|l| l.fence()), started.elapsed())
     });
     let k = holder_side.lock_key("gap").expect("key");
-    let subscribing = Instant::now();
-    while !servers.iter().all(|s| {
-        let (_, n): (String, i64) = s.cmd(&["PUBSUB", "NUMSUB", k.channel()]);
-        n > 0
-    }) {
-        assert!(
-            subscribing.elapsed() < Duration::from_secs(5),
-            "never subscribed on every member"
-        );
-        sleep(Duration::from_millis(10)).await;
+    for s in &servers {
+        s.wait_for_subscriber(k.channel()).await;
     }
     // Past the attempt the waiter makes right after subscribing: it now sleeps on the TTL.
     sleep(Duration::from_millis(300)).await;
@@ -873,15 +865,7 @@ async fn waiter_woken_when_a_member_resubscribes() {
     for s in &servers {
         let _: i64 = s.cmd(&["DEL", k.lock_key()]);
     }
-    // As on one server, a kill right after NUMSUB counted the client may find none yet.
-    let killing = Instant::now();
-    while servers[0].cmd::<i64>(&["CLIENT", "KILL", "TYPE", "pubsub"]) == 0 {
-        assert!(
-            killing.elapsed() < Duration::from_secs(3),
-            "no pub/sub client to kill on member 0"
-        );
-        sleep(Duration::from_millis(20)).await;
-    }
+    servers[0].kill_subscribers().await;
     let (fence, waited) = waiter.await.expect("waiter task");
     assert!(fence.expect("the waiter got the key") > held.fence());
     assert!(

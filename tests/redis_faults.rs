@@ -232,18 +232,7 @@ async fn waiters_woken_after_resubscribe(flavor: Flavor) {
         .expect("key")
         .channel()
         .to_owned();
-    let subscribed = Instant::now();
-    loop {
-        let (_, n): (String, i64) = server.cmd(&["PUBSUB", "NUMSUB", &channel]);
-        if n > 0 {
-            break;
-        }
-        assert!(
-            subscribed.elapsed() < Duration::from_secs(5),
-            "never subscribed"
-        );
-        sleep(Duration::from_millis(10)).await;
-    }
+    server.wait_for_subscriber(&channel).await;
     // Subscribed, the waiter asks once more at once (a release in between would otherwise go
     // unseen). Let that attempt find the key held: deleted before it, the key is simply taken,
     // the subscription closes, and there is no gap to test (seen in CI as "no pub/sub client
@@ -259,20 +248,7 @@ async fn waiters_woken_after_resubscribe(flavor: Flavor) {
         .lock_key()
         .to_owned();
     let _: i64 = server.cmd(&["DEL", &lock_key]);
-    // Kill the subscription connection. Seen once in CI: a kill that found no pub/sub client
-    // right after NUMSUB counted one, so try again briefly and show the clients if it never does.
-    let killing = Instant::now();
-    loop {
-        let killed: i64 = server.cmd(&["CLIENT", "KILL", "TYPE", "pubsub"]);
-        if killed >= 1 {
-            break;
-        }
-        if killing.elapsed() > Duration::from_secs(3) {
-            let clients: String = server.cmd(&["CLIENT", "LIST"]);
-            panic!("no pub/sub client to kill; clients:\n{clients}");
-        }
-        sleep(Duration::from_millis(20)).await;
-    }
+    server.kill_subscribers().await;
     let (fence, waited) = waiter.await.expect("waiter task");
     let fence = fence.expect("the waiter got the key");
     assert!(fence > held.fence());

@@ -317,6 +317,37 @@ impl Server {
         info_line(&info, field).unwrap_or_default().to_owned()
     }
 
+    /// Waits up to 5 s for `channel` to have a subscriber on this server.
+    pub async fn wait_for_subscriber(&self, channel: &str) {
+        let started = Instant::now();
+        loop {
+            let (_, n): (String, i64) = self.cmd(&["PUBSUB", "NUMSUB", channel]);
+            if n > 0 {
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "nobody subscribed to {channel} on port {}",
+                self.port
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Kills this server's pub/sub connections. Seen in CI: a kill right after `NUMSUB`
+    /// counted a subscriber found no pub/sub client yet, so it tries for up to 3 s, then
+    /// fails showing the clients.
+    pub async fn kill_subscribers(&self) {
+        let started = Instant::now();
+        while self.cmd::<i64>(&["CLIENT", "KILL", "TYPE", "pubsub"]) == 0 {
+            if started.elapsed() > Duration::from_secs(3) {
+                let clients: String = self.cmd(&["CLIENT", "LIST"]);
+                panic!("no pub/sub client to kill; clients:\n{clients}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The server's clock (`TIME`), in microseconds.
     pub fn time_micros(&self) -> u64 {
         let t: Vec<u64> = self.cmd(&["TIME"]);
