@@ -85,7 +85,7 @@ impl Server {
 
     /// Starts a server, with append-only persistence when `persist`.
     pub fn start_with(flavor: Flavor, persist: bool) -> Server {
-        Server::start_full(flavor, persist, free_port(), Vec::new())
+        Server::start_full(flavor, persist, free_port, Vec::new())
     }
 
     /// Starts a replica of `master` and waits until its replication link is up.
@@ -97,7 +97,7 @@ impl Server {
             "127.0.0.1".to_owned(),
             master.port.to_string(),
         ];
-        let replica = Server::start_full(master.flavor, false, free_port(), extra);
+        let replica = Server::start_full(master.flavor, false, free_port, extra);
         let start = Instant::now();
         loop {
             let info: String = replica.cmd(&["INFO", "replication"]);
@@ -112,11 +112,22 @@ impl Server {
         }
     }
 
-    fn start_full(flavor: Flavor, persist: bool, port: u16, extra: Vec<String>) -> Server {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let mut s = Server::unspawned(flavor, persist, port, extra, dir);
-        s.spawn();
-        s
+    /// Starts a server on a port from `pick`. A port found free can be taken before the
+    /// server binds it (by another test's server, or as the local port of some connection;
+    /// seen in CI for a cluster node's bus port): the server then exits at once, and it is
+    /// started again on another port.
+    fn start_full(flavor: Flavor, persist: bool, pick: fn() -> u16, extra: Vec<String>) -> Server {
+        for _ in 0..5 {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let mut s = Server::unspawned(flavor, persist, pick(), extra.clone(), dir);
+            if s.try_spawn() {
+                return s;
+            }
+        }
+        panic!(
+            "{} exited at start on five free ports in a row",
+            flavor.binary()
+        )
     }
 
     fn unspawned(
@@ -150,6 +161,30 @@ impl Server {
     fn spawn(&mut self) {
         self.launch(&[]);
         self.wait_for("answer PING", Server::ping);
+    }
+
+    /// As [`spawn`](Self::spawn), but false when the process exits before it answers (a port
+    /// it could not bind).
+    fn try_spawn(&mut self) -> bool {
+        self.launch(&[]);
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            if self.ping() {
+                return true;
+            }
+            if let Some(c) = self.child.as_mut()
+                && matches!(c.try_wait(), Ok(Some(_)))
+            {
+                self.child = None;
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "{} on port {} did not answer PING",
+            self.flavor.binary(),
+            self.port
+        );
     }
 
     /// Starts the process with `more` arguments after the usual ones, without waiting for it.
@@ -412,7 +447,7 @@ impl Cluster {
                 ]
                 .map(String::from)
                 .to_vec();
-                Server::start_full(flavor, false, free_cluster_port(), extra)
+                Server::start_full(flavor, false, free_cluster_port, extra)
             })
             .collect();
         let mut create = Command::new("redis-cli");
