@@ -183,21 +183,12 @@ async fn slow_replies_never_give_expired_leases(flavor: Flavor) {
 /// on waiting, as it would after a busy answer: it is handed a later grant, with a token of its
 /// own, well within its wait.
 async fn a_late_grant_does_not_end_the_wait(flavor: Flavor) {
-    let server = Server::start(flavor);
-    let proxy = Proxy::start(server.port).await;
-    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    let (server, proxy, locker) = through_proxy(flavor).await;
     let ttl = Duration::from_millis(200);
     let o = LockOptions::new()
         .ttl(ttl)
         .renew(false)
         .wait(Duration::from_secs(5));
-    locker
-        .try_acquire("warm", &o)
-        .await
-        .expect("warm")
-        .release()
-        .await
-        .expect("release");
     let key = "late-wait";
     let k = locker.lock_key(key).expect("key");
     // Taken when the proxy reads a reply: the first grant's reply is held back 260 ms, past

@@ -159,6 +159,13 @@ impl<B: Backend + Clone> Drop for Core<B> {
 
 /// An acquire in flight: dropped before its answer came (the caller's future dropped), it
 /// releases what the acquire may have granted.
+/// The next pause of a waiter with no holder's TTL to go by: `backoff` doubled (to 500 ms at
+/// most), jittered between half and one and a half of it.
+fn next_backoff(backoff: &mut Duration) -> Duration {
+    *backoff = (*backoff * 2).min(Duration::from_millis(500));
+    jitter(*backoff) + *backoff / 2
+}
+
 /// How many grants that came back after their validity end a waiting acquire.
 const MAX_LATE_GRANTS: u32 = 3;
 
@@ -468,9 +475,7 @@ impl<B: Backend + Clone> Locker<B> {
                     token = Token::generate();
                     // A pause the give-back's own wake-up does not cut short, so that late
                     // tries are spaced out as busy ones are.
-                    backoff = (backoff * 2).min(Duration::from_millis(500));
-                    tokio::time::sleep_until((now + jitter(backoff) + backoff / 2).min(give_up))
-                        .await;
+                    tokio::time::sleep_until((now + next_backoff(&mut backoff)).min(give_up)).await;
                     continue;
                 }
             };
@@ -489,10 +494,7 @@ impl<B: Backend + Clone> Locker<B> {
             }
             let timer = match remaining {
                 Some(r) => r + jitter(Duration::from_millis(5)),
-                None => {
-                    backoff = (backoff * 2).min(Duration::from_millis(500));
-                    jitter(backoff) + backoff / 2
-                }
+                None => next_backoff(&mut backoff),
             };
             let wake_at = (now + timer).min(give_up);
             let w = watch.as_mut().expect("watch was set above");
