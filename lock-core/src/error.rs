@@ -5,6 +5,28 @@ use std::time::Duration;
 ///
 /// Input problems ([`Error::InvalidKey`], [`Error::InvalidTtl`]) are reported before any round
 /// trip. Server problems keep the underlying [`redis::RedisError`] as their source.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::{Error, LockOptions, Locker};
+/// use std::time::Duration;
+///
+/// let locker = Locker::memory();
+/// let held = locker.acquire("report", &LockOptions::new()).await?;
+/// match locker.try_acquire("report", &LockOptions::new()).await {
+///     Ok(lease) => {
+///         // ... the work ...
+///         lease.release().await?;
+///     }
+///     Err(Error::Busy { remaining, .. }) => {
+///         println!("busy; try again in {:?}", remaining.unwrap_or(Duration::from_secs(1)));
+///     }
+///     Err(e) if e.is_transient() => println!("server trouble, retry later: {e}"),
+///     Err(e) => return Err(e),
+/// }
+/// # held.release().await?;
+/// # Ok(()) }
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -188,11 +210,30 @@ pub enum Error {
 }
 
 /// Shorthand for results whose error is [`Error`].
+///
+/// ```
+/// fn check(key: &str) -> lock_core::Result<()> {
+///     lock_core::Locker::memory().lock_key(key)?;
+///     Ok(())
+/// }
+/// assert!(check("").is_err());
+/// ```
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     /// Whether the failure came from the transport or the server's condition rather than from
     /// the lock's state, so that a retry later may succeed.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use lock_core::{LockOptions, Locker};
+    /// // Nothing listens on port 1: the connection is refused.
+    /// let Err(down) = Locker::redis("redis://127.0.0.1:1/").await else { panic!("connected") };
+    /// assert!(down.is_transient());
+    /// let Err(bad) = Locker::memory().try_acquire("", &LockOptions::new()).await else { panic!() };
+    /// assert!(!bad.is_transient()); // bad input stays bad
+    /// # }
+    /// ```
     pub fn is_transient(&self) -> bool {
         matches!(
             self,

@@ -12,6 +12,17 @@ use crate::turnstile::TurnHandle;
 use crate::types::{Fence, LockKey, Token, drift, warn_ahead};
 
 /// What [`Lease::release`] found on the server.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::{LockOptions, Locker, Release};
+/// let lease = Locker::memory().acquire("k", &LockOptions::new()).await?;
+/// match lease.release().await? {
+///     Release::Released => println!("released"),
+///     Release::NotHeld => println!("it had expired: check what was written meanwhile"),
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Release {
     /// This holder still held the lease, and it is now deleted.
@@ -65,16 +76,49 @@ impl<B: Backend + Clone> std::fmt::Debug for Lease<B> {
 
 impl<B: Backend + Clone> Lease<B> {
     /// The fence of this grant; strictly greater than every earlier grant's on the same key.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    /// let locker = Locker::memory();
+    /// let a = locker.acquire("k", &LockOptions::new()).await?;
+    /// let first = a.fence();
+    /// a.release().await?;
+    /// let b = locker.acquire("k", &LockOptions::new()).await?;
+    /// assert!(b.fence() > first);
+    /// # b.release().await?;
+    /// # Ok(()) }
+    /// ```
     pub fn fence(&self) -> Fence {
         self.fence
     }
 
     /// The random token naming this acquisition.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    /// let locker = Locker::memory();
+    /// let lease = locker.acquire("k", &LockOptions::new()).await?;
+    /// assert_eq!(lease.token().as_str().len(), 32);
+    /// # lease.release().await?;
+    /// # Ok(()) }
+    /// ```
     pub fn token(&self) -> &Token {
         &self.token
     }
 
     /// The key as the caller named it.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    /// let locker = Locker::memory();
+    /// let lease = locker.acquire("invoice:42", &LockOptions::new()).await?;
+    /// assert_eq!(lease.key(), "invoice:42");
+    /// # lease.release().await?;
+    /// # Ok(()) }
+    /// ```
     pub fn key(&self) -> &str {
         self.key.user()
     }
@@ -82,6 +126,18 @@ impl<B: Backend + Clone> Lease<B> {
     /// Time left on the lease, measured on the local monotonic clock from before the request
     /// that granted or last renewed it, less the drift allowance. Never more than the truth;
     /// zero once the lease is lost (which, unrenewed, it is a little before this reaches zero).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    /// let locker = Locker::memory();
+    /// use std::time::Duration;
+    /// let lease = locker.acquire("k", &LockOptions::new().ttl(Duration::from_secs(2))).await?;
+    /// let left = lease.remaining();
+    /// assert!(left > Duration::ZERO && left < Duration::from_secs(2));
+    /// # lease.release().await?;
+    /// # Ok(()) }
+    /// ```
     pub fn remaining(&self) -> Duration {
         self.state.remaining()
     }
@@ -90,17 +146,61 @@ impl<B: Backend + Clone> Lease<B> {
     /// within 2.5% of the TTL + 3 ms of its local deadline. A renewal answered after that does
     /// not make it false again (the holder may already have stopped on [`lost`](Self::lost)),
     /// and renewal of it stops.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    /// let locker = Locker::memory();
+    /// use std::time::Duration;
+    /// let opts = LockOptions::new().ttl(Duration::from_millis(40)).renew(false);
+    /// let lease = locker.acquire("k", &opts).await?;
+    /// assert!(!lease.is_lost());
+    /// tokio::time::sleep(Duration::from_millis(60)).await;
+    /// assert!(lease.is_lost());
+    /// # Ok(()) }
+    /// ```
     pub fn is_lost(&self) -> bool {
         self.state.is_lost()
     }
 
     /// Resolves when the lease is lost (renewal refused, or none through in time), before the
     /// local deadline.
+    ///
+    /// Race the work against it, so that work stops instead of running unprotected:
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    /// let locker = Locker::memory();
+    /// use std::time::Duration;
+    /// let opts = LockOptions::new().ttl(Duration::from_millis(50)).renew(false);
+    /// let lease = locker.acquire("report", &opts).await?;
+    /// let work = tokio::time::sleep(Duration::from_secs(10)); // longer than the lease
+    /// tokio::select! {
+    ///     _ = work => unreachable!("the lease ran out first"),
+    ///     _ = lease.lost() => println!("lease lost: work stopped"),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// [`Locker::with_lock`](crate::Locker::with_lock) does this for you.
     pub async fn lost(&self) {
         self.state.wait_lost().await
     }
 
     /// A cheap, cloneable view of this lease for code that must not own the guard.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    /// let locker = Locker::memory();
+    /// let lease = locker.acquire("k", &LockOptions::new()).await?;
+    /// let info = lease.info();
+    /// assert_eq!((info.key(), info.fence()), (lease.key(), lease.fence()));
+    /// lease.release().await?;
+    /// assert!(info.is_lost()); // the view follows the lease
+    /// # Ok(()) }
+    /// ```
     pub fn info(&self) -> LeaseInfo {
         LeaseInfo {
             // The shared names, not a copy of the key: a view per request must not allocate.
@@ -186,6 +286,22 @@ impl<B: Backend + Clone> Lease<B> {
     /// Stops renewal and deletes the lease if this holder still holds it. Idempotent on the
     /// server: a lease that expired or passed to another holder is reported as
     /// [`Release::NotHeld`] and left alone.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    /// let locker = Locker::memory();
+    /// use lock_core::Release;
+    /// use std::time::Duration;
+    /// let lease = locker.acquire("k", &LockOptions::new()).await?;
+    /// assert_eq!(lease.release().await?, Release::Released);
+    ///
+    /// let short = LockOptions::new().ttl(Duration::from_millis(20)).renew(false);
+    /// let lapsed = locker.acquire("k", &short).await?;
+    /// tokio::time::sleep(Duration::from_millis(40)).await;
+    /// assert_eq!(lapsed.release().await?, Release::NotHeld); // expired: nothing touched
+    /// # Ok(()) }
+    /// ```
     #[instrument(level = "debug", skip(self), fields(key = self.key.user(), fence = self.fence.0))]
     pub async fn release(mut self) -> Result<Release> {
         if self.renewing {
@@ -328,22 +444,71 @@ impl std::fmt::Debug for LeaseInfo {
 
 impl LeaseInfo {
     /// The key as the caller named it.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// # use lock_core::{LockOptions, Locker};
+    /// # let lease = Locker::memory().acquire("job:9", &LockOptions::new()).await?;
+    /// let info = lease.info();
+    /// assert_eq!(info.key(), "job:9");
+    /// # Ok(()) }
+    /// ```
     pub fn key(&self) -> &str {
         self.key.user()
     }
     /// The fence of the grant.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// # use lock_core::{LockOptions, Locker};
+    /// # let lease = Locker::memory().acquire("job:9", &LockOptions::new()).await?;
+    /// let info = lease.info();
+    /// assert_eq!(info.fence(), lease.fence());
+    /// # Ok(()) }
+    /// ```
     pub fn fence(&self) -> Fence {
         self.fence
     }
     /// Time left, as [`Lease::remaining`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// # use lock_core::{LockOptions, Locker};
+    /// # let lease = Locker::memory().acquire("job:9", &LockOptions::new()).await?;
+    /// let info = lease.info();
+    /// assert!(info.remaining() > std::time::Duration::ZERO);
+    /// # Ok(()) }
+    /// ```
     pub fn remaining(&self) -> Duration {
         self.state.remaining()
     }
     /// Whether the lease is known to be lost.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// # use lock_core::{LockOptions, Locker};
+    /// # let lease = Locker::memory().acquire("job:9", &LockOptions::new()).await?;
+    /// let info = lease.info();
+    /// assert!(!info.is_lost());
+    /// drop(lease);
+    /// assert!(info.is_lost());
+    /// # Ok(()) }
+    /// ```
     pub fn is_lost(&self) -> bool {
         self.state.is_lost()
     }
     /// Resolves when the lease is lost or released.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// # use lock_core::{LockOptions, Locker};
+    /// # let lease = Locker::memory().acquire("job:9", &LockOptions::new()).await?;
+    /// let info = lease.info();
+    /// let watcher = tokio::spawn(async move { info.lost().await });
+    /// lease.release().await?;
+    /// watcher.await.expect("the watcher task"); // resolved by the release
+    /// # Ok(()) }
+    /// ```
     pub async fn lost(&self) {
         self.state.wait_lost().await
     }

@@ -50,21 +50,71 @@ impl Default for LockOptions {
 
 impl LockOptions {
     /// The defaults: ttl 30 s, wait 10 s, renewal on.
+    ///
+    /// ```
+    /// use lock_core::LockOptions;
+    /// use std::time::Duration;
+    /// let opts = LockOptions::new();
+    /// assert_eq!(opts.ttl_value(), Duration::from_secs(30));
+    /// assert_eq!(opts.wait_value(), Duration::from_secs(10));
+    /// ```
     pub fn new() -> LockOptions {
         LockOptions::default()
     }
     /// The lease's time to live on the server.
+    /// From [`MIN_TTL`](crate::MIN_TTL) to [`MAX_TTL`](crate::MAX_TTL); anything else is
+    /// refused with [`Error::InvalidTtl`] before any round trip.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{Error, LockOptions, Locker};
+    /// use std::time::Duration;
+    ///
+    /// let locker = Locker::memory();
+    /// let lease = locker.acquire("nightly", &LockOptions::new().ttl(Duration::from_secs(5))).await?;
+    /// assert!(lease.remaining() <= Duration::from_secs(5));
+    /// let zero = LockOptions::new().ttl(Duration::ZERO);
+    /// assert!(matches!(locker.acquire("other", &zero).await, Err(Error::InvalidTtl { .. })));
+    /// # Ok(()) }
+    /// ```
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self
     }
     /// How long [`Locker::acquire`] waits for a busy key before [`Error::WaitTimeout`];
     /// `Duration::MAX` waits as long as it takes.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{Error, LockOptions, Locker};
+    /// use std::time::Duration;
+    ///
+    /// let locker = Locker::memory();
+    /// let held = locker.acquire("import", &LockOptions::new()).await?;
+    /// let brief = LockOptions::new().wait(Duration::from_millis(20));
+    /// assert!(matches!(locker.acquire("import", &brief).await, Err(Error::WaitTimeout { .. })));
+    /// held.release().await?;
+    /// # Ok(()) }
+    /// ```
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = wait;
         self
     }
     /// Whether the locker renews the lease automatically while the guard lives.
+    /// Off, the lease runs out after its TTL unless [`Lease::extend`] is called.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    /// use std::time::Duration;
+    ///
+    /// let locker = Locker::memory();
+    /// let opts = LockOptions::new().ttl(Duration::from_millis(50)).renew(false);
+    /// let lease = locker.acquire("once", &opts).await?;
+    /// lease.lost().await; // a little before the 50 ms are up
+    /// assert!(lease.is_lost());
+    /// # Ok(()) }
+    /// ```
     pub fn renew(mut self, renew: bool) -> Self {
         self.renew = renew;
         self
@@ -78,6 +128,18 @@ impl LockOptions {
     /// This narrows, but does not close, the failover window: replication stays asynchronous
     /// for writes after the grant, and a replica that acknowledged can still lose a later
     /// renewal. The fence remains what protects the data.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    /// use std::time::Duration;
+    ///
+    /// let locker = Locker::redis("redis://127.0.0.1:6379/").await?;
+    /// let opts = LockOptions::new().replicas(1).replica_timeout(Duration::from_millis(50));
+    /// let lease = locker.acquire("failover-safe", &opts).await?; // or Error::NotReplicated
+    /// # lease.release().await?;
+    /// # Ok(()) }
+    /// ```
     pub fn replicas(mut self, replicas: u32) -> Self {
         self.replicas = replicas;
         self
@@ -85,6 +147,17 @@ impl LockOptions {
     /// How long an acquire waits for the replicas' acknowledgement (default 100 ms; from 1 ms
     /// to [`MAX_TTL`](crate::MAX_TTL), else [`Error::InvalidDuration`] when replicas are asked
     /// for).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use lock_core::{Error, LockOptions, Locker};
+    /// use std::time::Duration;
+    ///
+    /// let opts = LockOptions::new().replicas(1).replica_timeout(Duration::ZERO);
+    /// let refused = Locker::memory().acquire("k", &opts).await;
+    /// assert!(matches!(refused, Err(Error::InvalidDuration { what: "replica timeout", .. })));
+    /// # }
+    /// ```
     pub fn replica_timeout(mut self, timeout: Duration) -> Self {
         self.replica_timeout = timeout;
         self
@@ -110,10 +183,20 @@ impl LockOptions {
         Ok(())
     }
     /// The configured TTL.
+    ///
+    /// ```
+    /// # use lock_core::LockOptions; use std::time::Duration;
+    /// assert_eq!(LockOptions::new().ttl(Duration::from_secs(3)).ttl_value(), Duration::from_secs(3));
+    /// ```
     pub fn ttl_value(&self) -> Duration {
         self.ttl
     }
     /// The configured wait.
+    ///
+    /// ```
+    /// # use lock_core::LockOptions; use std::time::Duration;
+    /// assert_eq!(LockOptions::new().wait(Duration::ZERO).wait_value(), Duration::ZERO);
+    /// ```
     pub fn wait_value(&self) -> Duration {
         self.wait
     }
@@ -222,11 +305,38 @@ pub const DEFAULT_PREFIX: &str = "leasehold";
 
 impl Locker<AnyBackend> {
     /// A locker on a fresh in-memory backend.
+    ///
+    /// Every `Locker::memory()` is a lock space of its own; clone the locker to share it.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    ///
+    /// let locker = Locker::memory();
+    /// let other_task = locker.clone(); // the same locks
+    /// let lease = locker.try_acquire("k", &LockOptions::new()).await?;
+    /// assert!(other_task.try_acquire("k", &LockOptions::new()).await.is_err());
+    /// # lease.release().await?;
+    /// # Ok(()) }
+    /// ```
     pub fn memory() -> Locker {
         Locker::new(AnyBackend::Memory(MemoryBackend::new()))
     }
 
     /// A locker on a Redis or Valkey server at `url`.
+    ///
+    /// Connects once (one multiplexed connection, reconnecting on its own, shared by every lease
+    /// of the locker and its clones); [`Error::Unavailable`] if the server cannot be reached.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    ///
+    /// let locker = Locker::redis("redis://127.0.0.1:6379/").await?;
+    /// let lease = locker.acquire("payments:7", &LockOptions::new()).await?;
+    /// lease.release().await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn redis(url: &str) -> Result<Locker> {
         Ok(Locker::new(AnyBackend::Redis(
             RedisBackend::connect(url).await?,
@@ -234,6 +344,16 @@ impl Locker<AnyBackend> {
     }
 
     /// A locker on a Redis or Valkey Cluster, reached through any of `nodes`.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    ///
+    /// let locker = Locker::redis_cluster(&["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"]).await?;
+    /// let lease = locker.acquire("payments:7", &LockOptions::new()).await?;
+    /// lease.release().await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn redis_cluster(nodes: &[&str]) -> Result<Locker> {
         Ok(Locker::new(AnyBackend::Cluster(
             ClusterBackend::connect(nodes).await?,
@@ -243,6 +363,21 @@ impl Locker<AnyBackend> {
     /// A locker on a Redlock quorum of independent Redis or Valkey servers (3 or 5, each given
     /// as `redis://host:port/db`), with fences that keep increasing when the majority changes
     /// (see [`QuorumBackend`]).
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    ///
+    /// let locker = Locker::redlock(&[
+    ///     "redis://10.0.0.1:6379/",
+    ///     "redis://10.0.0.2:6379/",
+    ///     "redis://10.0.0.3:6379/",
+    /// ])
+    /// .await?;
+    /// let lease = locker.acquire("payments:7", &LockOptions::new()).await?;
+    /// lease.release().await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn redlock(urls: &[&str]) -> Result<Locker> {
         Ok(Locker::new(AnyBackend::Quorum(
             QuorumBackend::connect(urls).await?,
@@ -250,6 +385,17 @@ impl Locker<AnyBackend> {
     }
 
     /// A locker on a Redlock quorum, with explicit settings.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{Locker, QuorumConfig};
+    /// use std::time::Duration;
+    ///
+    /// let config = QuorumConfig::default().member_timeout(Duration::from_millis(20));
+    /// let urls = ["redis://10.0.0.1:6379/", "redis://10.0.0.2:6379/", "redis://10.0.0.3:6379/"];
+    /// let locker = Locker::redlock_with(&urls, config).await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn redlock_with(urls: &[&str], config: QuorumConfig) -> Result<Locker> {
         Ok(Locker::new(AnyBackend::Quorum(
             QuorumBackend::connect_with(urls, config).await?,
@@ -257,6 +403,19 @@ impl Locker<AnyBackend> {
     }
 
     /// A locker on a Redis or Valkey server, with explicit connection settings.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{Locker, RedisConfig};
+    /// use std::time::Duration;
+    ///
+    /// let config = RedisConfig {
+    ///     response_timeout: Duration::from_millis(500),
+    ///     ..RedisConfig::default()
+    /// };
+    /// let locker = Locker::redis_with("redis://127.0.0.1:6379/", config).await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn redis_with(url: &str, config: RedisConfig) -> Result<Locker> {
         Ok(Locker::new(AnyBackend::Redis(
             RedisBackend::connect_with(url, config).await?,
@@ -266,6 +425,19 @@ impl Locker<AnyBackend> {
 
 impl<B: Backend + Clone> Locker<B> {
     /// A locker on any backend, with the default key prefix.
+    ///
+    /// A locker typed by its backend skips the [`AnyBackend`] dispatch, and lets code reach
+    /// backend-specific methods through [`backend`](Self::backend).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker, MemoryBackend};
+    ///
+    /// let locker: Locker<MemoryBackend> = Locker::new(MemoryBackend::new());
+    /// let lease = locker.try_acquire("k", &LockOptions::new()).await?;
+    /// # lease.release().await?;
+    /// # Ok(()) }
+    /// ```
     pub fn new(backend: B) -> Locker<B> {
         Locker {
             core: Arc::new(Core {
@@ -347,6 +519,13 @@ impl<B: Backend + Clone> Locker<B> {
     }
 
     /// The backend this locker runs on.
+    ///
+    /// ```
+    /// use lock_core::{AnyBackend, Locker};
+    ///
+    /// let locker = Locker::memory();
+    /// assert!(matches!(locker.backend(), AnyBackend::Memory(_)));
+    /// ```
     pub fn backend(&self) -> &B {
         &self.core.backend
     }
@@ -423,6 +602,27 @@ impl<B: Backend + Clone> Locker<B> {
     /// [`try_acquire`](Self::try_acquire)) is given back and the wait goes on after a pause,
     /// with a new token. One that comes when the wait is over, or the third in one call (a TTL
     /// too short for the link), is reported as [`Error::LeaseLost`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    /// use std::time::Duration;
+    ///
+    /// let locker = Locker::memory();
+    /// let opts = LockOptions::new().wait(Duration::from_secs(5));
+    /// let first = locker.acquire("account:7", &opts).await?;
+    /// let fence = first.fence();
+    /// let waiter = tokio::spawn({
+    ///     let locker = locker.clone();
+    ///     let opts = opts.clone();
+    ///     async move { locker.acquire("account:7", &opts).await }
+    /// });
+    /// first.release().await?; // wakes the waiter at once
+    /// let second = waiter.await.expect("the waiter task")?;
+    /// assert!(second.fence() > fence);
+    /// # second.release().await?;
+    /// # Ok(()) }
+    /// ```
     #[instrument(level = "debug", skip(self, opts), fields(ttl = ?opts.ttl, wait = ?opts.wait))]
     pub async fn acquire(&self, key: &str, opts: &LockOptions) -> Result<Lease<B>> {
         let key = self.lock_key(key)?;
@@ -677,6 +877,24 @@ impl<B: Backend + Clone> Locker<B> {
     }
 
     /// A fence-checking gate for `resource` (see [`FenceGate`]).
+    /// The resource name obeys the rules of a key, else [`Error::InvalidKey`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{Error, LockOptions, Locker};
+    ///
+    /// let locker = Locker::memory();
+    /// let gate = locker.fence_gate("ledger")?;
+    /// let first = locker.acquire("ledger", &LockOptions::new()).await?;
+    /// let old_fence = first.fence();
+    /// drop(first); // say the holder stalled, and its lease passed on
+    /// let second = locker.acquire("ledger", &LockOptions::new()).await?;
+    /// gate.admit(second.fence()).await?; // the new holder writes
+    /// // The stalled holder wakes up and tries to write: refused.
+    /// assert!(matches!(gate.admit(old_fence).await, Err(Error::Stale { .. })));
+    /// # second.release().await?;
+    /// # Ok(()) }
+    /// ```
     pub fn fence_gate(&self, resource: &str) -> Result<FenceGate<B>> {
         validate_key(resource)?;
         Ok(FenceGate {
@@ -711,6 +929,18 @@ pub struct FenceGate<B: Backend + Clone = AnyBackend> {
 
 impl<B: Backend + Clone> FenceGate<B> {
     /// Admits `fence`, or refuses it with [`Error::Stale`] if a higher one was admitted.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{Fence, Locker};
+    ///
+    /// let gate = Locker::memory().fence_gate("ledger")?;
+    /// gate.admit(Fence(7)).await?;
+    /// gate.admit(Fence(7)).await?; // the same lease may write again
+    /// gate.admit(Fence(8)).await?;
+    /// assert!(gate.admit(Fence(7)).await.is_err());
+    /// # Ok(()) }
+    /// ```
     pub async fn admit(&self, fence: Fence) -> Result<()> {
         match self.core.backend.admit(&self.key, fence.0).await? {
             None => Ok(()),

@@ -5,21 +5,63 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 
 /// Longest key accepted, in bytes, before the prefix is added.
+///
+/// ```
+/// use lock_core::{Error, Locker, MAX_KEY_LEN};
+/// let locker = Locker::memory();
+/// assert!(locker.lock_key(&"k".repeat(MAX_KEY_LEN)).is_ok());
+/// assert!(matches!(locker.lock_key(&"k".repeat(MAX_KEY_LEN + 1)), Err(Error::InvalidKey { .. })));
+/// ```
 pub const MAX_KEY_LEN: usize = 512;
 /// Shortest TTL accepted: below it, network jitter alone eats the lease.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use lock_core::{Error, LockOptions, Locker, MIN_TTL};
+/// let too_short = LockOptions::new().ttl(MIN_TTL / 2);
+/// let refused = Locker::memory().try_acquire("k", &too_short).await;
+/// assert!(matches!(refused, Err(Error::InvalidTtl { .. })));
+/// # }
+/// ```
 pub const MIN_TTL: Duration = Duration::from_millis(10);
 /// Longest TTL accepted. Longer work should keep a shorter lease renewed instead.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use lock_core::{Error, LockOptions, Locker, MAX_TTL};
+/// use std::time::Duration;
+/// let too_long = LockOptions::new().ttl(MAX_TTL + Duration::from_secs(1));
+/// let refused = Locker::memory().try_acquire("k", &too_long).await;
+/// assert!(matches!(refused, Err(Error::InvalidTtl { .. })));
+/// # }
+/// ```
 pub const MAX_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// The number a grant carries: strictly increasing per key across grants.
 ///
 /// Pass it to the resource you protect and let the resource refuse writes with a lower fence
 /// (see [`FenceGate`](crate::FenceGate)); that is what keeps data safe from a paused holder.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::{Fence, LockOptions, Locker};
+/// let lease = Locker::memory().acquire("ledger", &LockOptions::new()).await?;
+/// let fence: Fence = lease.fence();
+/// // Store it beside the data; a write carrying a lower fence is refused.
+/// let row = format!("UPDATE ledger SET balance = 10, fence = {fence} WHERE fence < {fence}");
+/// # let _ = row;
+/// assert!(fence > Fence(0));
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Fence(pub u64);
 
 impl Fence {
     /// The fence as a plain number.
+    ///
+    /// ```
+    /// assert_eq!(lock_core::Fence(42).get(), 42);
+    /// ```
     pub fn get(self) -> u64 {
         self.0
     }
@@ -34,6 +76,13 @@ impl fmt::Display for Fence {
 /// The random value that names one acquisition: 128 bits from the operating system's RNG.
 ///
 /// Its `Debug` form is redacted, so logging a lease never reveals the token.
+///
+/// ```
+/// use lock_core::Token;
+/// let token = Token::generate();
+/// assert_eq!(format!("{token:?}"), "Token(..)");
+/// assert_ne!(token, Token::generate());
+/// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Token([u8; 32]);
 
@@ -77,6 +126,11 @@ fn os_random_16() -> [u8; 16] {
 
 impl Token {
     /// Draws a fresh token from the OS random source.
+    ///
+    /// ```
+    /// let token = lock_core::Token::generate();
+    /// assert!(token.as_str().bytes().all(|b| b.is_ascii_hexdigit()));
+    /// ```
     pub fn generate() -> Token {
         const HEX: &[u8; 16] = b"0123456789abcdef";
         let mut hex = [0u8; 32];
@@ -88,6 +142,11 @@ impl Token {
     }
 
     /// The token as stored on the server (32 lowercase hex digits).
+    ///
+    /// ```
+    /// let token = lock_core::Token::generate();
+    /// assert_eq!(token.as_str().len(), 32);
+    /// ```
     pub fn as_str(&self) -> &str {
         // Only `generate` builds a token, from hex digits.
         std::str::from_utf8(&self.0).expect("a token is ASCII hex")
@@ -191,6 +250,15 @@ pub(crate) fn warn_ahead(ttl: Duration) -> Duration {
 /// The server-side names are built once, when the key is checked, in one allocation that
 /// clones share, and the key's hash is taken then too: the hot path (acquire, renew, release)
 /// neither formats, allocates nor hashes key names.
+///
+/// ```
+/// let names = lock_core::Locker::memory().lock_key("orders:7")?;
+/// assert_eq!(names.user(), "orders:7");
+/// assert_eq!(names.lock_key(), "{leasehold:orders:7}:lock");
+/// assert_eq!(names.fence_key(), "{leasehold:orders:7}:fence");
+/// assert_eq!(names.channel(), "{leasehold:orders:7}:released");
+/// # Ok::<(), lock_core::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct LockKey {
     /// `user`, then `{prefix:user}:lock`, `{prefix:user}:fence` and `{prefix:user}:released`.
@@ -251,6 +319,12 @@ impl LockKey {
     }
 
     /// The key as the caller named it.
+    ///
+    /// ```
+    /// let names = lock_core::Locker::memory().lock_key("orders:7")?;
+    /// assert_eq!(names.user(), "orders:7");
+    /// # Ok::<(), lock_core::Error>(())
+    /// ```
     pub fn user(&self) -> &str {
         &self.names[..self.user_end]
     }
@@ -264,16 +338,34 @@ impl LockKey {
     }
 
     /// The server key holding the holder's token.
+    ///
+    /// ```
+    /// let names = lock_core::Locker::memory().lock_key("orders:7")?;
+    /// assert_eq!(names.lock_key(), "{leasehold:orders:7}:lock");
+    /// # Ok::<(), lock_core::Error>(())
+    /// ```
     pub fn lock_key(&self) -> &str {
         &self.names[self.user_end..self.lock_end()]
     }
 
     /// The server key holding the last fence issued.
+    ///
+    /// ```
+    /// let names = lock_core::Locker::memory().lock_key("orders:7")?;
+    /// assert_eq!(names.fence_key(), "{leasehold:orders:7}:fence");
+    /// # Ok::<(), lock_core::Error>(())
+    /// ```
     pub fn fence_key(&self) -> &str {
         &self.names[self.lock_end()..self.fence_end()]
     }
 
     /// The channel a release publishes on, to wake waiters.
+    ///
+    /// ```
+    /// let names = lock_core::Locker::memory().lock_key("orders:7")?;
+    /// assert_eq!(names.channel(), "{leasehold:orders:7}:released");
+    /// # Ok::<(), lock_core::Error>(())
+    /// ```
     pub fn channel(&self) -> &str {
         &self.names[self.fence_end()..]
     }
