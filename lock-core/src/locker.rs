@@ -301,6 +301,13 @@ impl<B: Backend + Clone> Clone for Locker<B> {
 }
 
 /// The key prefix used unless [`Locker::with_prefix`] says otherwise.
+///
+/// ```
+/// use lock_core::{DEFAULT_PREFIX, Locker};
+/// let names = Locker::memory().lock_key("k")?;
+/// assert_eq!(names.lock_key(), format!("{{{DEFAULT_PREFIX}:k}}:lock"));
+/// # Ok::<(), lock_core::Error>(())
+/// ```
 pub const DEFAULT_PREFIX: &str = "leasehold";
 
 impl Locker<AnyBackend> {

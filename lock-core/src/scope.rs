@@ -38,6 +38,16 @@ pub fn set_default_locker(locker: Locker) -> Result<()> {
 }
 
 /// The locker installed by [`set_default_locker`], if any.
+///
+/// ```
+/// use lock_core::{Locker, default_locker, set_default_locker};
+/// if default_locker().is_none() {
+///     set_default_locker(Locker::memory())?;
+/// }
+/// let locker = default_locker().expect("installed above");
+/// # let _ = locker;
+/// # Ok::<(), lock_core::Error>(())
+/// ```
 pub fn default_locker() -> Option<Locker> {
     DEFAULT_LOCKER.get().cloned()
 }

@@ -10,6 +10,18 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::types::LockKey;
 
 /// A per-key generation counter that waiters watch; a release bumps it.
+///
+/// Each backend keeps one, fed by its subscription (or, in memory, by the release itself);
+/// waiting acquires watch it. Waking a channel nobody watches does nothing.
+///
+/// ```
+/// use lock_core::{Backend, Locker};
+/// let locker = Locker::memory();
+/// let wakeups = locker.backend().wakeups();
+/// wakeups.wake(locker.lock_key("k")?.channel());
+/// wakeups.wake_all();
+/// # Ok::<(), lock_core::Error>(())
+/// ```
 #[derive(Default)]
 pub struct Wakeups {
     keys: Mutex<HashMap<String, Slot>>,
@@ -90,6 +102,17 @@ impl Wakeups {
     }
 
     /// Wakes every waiter of one channel.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{Backend, Locker, MemoryBackend};
+    /// let backend = MemoryBackend::new();
+    /// let key = Locker::memory().lock_key("k")?;
+    /// let watch = backend.watch(&key).await?; // what a waiting acquire holds
+    /// backend.wakeups().wake(key.channel()); // its waiter tries again now
+    /// # drop(watch);
+    /// # Ok(()) }
+    /// ```
     pub fn wake(&self, channel: &str) {
         let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(slot) = keys.get(channel) {
@@ -98,6 +121,11 @@ impl Wakeups {
     }
 
     /// Wakes every waiter: used after a subscription gap, when releases may have been missed.
+    ///
+    /// ```
+    /// use lock_core::{Backend, MemoryBackend};
+    /// MemoryBackend::new().wakeups().wake_all();
+    /// ```
     pub fn wake_all(&self) {
         let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         for slot in keys.values() {
@@ -176,6 +204,18 @@ impl Drop for Confirmed {
 }
 
 /// A waiter's registration; unsubscribes the backend when the last one for a key is dropped.
+///
+/// Made by [`Backend::watch`](crate::Backend::watch); waiting acquires hold one while they
+/// wait.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::{Backend, Locker, MemoryBackend};
+/// let backend = MemoryBackend::new();
+/// let watch = backend.watch(&Locker::memory().lock_key("k")?).await?;
+/// drop(watch); // the last watcher of the key: its subscription ends
+/// # Ok(()) }
+/// ```
 pub struct Watch {
     pub(crate) rx: watch::Receiver<u64>,
     pub(crate) channel: String,

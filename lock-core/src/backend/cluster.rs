@@ -155,6 +155,15 @@ impl ClusterConn {
     /// The underlying redis-rs connection (built with no resending of its own), for what
     /// `ConnectionLike` does not cover, such as sharded subscriptions or routing a command to
     /// a chosen node. Requests sent through it directly are not sent again on any refusal.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// let backend = lock_core::ClusterBackend::connect(&["redis://127.0.0.1:7000/"]).await?;
+    /// let conn = backend.connection();
+    /// let raw: &redis::cluster_async::ClusterConnection = conn.inner();
+    /// # let _ = raw;
+    /// # Ok(()) }
+    /// ```
     pub fn inner(&self) -> &ClusterConnection {
         &self.inner
     }
@@ -240,6 +249,14 @@ impl ConnectionLike for ClusterConn {
 impl ClusterBackend {
     /// Connects to a cluster through any of its nodes (`redis://host:port/`), with default
     /// settings.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{ClusterBackend, Locker};
+    /// let backend = ClusterBackend::connect(&["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"]).await?;
+    /// let locker = Locker::new(backend);
+    /// # Ok(()) }
+    /// ```
     pub async fn connect(nodes: &[&str]) -> Result<ClusterBackend> {
         ClusterBackend::connect_with(nodes, RedisConfig::default()).await
     }
@@ -247,6 +264,16 @@ impl ClusterBackend {
     /// Connects to a cluster with explicit settings. With the `tls` feature, `rediss://` node
     /// URLs connect over TLS, trusting `config.tls_root_pem` when given (the nodes need
     /// `tls-cluster yes`, so that the slot map names their TLS ports).
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{ClusterBackend, RedisConfig};
+    /// use std::time::Duration;
+    /// // Refusals during a failover are sent again for up to the response timeout.
+    /// let config = RedisConfig { response_timeout: Duration::from_secs(5), ..RedisConfig::default() };
+    /// let backend = ClusterBackend::connect_with(&["redis://10.0.0.1:7000/"], config).await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn connect_with(nodes: &[&str], config: RedisConfig) -> Result<ClusterBackend> {
         let (push_tx, push_rx) = mpsc::unbounded_channel::<PushInfo>();
         let builder = ClusterClientBuilder::new(nodes.to_vec())

@@ -62,6 +62,14 @@ impl Slot {
 
 impl MemoryBackend {
     /// An empty store.
+    ///
+    /// ```
+    /// use lock_core::{Locker, MemoryBackend};
+    /// let backend = MemoryBackend::new();
+    /// // Two lockers over one store see the same locks (clones share it).
+    /// let (a, b) = (Locker::new(backend.clone()), Locker::new(backend));
+    /// # let _ = (a, b);
+    /// ```
     pub fn new() -> MemoryBackend {
         MemoryBackend::default()
     }

@@ -20,6 +20,20 @@ pub use self::quorum::{QuorumBackend, QuorumConfig};
 pub use self::redis::{RedisBackend, RedisConfig};
 
 /// What the server answered to an acquire.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::{AcquireReply, Backend, Locker, MemoryBackend, Token};
+/// use std::time::Duration;
+/// let backend = MemoryBackend::new();
+/// let key = Locker::memory().lock_key("k")?;
+/// let ttl = Duration::from_secs(1);
+/// let first = backend.acquire(&key, &Token::generate(), ttl).await?;
+/// assert!(matches!(first, AcquireReply::Granted { .. }));
+/// let second = backend.acquire(&key, &Token::generate(), ttl).await?;
+/// assert!(matches!(second, AcquireReply::Held { remaining: Some(_) }));
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AcquireReply {
     /// The lease is ours, with this fence.
@@ -45,6 +59,23 @@ pub enum AcquireReply {
 /// never touch a lease that is not the caller's; `extend` never recreates an expired lease. A
 /// `ttl` outside [`MIN_TTL`](crate::MIN_TTL)`..=`[`MAX_TTL`](crate::MAX_TTL) is refused with
 /// [`Error::InvalidTtl`](crate::Error::InvalidTtl) before anything is sent.
+///
+/// Code generic over the backend takes a `Locker<B>`:
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::{Backend, LockOptions, Locker, MemoryBackend};
+///
+/// async fn nightly_report<B: Backend + Clone>(locker: &Locker<B>) -> lock_core::Result<()> {
+///     let lease = locker.try_acquire("nightly-report", &LockOptions::new()).await?;
+///     // ... the report, writing with lease.fence() ...
+///     lease.release().await?;
+///     Ok(())
+/// }
+/// nightly_report(&Locker::new(MemoryBackend::new())).await?;
+/// nightly_report(&Locker::memory()).await?; // `Locker<AnyBackend>`
+/// # Ok(()) }
+/// ```
 pub trait Backend: Send + Sync + 'static {
     /// The backend's name in messages, such as the [`Error::Unsupported`](crate::Error::Unsupported)
     /// a backend without replicas answers to [`acquire_replicated`](Backend::acquire_replicated).
@@ -125,6 +156,18 @@ pub trait Backend: Send + Sync + 'static {
 }
 
 /// Either built-in backend, chosen at run time (for example from a command-line flag).
+///
+/// ```no_run
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::Locker;
+/// // `Locker` is `Locker<AnyBackend>`: one type whichever backend the flag picks.
+/// let locker = match std::env::args().nth(1) {
+///     Some(url) => Locker::redis(&url).await?,
+///     None => Locker::memory(),
+/// };
+/// # let _ = locker;
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub enum AnyBackend {
     /// The in-process backend.

@@ -124,21 +124,47 @@ impl Default for QuorumConfig {
 
 impl QuorumConfig {
     /// Sets [`member_timeout`](Self::member_timeout).
+    ///
+    /// ```
+    /// use lock_core::QuorumConfig;
+    /// use std::time::Duration;
+    /// let config = QuorumConfig::default().member_timeout(Duration::from_millis(50));
+    /// assert_eq!(config.member_timeout, Duration::from_millis(50));
+    /// ```
     pub fn member_timeout(mut self, timeout: Duration) -> Self {
         self.member_timeout = timeout;
         self
     }
     /// Sets [`retries`](Self::retries).
+    ///
+    /// ```
+    /// let config = lock_core::QuorumConfig::default().retries(0); // one round only
+    /// assert_eq!(config.retries, 0);
+    /// ```
     pub fn retries(mut self, retries: u32) -> Self {
         self.retries = retries;
         self
     }
     /// Sets [`retry_delay`](Self::retry_delay).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let config = lock_core::QuorumConfig::default().retry_delay(Duration::from_millis(50));
+    /// assert_eq!(config.retry_delay, Duration::from_millis(50));
+    /// ```
     pub fn retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = delay;
         self
     }
     /// Sets the connection settings of every member.
+    ///
+    /// ```
+    /// use lock_core::{QuorumConfig, RedisConfig};
+    /// use std::time::Duration;
+    /// let redis = RedisConfig { connection_timeout: Duration::from_millis(200), ..RedisConfig::default() };
+    /// let config = QuorumConfig::default().redis(redis);
+    /// assert_eq!(config.redis.connection_timeout, Duration::from_millis(200));
+    /// ```
     pub fn redis(mut self, redis: RedisConfig) -> Self {
         self.redis = redis;
         self
@@ -200,6 +226,19 @@ enum Round {
 
 impl QuorumBackend {
     /// Connects to every member (`redis://host:port/db`) with default settings.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{Locker, QuorumBackend};
+    /// let backend = QuorumBackend::connect(&[
+    ///     "redis://10.0.0.1:6379/",
+    ///     "redis://10.0.0.2:6379/",
+    ///     "redis://10.0.0.3:6379/",
+    /// ])
+    /// .await?;
+    /// let locker = Locker::new(backend);
+    /// # Ok(()) }
+    /// ```
     pub async fn connect(urls: &[&str]) -> Result<QuorumBackend> {
         QuorumBackend::connect_with(urls, QuorumConfig::default()).await
     }
@@ -210,6 +249,15 @@ impl QuorumBackend {
     /// are connected in the background as they come up. A URL that cannot be parsed is an
     /// [`Error::Unavailable`]; too few members or one listed twice is an
     /// [`Error::InvalidQuorum`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use lock_core::{Error, QuorumBackend, QuorumConfig};
+    /// let two = ["redis://10.0.0.1:6379/", "redis://10.0.0.2:6379/"];
+    /// let refused = QuorumBackend::connect_with(&two, QuorumConfig::default()).await;
+    /// assert!(matches!(refused, Err(Error::InvalidQuorum { .. }))); // refused before connecting
+    /// # }
+    /// ```
     pub async fn connect_with(urls: &[&str], config: QuorumConfig) -> Result<QuorumBackend> {
         if urls.len() < 3 {
             return Err(Error::InvalidQuorum {
@@ -271,11 +319,27 @@ impl QuorumBackend {
     }
 
     /// How many members there are.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// let urls = ["redis://a:6379/", "redis://b:6379/", "redis://c:6379/", "redis://d:6379/", "redis://e:6379/"];
+    /// let backend = lock_core::QuorumBackend::connect(&urls).await?;
+    /// assert_eq!((backend.members(), backend.quorum()), (5, 3));
+    /// # Ok(()) }
+    /// ```
     pub fn members(&self) -> usize {
         self.inner.members.len()
     }
 
     /// How many members must agree: `members / 2 + 1`.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// let urls = ["redis://a:6379/", "redis://b:6379/", "redis://c:6379/"];
+    /// let backend = lock_core::QuorumBackend::connect(&urls).await?;
+    /// assert_eq!(backend.quorum(), 2); // one member may be down
+    /// # Ok(()) }
+    /// ```
     pub fn quorum(&self) -> usize {
         self.inner.quorum
     }

@@ -20,6 +20,20 @@ use crate::wake::{SubCmd, Wakeups, Watch, watch_through};
 pub(super) const EXTEND_CHUNK: usize = 256;
 
 /// Connection settings for [`RedisBackend`]. The defaults suit a server on the same network.
+///
+/// ```no_run
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::{Locker, RedisConfig};
+/// use std::time::Duration;
+///
+/// let config = RedisConfig {
+///     // A server that does not answer within 300 ms is an error, not a hang.
+///     response_timeout: Duration::from_millis(300),
+///     ..RedisConfig::default()
+/// };
+/// let locker = Locker::redis_with("redis://127.0.0.1:6379/", config).await?;
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct RedisConfig {
     /// How long one command may wait for its reply before it fails (default 2 s), so that a dead
@@ -89,6 +103,17 @@ impl Scripts {
 ///
 /// Scripts run by `EVALSHA`, falling back to loading them on `NOSCRIPT` (after a restart or a
 /// `SCRIPT FLUSH`).
+///
+/// ```no_run
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::{LockOptions, Locker, RedisBackend};
+///
+/// // Typed by its backend: no dispatch, and the backend's own methods stay in reach.
+/// let locker: Locker<RedisBackend> = Locker::new(RedisBackend::connect("redis://127.0.0.1:6379/").await?);
+/// let lease = locker.acquire("k", &LockOptions::new()).await?;
+/// # lease.release().await?;
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct RedisBackend {
     conn: ConnectionManager,
@@ -171,11 +196,29 @@ fn unanswered(op: &'static str, key: &LockKey) -> Error {
 
 impl RedisBackend {
     /// Connects to `url` (`redis://host:port/db`) with default settings.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// let backend = lock_core::RedisBackend::connect("redis://127.0.0.1:6379/0").await?;
+    /// let locker = lock_core::Locker::new(backend);
+    /// # Ok(()) }
+    /// ```
     pub async fn connect(url: &str) -> Result<RedisBackend> {
         RedisBackend::connect_with(url, RedisConfig::default()).await
     }
 
     /// Connects to `url` with explicit settings.
+    ///
+    /// A URL that cannot be parsed, or a server that cannot be reached within the connection
+    /// timeout, is [`Error::Unavailable`]:
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use lock_core::{Error, RedisBackend, RedisConfig};
+    /// let refused = RedisBackend::connect_with("not a url", RedisConfig::default()).await;
+    /// assert!(matches!(refused, Err(Error::Unavailable(_))));
+    /// # }
+    /// ```
     pub async fn connect_with(url: &str, config: RedisConfig) -> Result<RedisBackend> {
         let client = config.client(url)?;
         let cm_config = ConnectionManagerConfig::new()
@@ -211,6 +254,15 @@ impl RedisBackend {
     }
 
     /// The shared connection, for callers that want to run their own commands beside the locks.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use redis::AsyncCommands;
+    /// let backend = lock_core::RedisBackend::connect("redis://127.0.0.1:6379/").await?;
+    /// let mut conn = backend.connection();
+    /// let _: () = conn.set("report:last-run", "2026-12-04").await?;
+    /// # Ok(()) }
+    /// ```
     pub fn connection(&self) -> ConnectionManager {
         self.conn.clone()
     }
