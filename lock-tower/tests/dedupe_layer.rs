@@ -46,6 +46,7 @@ on_every_backend!(
     replay_header_adds_to_the_allow_list,
     caps_at_their_exact_boundaries,
     a_panicking_handler_frees_the_claim,
+    an_unkeyed_request_is_answered_unread,
 );
 
 /// A webhook endpoint that counts its runs and answers something unique per run.
@@ -411,6 +412,52 @@ async fn missing_or_malformed_keys(h: Harness) {
         assert_eq!(r.status, StatusCode::CREATED);
     }
     assert_eq!(runs.load(Ordering::SeqCst), 3, "unkeyed requests each ran");
+}
+
+/// The body is read only for a keyed request's fingerprint: a request without a header key is
+/// passed on with its body untouched, whatever its size, or refused before it sends its body.
+async fn an_unkeyed_request_is_answered_unread(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let locker = h.locker().await;
+    let lenient = DedupeLayer::new(locker.clone())
+        .request_body_limit(1024)
+        .pass_through_without_key();
+    let addr = serve(counting(lenient, runs.clone(), Duration::ZERO)).await;
+    let r = send(addr, Method::POST, "/hooks/a", &[], "y".repeat(4096)).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text());
+    assert!(r.text().contains(r#""len":4096"#), "{}", r.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // A keyed request is still held to the cap.
+    let r = send(
+        addr,
+        Method::POST,
+        "/hooks/a",
+        &[("idempotency-key", r#""k1""#)],
+        "y".repeat(4096),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let strict = DedupeLayer::new(locker).request_body_limit(1024);
+    let addr = serve(counting(strict, runs.clone(), Duration::ZERO)).await;
+    let r = send(addr, Method::POST, "/hooks/a", &[], "y".repeat(4096)).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.text());
+    // Announced and never sent: the answer comes without it.
+    let mut conn = TcpStream::connect(addr).await.expect("connect");
+    conn.write_all(b"POST /hooks/a HTTP/1.1\r\nhost: test\r\ncontent-length: 4096\r\n\r\n")
+        .await
+        .expect("send the head");
+    let mut head = [0u8; 12];
+    tokio::time::timeout(Duration::from_secs(5), async {
+        use tokio::io::AsyncReadExt;
+        conn.read_exact(&mut head).await
+    })
+    .await
+    .expect("answered without the body")
+    .expect("read the status line");
+    assert_eq!(&head, b"HTTP/1.1 400");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
 async fn webhook_ids_and_github_scoping(h: Harness) {
@@ -2163,7 +2210,9 @@ async fn replay_header_adds_to_the_allow_list(h: Harness) {
         )
         .layer(
             DedupeLayer::new(h.locker().await)
-                .replay_header(HeaderName::from_static("x-request-id")),
+                .replay_header(HeaderName::from_static("x-request-id"))
+                // Already replayed by default: naming it again must not double it.
+                .replay_header(http::header::CONTENT_TYPE),
         );
     let addr = serve(app).await;
     let first = deliver_to(addr, "/hooks/headers", r#""h-1""#).await;
@@ -2173,6 +2222,7 @@ async fn replay_header_adds_to_the_allow_list(h: Harness) {
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(replay.header("x-request-id"), Some("req-1"));
     assert_eq!(replay.header("content-type"), Some("text/plain"));
+    assert_eq!(replay.headers.get_all("content-type").iter().count(), 1);
     assert_eq!(replay.header("x-not-listed"), None);
     assert_eq!(replay.text(), "accepted");
 }

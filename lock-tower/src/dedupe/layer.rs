@@ -89,7 +89,7 @@ impl DedupeConfig {
 /// | result store unreachable when a request arrives | 503 with `Retry-After: 1`; the handler does not run |
 /// | [`retention`](Self::retention) (1 ms to a year) or [`claim_ttl`](Self::claim_ttl) (lock-core's `MIN_TTL` to `MAX_TTL`) out of range | 500 ([`Reason::Misconfigured`]), logged at `error`; the handler does not run |
 /// | a backend with no result store (a Redlock quorum) | 500 ([`Reason::Misconfigured`], no `Retry-After`), logged at `error`; the handler does not run |
-/// | request body above the cap (1 MiB) | 413 |
+/// | request with a key, body above the cap (1 MiB) | 413 (the body is read only for a keyed request's fingerprint: without a header key, the request is answered or passed through unread; a JSON-body key is looked for in the body, up to the cap) |
 /// | response body fails while the layer reads it | 500 ([`Reason::ResponseFailed`]); nothing stored, claim released |
 /// | response body above the stored cap (256 KiB) | the first caller gets the full body; once it ended well (before the caller sees its end), the stored result keeps status and headers only, and replays carry an empty body with `Idempotent-Body-Omitted: true`; if it fails past the cap, nothing is stored and the claim is released |
 ///
@@ -215,12 +215,16 @@ impl DedupeLayer {
         self.with(|c| c.methods = Some(methods))
     }
 
-    /// Let requests without a key through, without dedupe, instead of answering 400.
+    /// Let requests without a key through, without dedupe, instead of answering 400. With a key
+    /// taken from the head (a header, the path, a closure), such a request's body is handed on
+    /// unread, whatever its size; with a JSON-body key, the body is read (up to the
+    /// [cap](Self::request_body_limit)) to look for the key, and handed on.
     pub fn pass_through_without_key(self) -> Self {
         self.with(|c| c.pass_unkeyed = true)
     }
 
-    /// The largest request body read for the fingerprint (default 1 MiB); above it, 413.
+    /// The largest request body read for the fingerprint (default 1 MiB); a keyed request
+    /// above it gets 413.
     pub fn request_body_limit(self, bytes: usize) -> Self {
         self.with(|c| c.request_limit = bytes)
     }
@@ -231,9 +235,15 @@ impl DedupeLayer {
         self.with(|c| c.stored_limit = bytes)
     }
 
-    /// Replay this response header too (beside the defaults).
+    /// Replay this response header too (beside the defaults); naming one already listed
+    /// changes nothing.
     pub fn replay_header(self, name: HeaderName) -> Self {
-        self.with(|c| c.replay_headers.push(name))
+        self.with(|c| {
+            // Listed twice, a header would be stored and replayed twice.
+            if !c.replay_headers.contains(&name) {
+                c.replay_headers.push(name)
+            }
+        })
     }
 
     /// The status to answer with for `reason` (for example 409 instead of 422 for

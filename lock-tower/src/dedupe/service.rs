@@ -16,6 +16,7 @@ use super::store::{Record, Store, StoreError};
 use crate::body::{BoxError, LockBody};
 use crate::extract::Held;
 use crate::future::ResponseFuture;
+use crate::key::KeyProblem;
 use crate::lock::service::{refuse, release};
 use crate::reject::Reason;
 use crate::util::{RequestBody, read_capped, reject};
@@ -76,6 +77,30 @@ fn hex(digest: &[u8]) -> String {
     s
 }
 
+/// A request without a usable key: through without dedupe where the layer was told so, else
+/// refused.
+async fn unkeyed<S, ReqBody, ResBody>(
+    cfg: &DedupeConfig,
+    mut inner: S,
+    req: Request<RequestBody<ReqBody>>,
+    problem: KeyProblem,
+) -> Result<Response<LockBody<ResBody>>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ResBody: Body<Data = Bytes> + Send + Unpin + 'static,
+{
+    if problem.reason == Reason::MissingKey && cfg.pass_unkeyed {
+        tracing::debug!(why = %problem.detail, "no key; passing through without dedupe");
+        return Ok(inner.call(req).await?.map(LockBody::pass));
+    }
+    Ok(reject(
+        &cfg.rejections,
+        problem.reason,
+        None,
+        problem.detail,
+    ))
+}
+
 /// SHA-256 of length-prefixed parts, so no two different part lists hash alike.
 fn digest(parts: &[&[u8]]) -> String {
     let mut h = Sha256::new();
@@ -120,18 +145,32 @@ where
         return Ok(reject(rejections, Reason::Misconfigured, None, detail));
     }
     let (mut parts, body) = req.into_parts();
+    // A key in the request's head is looked for before the body is read: the body is read only
+    // for a keyed request's fingerprint, so a request without a key passes on with its body
+    // untouched and unbounded (or is refused at once, without uploading it first).
+    let mut head_key = None;
+    if !cfg.key.needs_body() {
+        match cfg.key.extract(&mut parts, None).await {
+            Ok(k) => head_key = Some(k),
+            Err(p) => {
+                let req = Request::from_parts(parts, Either::Left(body));
+                return unkeyed(&cfg, inner, req, p).await;
+            }
+        }
+    }
     let bytes = match read_capped(body, cfg.request_limit).await {
         Ok(b) => b,
         Err((reason, detail)) => return Ok(reject(rejections, reason, None, detail)),
     };
-    let key = match cfg.key.extract(&mut parts, Some(&bytes)).await {
-        Ok(k) => k,
-        Err(p) if p.reason == crate::reject::Reason::MissingKey && cfg.pass_unkeyed => {
-            tracing::debug!(why = %p.detail, "no key; passing through without dedupe");
-            let req = Request::from_parts(parts, Either::Right(Full::new(bytes)));
-            return Ok(inner.call(req).await?.map(LockBody::pass));
-        }
-        Err(p) => return Ok(reject(rejections, p.reason, None, p.detail)),
+    let key = match head_key {
+        Some(k) => k,
+        None => match cfg.key.extract(&mut parts, Some(&bytes)).await {
+            Ok(k) => k,
+            Err(p) => {
+                let req = Request::from_parts(parts, Either::Right(Full::new(bytes)));
+                return unkeyed(&cfg, inner, req, p).await;
+            }
+        },
     };
     // Hashed, so a hostile key can neither collide with another scope's keys nor spell a
     // storage key of its choosing; the claims' own namespace (see `DedupeConfig::claims`) keeps
