@@ -857,6 +857,37 @@ async fn a_ttl_out_of_range_is_a_500() {
     }
 }
 
+/// A key prefix no key can follow is the layer's misconfiguration too: a 500 naming the prefix,
+/// not a 400 blaming each client for its key; a usable prefix still locks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unusable_key_prefix_is_a_500() {
+    let long = "p".repeat(lock_core::MAX_KEY_LEN);
+    for prefix in ["tenant{a}:", "tenant\n", long.as_str()] {
+        let (tx, mut entered) = mpsc::unbounded_channel();
+        let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::route_param("id"))
+            .key_prefix(prefix);
+        let addr = serve(gated(layer, tx, Arc::new(Semaphore::new(1)))).await;
+        let res = post_to(addr, "/accounts/7/withdraw").await;
+        assert_eq!(res.status, StatusCode::INTERNAL_SERVER_ERROR, "{prefix:?}");
+        let problem: serde_json::Value = serde_json::from_slice(&res.body).expect("json");
+        assert!(
+            problem["detail"]
+                .as_str()
+                .is_some_and(|d| d.contains("prefix")),
+            "{problem}"
+        );
+        assert!(entered.try_recv().is_err(), "the handler ran");
+    }
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let fits = "p".repeat(lock_core::MAX_KEY_LEN - 1);
+    let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::route_param("id"))
+        .key_prefix(fits);
+    let addr = serve(gated(layer, tx, Arc::new(Semaphore::new(1)))).await;
+    let res = post_to(addr, "/accounts/7/withdraw").await;
+    assert_eq!(res.status, StatusCode::OK, "{}", res.text());
+    assert!(entered.try_recv().is_ok(), "the handler did not run");
+}
+
 /// A key from a closure over the request head: here the `account` query parameter. Requests
 /// with the same value take turns, another value runs beside them, and `None` is a 400.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -19,6 +19,9 @@ pub(crate) struct LockConfig {
     pub(crate) locker: Locker,
     pub(crate) key: KeyExtractor,
     pub(crate) prefix: String,
+    /// Why the prefix can make no valid key, when it cannot: every request is then the layer's
+    /// fault (500), not the client's (400).
+    pub(crate) prefix_problem: Option<&'static str>,
     pub(crate) opts: LockOptions,
     pub(crate) wait: bool,
     pub(crate) methods: Option<Vec<Method>>,
@@ -63,7 +66,7 @@ impl LockConfig {
 /// | lease lost while the handler ran | handler cancelled (its future dropped), 503 |
 /// | lease lost while the body streamed | the body ends with an error (the response is cut off) |
 /// | lock backend unreachable | 503 with `Retry-After: 1` |
-/// | the layer's [`ttl`](Self::ttl) out of range (below `MIN_TTL`, above `MAX_TTL`) | 500 ([`Reason::Misconfigured`]), logged at `error` |
+/// | the layer's [`ttl`](Self::ttl) out of range (below `MIN_TTL`, above `MAX_TTL`), or a [`key_prefix`](Self::key_prefix) no key can follow | 500 ([`Reason::Misconfigured`]), logged at `error` |
 ///
 /// Every status is configurable ([`reject_status`](Self::reject_status)); bodies are
 /// `application/problem+json` unless a [`rejection_response`](Self::rejection_response) is set.
@@ -101,6 +104,7 @@ impl LockLayer {
                 locker,
                 key,
                 prefix: String::new(),
+                prefix_problem: None,
                 opts: LockOptions::new(),
                 wait: false,
                 methods: None,
@@ -118,9 +122,25 @@ impl LockLayer {
 
     /// Text put before every extracted key, so two layers on one backend do not share locks by
     /// accident (`"withdraw:"` + `"7"` → lock `withdraw:7`).
+    ///
+    /// The prefix follows lock-core's rules for keys (no `{`, `}` or control characters, and
+    /// room left under `MAX_KEY_LEN`); one that breaks them makes every request a 500
+    /// ([`Reason::Misconfigured`]), logged at `error`.
     pub fn key_prefix(self, prefix: impl Into<String>) -> Self {
         let prefix = prefix.into();
-        self.with(|c| c.prefix = prefix)
+        let problem = if prefix.contains(['{', '}']) {
+            Some("the key prefix contains `{` or `}`")
+        } else if prefix.chars().any(char::is_control) {
+            Some("the key prefix contains a control character")
+        } else if prefix.len() >= lock_core::MAX_KEY_LEN {
+            Some("the key prefix leaves no room for a key under MAX_KEY_LEN")
+        } else {
+            None
+        };
+        self.with(|c| {
+            c.prefix = prefix;
+            c.prefix_problem = problem;
+        })
     }
 
     /// The lease TTL (default 30 s). The lease is renewed at about a third of it while the

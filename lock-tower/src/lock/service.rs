@@ -91,6 +91,15 @@ where
         // Each step in a block of its own: a local's room is kept until its scope ends, even
         // after it was moved out, and a local alive across two awaits has room of its own in
         // every state of the future.
+        if let Some(problem) = cfg.prefix_problem {
+            tracing::error!(%problem, "the layer's key prefix is unusable");
+            return Ok(reject(
+                &cfg.rejections,
+                Reason::Misconfigured,
+                None,
+                problem,
+            ));
+        }
         let in_process = matches!(cfg.locker.backend(), AnyBackend::Memory(_));
         let (body, lease) = {
             let (body, key) = {
