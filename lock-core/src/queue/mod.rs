@@ -82,24 +82,100 @@ pub use worker::{Job, JobError, Worker, WorkerHandle, WorkerReport};
 
 /// Largest payload accepted by [`Queue::enqueue`], in bytes (1 MiB). Larger data belongs in a
 /// blob store, with its address in the payload.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::Queue;
+/// use std::time::Duration;
+/// let queue = Queue::memory("mail")?;
+/// use lock_core::{Error, queue::MAX_PAYLOAD};
+/// let too_big = vec![0u8; MAX_PAYLOAD + 1];
+/// assert!(matches!(queue.enqueue(&too_big).await, Err(Error::PayloadTooLarge { .. })));
+/// # Ok(()) }
+/// ```
 pub const MAX_PAYLOAD: usize = 1 << 20;
 /// Longest error or failure reason stored with a job, in bytes; longer texts are cut at a
 /// character boundary.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::Queue;
+/// use std::time::Duration;
+/// let queue = Queue::memory("mail")?;
+/// use lock_core::queue::MAX_ERROR_LEN;
+/// queue.enqueue(b"x").await?;
+/// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+/// let id = claim.id();
+/// claim.fail(&"e".repeat(MAX_ERROR_LEN + 100)).await?;
+/// assert_eq!(queue.job(id).await?.error.map(|e| e.len()), Some(MAX_ERROR_LEN));
+/// # Ok(()) }
+/// ```
 pub const MAX_ERROR_LEN: usize = 4096;
 /// Attempts a job gets unless [`QueueBuilder::max_attempts`] says otherwise.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::Queue;
+/// use std::time::Duration;
+/// let queue = Queue::memory("mail")?;
+/// use lock_core::queue::DEFAULT_MAX_ATTEMPTS;
+/// let id = queue.enqueue(b"x").await?;
+/// assert_eq!(queue.job(id).await?.max_attempts, u64::from(DEFAULT_MAX_ATTEMPTS));
+/// # Ok(()) }
+/// ```
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 /// How long a completed job leaves a marker behind unless [`QueueBuilder::keep_done`] says
 /// otherwise: long enough that a late worker is told it is stale rather than that the job is
 /// unknown.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::Queue;
+/// use std::time::Duration;
+/// let queue = Queue::memory("mail")?;
+/// use lock_core::{Error, queue::DEFAULT_KEEP_DONE};
+/// assert_eq!(DEFAULT_KEEP_DONE, Duration::from_secs(3600));
+/// queue.enqueue(b"x").await?;
+/// let first = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+/// let (id, old) = (first.id(), first.attempts());
+/// first.complete().await?;
+/// // Within the hour a repeated complete of the same attempt is confirmed, not unknown.
+/// queue.complete(id, old).await?;
+/// # Ok(()) }
+/// ```
 pub const DEFAULT_KEEP_DONE: Duration = Duration::from_secs(60 * 60);
 /// The longest [`QueueBuilder::keep_done`] accepted: a year.
+///
+/// ```
+/// use lock_core::{Error, queue::{MAX_KEEP_DONE, Queue}};
+/// use std::time::Duration;
+/// let refused = Queue::builder("q").keep_done(MAX_KEEP_DONE + Duration::from_secs(1)).memory();
+/// assert!(matches!(refused, Err(Error::InvalidDuration { .. })));
+/// ```
 pub const MAX_KEEP_DONE: Duration = Duration::from_secs(365 * 86_400);
 /// The longest delay [`Queue::retry`] accepts: a year. A longer one is refused with
 /// [`Error::InvalidDuration`] before any round trip; park a job for good with
 /// [`Queue::fail`] instead.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::Queue;
+/// use std::time::Duration;
+/// let queue = Queue::memory("mail")?;
+/// use lock_core::{Error, queue::MAX_RETRY_DELAY};
+/// queue.enqueue(b"x").await?;
+/// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+/// let too_late = MAX_RETRY_DELAY + Duration::from_secs(1);
+/// assert!(matches!(queue.retry(claim.id(), claim.attempts(), too_late).await, Err(Error::InvalidDuration { .. })));
+/// # Ok(()) }
+/// ```
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(365 * 86_400);
 /// How often a waiting claim looks again when no wake-up arrives (a lost subscription, a
 /// reaped job whose wake-up was missed).
+///
+/// ```
+/// assert_eq!(lock_core::queue::CLAIM_POLL_FALLBACK, std::time::Duration::from_secs(1));
+/// ```
 pub const CLAIM_POLL_FALLBACK: Duration = Duration::from_secs(1);
 /// Most jobs one reap script moves; [`Queue::reap`] repeats until none are left.
 const REAP_BATCH: usize = 500;
@@ -110,11 +186,27 @@ const ENQUEUE_BATCH: usize = 256;
 const ENQUEUE_BATCH_BYTES: usize = 4 << 20;
 
 /// A job's number within its queue: assigned at enqueue, increasing in enqueue order.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::Queue;
+/// use std::time::Duration;
+/// let queue = Queue::memory("mail")?;
+/// let a = queue.enqueue(b"first").await?;
+/// let b = queue.enqueue(b"second").await?;
+/// assert!(b > a);
+/// println!("enqueued job {b}");
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct JobId(pub u64);
 
 impl JobId {
     /// The id as a plain number.
+    ///
+    /// ```
+    /// assert_eq!(lock_core::queue::JobId(7).get(), 7);
+    /// ```
     pub fn get(self) -> u64 {
         self.0
     }
@@ -127,6 +219,21 @@ impl fmt::Display for JobId {
 }
 
 /// Where a job is in its life.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::Queue;
+/// use std::time::Duration;
+/// let queue = Queue::memory("mail")?;
+/// use lock_core::queue::JobState;
+/// let id = queue.enqueue(b"x").await?;
+/// assert_eq!(queue.job(id).await?.state, JobState::Pending);
+/// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+/// assert_eq!(queue.job(id).await?.state, JobState::Active);
+/// assert_eq!(claim.retry(Duration::from_secs(60)).await?, JobState::Delayed);
+/// assert_eq!(JobState::Delayed.to_string(), "delayed");
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum JobState {
     /// Waiting to be claimed.
@@ -171,6 +278,18 @@ impl fmt::Display for JobState {
 }
 
 /// How many jobs are in each set.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::Queue;
+/// use std::time::Duration;
+/// let queue = Queue::memory("mail")?;
+/// use lock_core::queue::QueueCounts;
+/// queue.enqueue_many([b"a", b"b"]).await?;
+/// let _claim = queue.claim(Duration::from_secs(30)).await?;
+/// assert_eq!(queue.counts().await?, QueueCounts { pending: 1, active: 1, delayed: 0, dead: 0 });
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QueueCounts {
     /// Waiting to be claimed.
@@ -184,6 +303,20 @@ pub struct QueueCounts {
 }
 
 /// One job as the store holds it (see [`Queue::job`]).
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::Queue;
+/// use std::time::Duration;
+/// let queue = Queue::memory("mail")?;
+/// let id = queue.enqueue(b"welcome").await?;
+/// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+/// claim.retry_because(Duration::ZERO, "smtp timeout").await?;
+/// let info = queue.job(id).await?;
+/// assert_eq!((info.attempts, info.error.as_deref()), (1, Some("smtp timeout")));
+/// assert_eq!(info.payload.as_deref(), Some(&b"welcome"[..]));
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct JobInfo {
     /// The job.
@@ -204,6 +337,20 @@ pub struct JobInfo {
 }
 
 /// A job the reaper moved (see [`Queue::reap`]).
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::Queue;
+/// use std::time::Duration;
+/// let queue = Queue::memory("mail")?;
+/// use lock_core::queue::JobState;
+/// queue.enqueue(b"x").await?;
+/// let crashed = queue.claim(Duration::from_millis(20)).await?.expect("a job");
+/// tokio::time::sleep(Duration::from_millis(40)).await;
+/// let reaped = queue.reap().await?;
+/// assert_eq!((reaped[0].id, reaped[0].attempts, reaped[0].to), (crashed.id(), 1, JobState::Pending));
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Reaped {
     /// The job.
@@ -241,6 +388,14 @@ impl QueueBuilder {
     /// The key prefix (default [`DEFAULT_PREFIX`]); server keys become `{prefix:queue}:...`.
     /// The rules of a key, and no `:` (prefix `a:b` and queue `c` would name the queue `b:c`
     /// under prefix `a`), else [`Error::InvalidKey`] from `build`.
+    ///
+    /// ```
+    /// use lock_core::queue::Queue;
+    /// let queue = Queue::builder("emails").prefix("billing").memory()?;
+    /// assert!(Queue::builder("emails").prefix("a:b").memory().is_err());
+    /// # let _ = queue;
+    /// # Ok::<(), lock_core::Error>(())
+    /// ```
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -248,6 +403,17 @@ impl QueueBuilder {
 
     /// Claims a job may have before the reaper or a retry sends it to the dead set
     /// (default [`DEFAULT_MAX_ATTEMPTS`]; 0 means no limit). Stored with each job at enqueue.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::{JobState, Queue};
+    /// use std::time::Duration;
+    /// let queue = Queue::builder("once").max_attempts(1).memory()?;
+    /// queue.enqueue(b"x").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// assert_eq!(claim.retry(Duration::ZERO).await?, JobState::Dead); // no attempts left
+    /// # Ok(()) }
+    /// ```
     pub fn max_attempts(mut self, max: u32) -> Self {
         self.max_attempts = max;
         self
@@ -258,6 +424,17 @@ impl QueueBuilder {
     /// attempt succeeds; afterwards both get [`Error::UnknownJob`]. Zero deletes completed jobs
     /// at once, so a complete whose reply was lost cannot be confirmed (a worker counts it as
     /// lost); above [`MAX_KEEP_DONE`] the queue is not built ([`Error::InvalidDuration`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{Error, queue::Queue};
+    /// use std::time::Duration;
+    /// let queue = Queue::builder("q").keep_done(Duration::ZERO).memory()?;
+    /// let id = queue.enqueue(b"x").await?;
+    /// queue.claim(Duration::from_secs(30)).await?.expect("a job").complete().await?;
+    /// assert!(matches!(queue.job(id).await, Err(Error::UnknownJob { .. }))); // nothing kept
+    /// # Ok(()) }
+    /// ```
     pub fn keep_done(mut self, keep: Duration) -> Self {
         self.keep_done = keep;
         self
@@ -279,6 +456,13 @@ impl QueueBuilder {
 
     /// A queue held in this process. Clones of the returned queue share it; another call
     /// makes another, separate queue, even under the same name.
+    ///
+    /// ```
+    /// use lock_core::queue::Queue;
+    /// let queue = Queue::builder("thumbnails").max_attempts(3).memory()?;
+    /// # let _ = queue;
+    /// # Ok::<(), lock_core::Error>(())
+    /// ```
     pub fn memory(self) -> Result<Queue> {
         self.check()?;
         let store = Store::Memory(memory::MemoryQueue::new(&self.prefix, &self.name));
@@ -286,6 +470,13 @@ impl QueueBuilder {
     }
 
     /// A queue on the Redis or Valkey server at `url`, on its own connection.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// let queue = Queue::builder("thumbnails").max_attempts(3).redis("redis://127.0.0.1/").await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn redis(self, url: &str) -> Result<Queue> {
         self.check()?;
         let backend = RedisBackend::connect(url).await?;
@@ -294,6 +485,15 @@ impl QueueBuilder {
 
     /// A queue on an existing backend, sharing its connection and its wake-up subscription
     /// with the locks taken through it.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{Locker, RedisBackend, queue::Queue};
+    /// let backend = RedisBackend::connect("redis://127.0.0.1/").await?;
+    /// let queue = Queue::builder("thumbnails").on_redis(backend.clone())?;
+    /// let locker = Locker::new(backend); // one connection for both
+    /// # Ok(()) }
+    /// ```
     pub fn on_redis(self, backend: RedisBackend) -> Result<Queue> {
         self.check()?;
         let store = Store::Redis(Box::new(redis::RedisQueue::new(
@@ -306,6 +506,13 @@ impl QueueBuilder {
 
     /// A queue on a Redis or Valkey Cluster, reached through any of `nodes`. Every key of the
     /// queue shares one hash tag, so the whole queue lives in one slot (one master).
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// let queue = Queue::builder("thumbnails").cluster(&["redis://10.0.0.1:7000/"]).await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn cluster(self, nodes: &[&str]) -> Result<Queue> {
         self.check()?;
         let backend = ClusterBackend::connect(nodes).await?;
@@ -314,6 +521,15 @@ impl QueueBuilder {
 
     /// A queue on an existing cluster backend, sharing its connection and its sharded
     /// subscription with the locks taken through it.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{ClusterBackend, Locker, queue::Queue};
+    /// let backend = ClusterBackend::connect(&["redis://10.0.0.1:7000/"]).await?;
+    /// let queue = Queue::builder("thumbnails").on_cluster(backend.clone())?;
+    /// let locker = Locker::new(backend);
+    /// # Ok(()) }
+    /// ```
     pub fn on_cluster(self, backend: ClusterBackend) -> Result<Queue> {
         self.check()?;
         let store = Store::Redis(Box::new(redis::RedisQueue::new(
@@ -415,6 +631,18 @@ struct Inner {
 /// the store and its connection.
 ///
 /// See the [module documentation](self) for the model, keys and clocks.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::Queue;
+/// use std::time::Duration;
+/// let queue = Queue::memory("mail")?;
+/// let worker_side = queue.clone(); // clones share the queue
+/// queue.enqueue(b"welcome").await?;
+/// let claim = worker_side.claim(Duration::from_secs(30)).await?.expect("a job");
+/// claim.complete().await?;
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct Queue {
     inner: Arc<Inner>,
@@ -461,6 +689,14 @@ fn clip(text: &str) -> &str {
 impl Queue {
     /// Starts configuring a queue named `name` (any key-safe text: no braces or control
     /// characters, at most 512 bytes).
+    ///
+    /// ```
+    /// use lock_core::queue::Queue;
+    /// let queue = Queue::builder("emails").max_attempts(10).memory()?;
+    /// assert!(Queue::builder("").memory().is_err());
+    /// # let _ = queue;
+    /// # Ok::<(), lock_core::Error>(())
+    /// ```
     pub fn builder(name: impl Into<String>) -> QueueBuilder {
         QueueBuilder {
             name: name.into(),
@@ -471,16 +707,37 @@ impl Queue {
     }
 
     /// A queue in this process with the defaults (see [`QueueBuilder::memory`]).
+    ///
+    /// ```
+    /// let queue = lock_core::queue::Queue::memory("emails")?;
+    /// # let _ = queue;
+    /// # Ok::<(), lock_core::Error>(())
+    /// ```
     pub fn memory(name: &str) -> Result<Queue> {
         Queue::builder(name).memory()
     }
 
     /// A queue on the Redis or Valkey server at `url`, with the defaults.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// let queue = lock_core::queue::Queue::redis("redis://127.0.0.1/", "emails").await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn redis(url: &str, name: &str) -> Result<Queue> {
         Queue::builder(name).redis(url).await
     }
 
     /// The queue's name.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// assert_eq!(queue.name(), "mail");
+    /// # Ok(()) }
+    /// ```
     pub fn name(&self) -> &str {
         &self.inner.name
     }
@@ -492,6 +749,17 @@ impl Queue {
     /// Adds a job at the back of the queue and wakes waiting claimers. Returns its id.
     ///
     /// Payloads above [`MAX_PAYLOAD`] are refused with [`Error::PayloadTooLarge`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// let id = queue.enqueue(b"to: ada@example.com").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// assert_eq!((claim.id(), claim.payload()), (id, &b"to: ada@example.com"[..]));
+    /// # Ok(()) }
+    /// ```
     #[instrument(level = "debug", skip_all, fields(queue = %self.inner.name))]
     pub async fn enqueue(&self, payload: impl AsRef<[u8]>) -> Result<JobId> {
         let ids = self.enqueue_many([payload]).await?;
@@ -507,6 +775,17 @@ impl Queue {
     /// Adds several jobs in order, up to 256 (and 4 MiB) per round trip. Every payload is
     /// checked before any is sent, so an oversize one means none were added; a server failure
     /// midway leaves the round trips that succeeded enqueued.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// let ids = queue.enqueue_many(["a", "b", "c"]).await?;
+    /// assert_eq!(ids.len(), 3);
+    /// assert_eq!(queue.counts().await?.pending, 3);
+    /// # Ok(()) }
+    /// ```
     #[instrument(level = "debug", skip_all, fields(queue = %self.inner.name))]
     pub async fn enqueue_many<I, P>(&self, payloads: I) -> Result<Vec<JobId>>
     where
@@ -549,6 +828,19 @@ impl Queue {
     }
 
     /// Serialises `value` as JSON and enqueues it.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use serde_json::{Value, json};
+    /// use std::time::Duration;
+    ///
+    /// let queue = Queue::memory("thumbnails")?;
+    /// queue.enqueue_json(&json!({ "path": "cat.png", "width": 128 })).await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// assert_eq!(claim.json::<Value>()?["width"], 128);
+    /// # Ok(()) }
+    /// ```
     #[cfg(feature = "serde")]
     pub async fn enqueue_json<T: serde::Serialize + ?Sized>(&self, value: &T) -> Result<JobId> {
         let bytes = serde_json::to_vec(value).map_err(|e| Error::Codec(Box::new(e)))?;
@@ -567,6 +859,19 @@ impl Queue {
     /// On Redis / Valkey, a job whose key was overwritten with another type (by someone else)
     /// is not claimed: its id is set aside in the dead set, its key left untouched, with a
     /// warning in the log, and the claim goes on to the next job.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// assert!(queue.claim(Duration::from_secs(30)).await?.is_none()); // nothing pending
+    /// queue.enqueue(b"x").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// assert_eq!(claim.attempts(), 1);
+    /// # claim.complete().await?;
+    /// # Ok(()) }
+    /// ```
     #[instrument(level = "debug", skip_all, fields(queue = %self.inner.name, ttl = ?ttl))]
     pub async fn claim(&self, ttl: Duration) -> Result<Option<Claim>> {
         validate_ttl(ttl)?;
@@ -738,6 +1043,24 @@ impl Queue {
     /// ([`QueueBuilder::keep_done`]), so a complete whose reply was lost can be sent again;
     /// with `keep_done` zero, or once the marker has expired, the repeat finds no job
     /// ([`Error::UnknownJob`]) and cannot tell a completion that landed from one that did not.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// use lock_core::Error;
+    /// queue.enqueue(b"x").await?;
+    /// let first = queue.claim(Duration::from_millis(20)).await?.expect("a job");
+    /// let (id, attempt) = (first.id(), first.attempts());
+    /// tokio::time::sleep(Duration::from_millis(40)).await; // paused past the lease
+    /// queue.reap().await?;
+    /// let second = queue.claim(Duration::from_secs(30)).await?.expect("the job again");
+    /// // The first worker wakes up and reports done: refused, a newer attempt holds the job.
+    /// assert!(matches!(queue.complete(id, attempt).await, Err(Error::Stale { .. })));
+    /// queue.complete(id, second.attempts()).await?;
+    /// # Ok(()) }
+    /// ```
     #[instrument(level = "debug", skip(self), fields(queue = %self.inner.name))]
     pub async fn complete(&self, id: JobId, attempts: u64) -> Result<()> {
         let keep_done_ms = ms(self.inner.keep_done);
@@ -770,6 +1093,20 @@ impl Queue {
     }
 
     /// [`Queue::retry`], recording `error` as the job's last error (cut to [`MAX_ERROR_LEN`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// use lock_core::queue::JobState;
+    /// let id = queue.enqueue(b"x").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// let to = queue.retry_because(id, claim.attempts(), Duration::from_secs(5), "rate limited").await?;
+    /// assert_eq!(to, JobState::Delayed);
+    /// assert_eq!(queue.job(id).await?.error.as_deref(), Some("rate limited"));
+    /// # Ok(()) }
+    /// ```
     #[instrument(level = "debug", skip(self, error), fields(queue = %self.inner.name))]
     pub async fn retry_because(
         &self,
@@ -788,6 +1125,20 @@ impl Queue {
 
     /// Sends the job to the dead set now, with `reason` (cut to [`MAX_ERROR_LEN`]) as its last
     /// error, whatever attempts it has left. Refused as [`Queue::complete`] is.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// use lock_core::queue::JobState;
+    /// let id = queue.enqueue(b"not an address").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// queue.fail(id, claim.attempts(), "malformed address").await?;
+    /// assert_eq!(queue.job(id).await?.state, JobState::Dead);
+    /// assert_eq!(queue.counts().await?.dead, 1);
+    /// # Ok(()) }
+    /// ```
     #[instrument(level = "debug", skip(self, reason), fields(queue = %self.inner.name))]
     pub async fn fail(&self, id: JobId, attempts: u64, reason: &str) -> Result<()> {
         let op = Op::Fail {
@@ -799,6 +1150,18 @@ impl Queue {
     /// Moves the job's deadline to the store's clock plus `ttl`. Returns the new deadline in
     /// milliseconds since the Unix epoch on the store's clock. Refused as
     /// [`Queue::complete`] is, so a lease that was reaped is never revived.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"x").await?;
+    /// let claim = queue.claim(Duration::from_secs(1)).await?.expect("a job");
+    /// let deadline = queue.extend(claim.id(), claim.attempts(), Duration::from_secs(60)).await?;
+    /// assert!(deadline > claim.deadline_ms());
+    /// # Ok(()) }
+    /// ```
     #[instrument(level = "debug", skip(self), fields(queue = %self.inner.name))]
     pub async fn extend(&self, id: JobId, attempts: u64, ttl: Duration) -> Result<u64> {
         validate_ttl(ttl)?;
@@ -847,12 +1210,35 @@ impl Queue {
     }
 
     /// How many jobs are pending, active, delayed and dead.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"x").await?;
+    /// let counts = queue.counts().await?;
+    /// assert_eq!((counts.pending, counts.active), (1, 0));
+    /// # Ok(()) }
+    /// ```
     pub async fn counts(&self) -> Result<QueueCounts> {
         store!(self, s => s.counts().await)
     }
 
     /// One job's state, attempts, last error and payload; [`Error::UnknownJob`] when it does not
     /// exist (or was completed longer than [`QueueBuilder::keep_done`] ago).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// use lock_core::{Error, queue::{JobId, JobState}};
+    /// let id = queue.enqueue(b"x").await?;
+    /// assert_eq!(queue.job(id).await?.state, JobState::Pending);
+    /// assert!(matches!(queue.job(JobId(999)).await, Err(Error::UnknownJob { .. })));
+    /// # Ok(()) }
+    /// ```
     pub async fn job(&self, id: JobId) -> Result<JobInfo> {
         store!(self, s => s.job(id.0).await)?.ok_or_else(|| Error::UnknownJob {
             queue: self.inner.name.clone(),
@@ -866,6 +1252,24 @@ impl Queue {
 /// Dropping a claim does nothing on the store: the job stays active until its deadline, then
 /// the reaper returns it, as if the worker had crashed. Settle it with
 /// [`complete`](Claim::complete), [`retry`](Claim::retry) or [`fail`](Claim::fail).
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::Queue;
+/// use std::time::Duration;
+/// let queue = Queue::memory("mail")?;
+/// queue.enqueue(b"welcome").await?;
+/// if let Some(claim) = queue.claim(Duration::from_secs(30)).await? {
+///     match std::str::from_utf8(claim.payload()) {
+///         Ok(text) => {
+///             println!("sending {text}");
+///             claim.complete().await?;
+///         }
+///         Err(_) => claim.fail("payload is not UTF-8").await?,
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct Claim {
     queue: Queue,
@@ -878,12 +1282,37 @@ pub struct Claim {
 
 impl Claim {
     /// The job.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// let id = queue.enqueue(b"x").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// assert_eq!(claim.id(), id);
+    /// # Ok(()) }
+    /// ```
     pub fn id(&self) -> JobId {
         self.id
     }
 
     /// This claim's attempt number: 1 for the first claim of the job, one more for each claim
     /// after.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"x").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// assert_eq!(claim.attempts(), 1);
+    /// claim.retry(Duration::ZERO).await?;
+    /// let again = queue.claim(Duration::from_secs(30)).await?.expect("the job again");
+    /// assert_eq!(again.attempts(), 2);
+    /// # Ok(()) }
+    /// ```
     pub fn attempts(&self) -> u64 {
         self.attempts
     }
@@ -920,11 +1349,33 @@ impl Claim {
     }
 
     /// The payload as enqueued.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"hello").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// assert_eq!(claim.payload(), b"hello");
+    /// # Ok(()) }
+    /// ```
     pub fn payload(&self) -> &[u8] {
         &self.payload
     }
 
     /// Decodes a JSON payload (see [`Queue::enqueue_json`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{Error, queue::Queue};
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("orders")?;
+    /// queue.enqueue(b"not json").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// assert!(matches!(claim.json::<serde_json::Value>(), Err(Error::Codec(_))));
+    /// # Ok(()) }
+    /// ```
     #[cfg(feature = "serde")]
     pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T> {
         serde_json::from_slice(&self.payload).map_err(|e| Error::Codec(Box::new(e)))
@@ -932,18 +1383,52 @@ impl Claim {
 
     /// The lease deadline in milliseconds since the Unix epoch, on the store's clock (the
     /// server's for Redis), as of the claim or the last [`extend`](Claim::extend).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"x").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    /// assert!(claim.deadline_ms() > now_ms);
+    /// # Ok(()) }
+    /// ```
     pub fn deadline_ms(&self) -> u64 {
         self.deadline_ms
     }
 
     /// Time left on the lease by this process's clock, counted from before the claim (or the
     /// last extend) was sent and less a drift allowance, so it never overstates the lease.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"x").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// assert!(claim.remaining() <= Duration::from_secs(30));
+    /// # Ok(()) }
+    /// ```
     pub fn remaining(&self) -> Duration {
         self.local_deadline
             .saturating_duration_since(Instant::now())
     }
 
     /// The queue the job came from.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"x").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// assert_eq!(claim.queue().name(), "mail");
+    /// # Ok(()) }
+    /// ```
     pub fn queue(&self) -> &Queue {
         &self.queue
     }
@@ -960,6 +1445,18 @@ impl Claim {
     }
 
     /// Extends the lease to the store's clock plus `ttl` (see [`Queue::extend`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"x").await?;
+    /// let mut claim = queue.claim(Duration::from_secs(1)).await?.expect("a job");
+    /// claim.extend(Duration::from_secs(60)).await?; // long work: keep the lease
+    /// assert!(claim.remaining() > Duration::from_secs(1));
+    /// # Ok(()) }
+    /// ```
     pub async fn extend(&mut self, ttl: Duration) -> Result<()> {
         let start = Instant::now();
         self.deadline_ms = self.queue.extend(self.id, self.attempts, ttl).await?;
@@ -968,16 +1465,52 @@ impl Claim {
     }
 
     /// Completes the job (see [`Queue::complete`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"x").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// claim.complete().await?;
+    /// assert_eq!(queue.counts().await?.active, 0);
+    /// # Ok(()) }
+    /// ```
     pub async fn complete(self) -> Result<()> {
         self.queue.complete(self.id, self.attempts).await
     }
 
     /// Gives the job back after `delay` (see [`Queue::retry`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// use lock_core::queue::JobState;
+    /// queue.enqueue(b"x").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// assert_eq!(claim.retry(Duration::from_secs(10)).await?, JobState::Delayed);
+    /// # Ok(()) }
+    /// ```
     pub async fn retry(self, delay: Duration) -> Result<JobState> {
         self.queue.retry(self.id, self.attempts, delay).await
     }
 
     /// Gives the job back after `delay`, recording `error` (see [`Queue::retry_because`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// let id = queue.enqueue(b"x").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// claim.retry_because(Duration::ZERO, "upstream 503").await?;
+    /// assert_eq!(queue.job(id).await?.error.as_deref(), Some("upstream 503"));
+    /// # Ok(()) }
+    /// ```
     pub async fn retry_because(self, delay: Duration, error: &str) -> Result<JobState> {
         self.queue
             .retry_because(self.id, self.attempts, delay, error)
@@ -985,6 +1518,18 @@ impl Claim {
     }
 
     /// Sends the job to the dead set with `reason` (see [`Queue::fail`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"x").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// claim.fail("bad payload").await?;
+    /// assert_eq!(queue.counts().await?.dead, 1);
+    /// # Ok(()) }
+    /// ```
     pub async fn fail(self, reason: &str) -> Result<()> {
         self.queue.fail(self.id, self.attempts, reason).await
     }
