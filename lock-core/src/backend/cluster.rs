@@ -201,7 +201,9 @@ impl Pauses {
     fn new(patience: Duration) -> Pauses {
         Pauses {
             next: FIRST_PAUSE,
-            give_up: tokio::time::Instant::now() + patience,
+            // `Duration::MAX` ("no timeout", which redis-rs's own timeouts accept) must not
+            // overflow the instant.
+            give_up: crate::types::deadline_after(tokio::time::Instant::now(), patience),
         }
     }
 
@@ -715,6 +717,14 @@ mod tests {
         ] {
             assert!(!unrun(&std::io::Error::from(kind).into()), "{kind:?}");
         }
+    }
+
+    /// A response timeout of `Duration::MAX` is patience without end, not an overflow on every
+    /// request.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn endless_patience_does_not_overflow() {
+        let mut pauses = Pauses::new(Duration::MAX);
+        assert!(pauses.wait(&reply("TRYAGAIN slot moving")).await);
     }
 
     #[test]
