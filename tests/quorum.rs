@@ -6,7 +6,7 @@ mod support;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use leasehold::{Error, Fence, LockOptions, Locker, QuorumConfig, Release};
+use leasehold::{Backend, Error, Fence, LockOptions, Locker, QuorumConfig, Release};
 use support::proxy::Proxy;
 use support::{Flavor, Server};
 use tokio::time::{Instant, sleep};
@@ -1019,3 +1019,46 @@ macro_rules! suite {
 
 suite!(redis, Flavor::Redis);
 suite!(valkey, Flavor::Valkey);
+
+/// A waiting acquire cancelled while the members confirm its subscriptions (a timeout around
+/// it, a member slow to answer) leaves nothing registered: each such cancel used to leave one
+/// wake-up channel behind for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_cancelled_while_subscribing_leaves_no_registration() {
+    let servers = start(Flavor::Redis, 3);
+    let (proxies, locker) = through_proxies(&servers).await;
+    // Each member's connections: the shared one, then the subscription's.
+    let started = Instant::now();
+    while proxies.iter().any(|p| p.connections() < 2) {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the subscription connections were not made"
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+    let holder = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let held = holder
+        .try_acquire("slow-sub", &opts(20_000))
+        .await
+        .expect("holder");
+    for p in &proxies {
+        p.delay_requests_of(1, Duration::from_millis(1500));
+    }
+    let wakeups = locker.backend().wakeups().clone();
+    let waited = tokio::time::timeout(
+        Duration::from_millis(400),
+        locker.acquire("slow-sub", &opts(1_000).wait(Duration::from_secs(10))),
+    )
+    .await;
+    assert!(waited.is_err(), "the acquire ended before the timeout");
+    let started = Instant::now();
+    while wakeups.watched() > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "a cancelled wait left {} channel(s) registered",
+            wakeups.watched()
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    held.release().await.expect("release");
+}

@@ -133,6 +133,26 @@ impl Wakeups {
         }
     }
 
+    /// How many channels have waiters now: one per waited key on one server (and per waiting
+    /// acquire on a quorum), for metrics and leak checks.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{Backend, Locker, MemoryBackend};
+    /// let backend = MemoryBackend::new();
+    /// let watch = backend.watch(&Locker::memory().lock_key("k")?).await?;
+    /// assert_eq!(backend.wakeups().watched(), 1);
+    /// drop(watch);
+    /// assert_eq!(backend.wakeups().watched(), 0);
+    /// # Ok(()) }
+    /// ```
+    pub fn watched(&self) -> usize {
+        self.keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
     /// The channels currently watched, for resubscribing after a reconnect.
     pub(crate) fn channels(&self) -> Vec<String> {
         let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);

@@ -781,6 +781,14 @@ impl Backend for QuorumBackend {
         let id = self.inner.next_watch.fetch_add(1, Ordering::Relaxed);
         let channel = format!("{}#{id}", key.channel());
         let (rx, _) = self.inner.wakeups.register(&channel);
+        // The watch exists before the first await: a caller that leaves while the members
+        // subscribe (a timeout around the acquire) drops it, and the registration with it.
+        let mut watch = Watch {
+            rx,
+            channel: channel.clone(),
+            wakeups: self.inner.wakeups.clone(),
+            on_last: None,
+        };
         let limit = self.inner.config.member_timeout.max(Duration::from_secs(1));
         let member_watches: Vec<Watch> = self
             .on_members(&self.all(), limit, |m| m.watch(key))
@@ -789,7 +797,7 @@ impl Backend for QuorumBackend {
             .filter_map(|(_, w)| w.ok())
             .collect();
         let wakeups = self.inner.wakeups.clone();
-        let forward_to = channel.clone();
+        let forward_to = channel;
         let forwarder = tokio::spawn(async move {
             let mut member_watches = member_watches;
             if member_watches.is_empty() {
@@ -801,12 +809,9 @@ impl Backend for QuorumBackend {
                 wakeups.wake(&forward_to);
             }
         });
-        Ok(Watch {
-            rx,
-            channel,
-            wakeups: self.inner.wakeups.clone(),
-            on_last: Some(Box::new(move |_| forwarder.abort())),
-        })
+        // The channel is this watch's alone, so it is always its last watcher.
+        watch.on_last = Some(Box::new(move |_| forwarder.abort()));
+        Ok(watch)
     }
 
     fn wakeups(&self) -> &Arc<Wakeups> {
