@@ -264,7 +264,7 @@ impl<B: Backend + Clone> Lease<B> {
         if held.first().copied().unwrap_or(false) {
             if !self
                 .state
-                .extended(start, start + ttl - drift(ttl), warn_ahead(ttl))
+                .extended(start, start + ttl - drift(ttl), warn_ahead(ttl), ttl)
             {
                 // Lost while the extend was on its way (its alarm passed): as above.
                 return Err(Error::LeaseLost {

@@ -1124,6 +1124,119 @@ mod tests {
         }
     }
 
+    /// The memory backend behind one ordered connection on which the first extend with
+    /// `slow_ttl` takes `delay` to answer: every extend runs on the store when sent, in order,
+    /// and answers in the same order, so a renewal sent while the slow extend travels runs
+    /// after it and is answered after it.
+    #[derive(Clone)]
+    struct SlowExtend {
+        inner: MemoryBackend,
+        conn: Arc<tokio::sync::RwLock<()>>,
+        slow_ttl: Duration,
+        delay: Duration,
+        /// Renewals sent while a slow extend was unanswered.
+        overtaken: Arc<AtomicU64>,
+        slowed: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl Backend for SlowExtend {
+        fn acquire(
+            &self,
+            key: &LockKey,
+            token: &Token,
+            ttl: Duration,
+        ) -> impl Future<Output = Result<AcquireReply>> + Send {
+            self.inner.acquire(key, token, ttl)
+        }
+        fn release(
+            &self,
+            key: &LockKey,
+            token: &Token,
+        ) -> impl Future<Output = Result<bool>> + Send {
+            self.inner.release(key, token)
+        }
+        fn extend(
+            &self,
+            items: &[(LockKey, Token)],
+            ttl: Duration,
+        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+            let (me, items) = (self.clone(), items.to_vec());
+            async move {
+                if ttl == me.slow_ttl && !me.slowed.swap(true, Ordering::SeqCst) {
+                    let _travelling = me.conn.clone().write_owned().await;
+                    let ran = me.inner.extend(&items, ttl).await;
+                    tokio::time::sleep(me.delay).await;
+                    ran
+                } else {
+                    let ran = me.inner.extend(&items, ttl).await;
+                    if me.conn.try_read().is_err() {
+                        me.overtaken.fetch_add(1, Ordering::SeqCst);
+                    }
+                    let _behind = me.conn.read().await;
+                    ran
+                }
+            }
+        }
+        fn admit(
+            &self,
+            gate_key: &str,
+            fence: u64,
+        ) -> impl Future<Output = Result<Option<u64>>> + Send {
+            self.inner.admit(gate_key, fence)
+        }
+        fn watch(&self, key: &LockKey) -> impl Future<Output = Result<crate::wake::Watch>> + Send {
+            self.inner.watch(key)
+        }
+        fn wakeups(&self) -> &Arc<crate::wake::Wakeups> {
+            self.inner.wakeups()
+        }
+    }
+
+    /// A renewal sent while an extend to a longer TTL travels runs after it on the server, so
+    /// its expiry (the old TTL) is the one that counts, and its reply shortens the lease. The
+    /// next renewal must then come before that shortened deadline, with the new TTL; scheduled
+    /// a third of the new TTL later, it came after the lease had been given up as lost.
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_that_shortened_the_lease_is_followed_in_time() {
+        let memory = MemoryBackend::new();
+        let backend = SlowExtend {
+            inner: memory.clone(),
+            conn: Arc::default(),
+            slow_ttl: Duration::from_secs(30),
+            delay: Duration::from_millis(150),
+            overtaken: Arc::default(),
+            slowed: Arc::default(),
+        };
+        let locker = Locker::new(backend.clone());
+        let lease = locker
+            .try_acquire("k", &opts(Duration::from_millis(300)))
+            .await
+            .expect("acquire");
+        tokio::time::sleep(Duration::from_millis(90)).await;
+        // The renewal due at 100 ms is sent while this travels.
+        lease.extend(Duration::from_secs(30)).await.expect("extend");
+        assert!(
+            backend.overtaken.load(Ordering::SeqCst) >= 1,
+            "no renewal overtook the extend"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            !lease.is_lost(),
+            "the lease was given up although renewal worked"
+        );
+        assert!(
+            lease.remaining() > Duration::from_secs(20),
+            "{:?}",
+            lease.remaining()
+        );
+        let other = Locker::new(memory);
+        assert!(matches!(
+            other.try_acquire("k", &opts(Duration::from_secs(1))).await,
+            Err(Error::Busy { .. })
+        ));
+        lease.release().await.expect("release");
+    }
+
     /// A waiting acquire whose grant came back after its validity (970 ms for a 1 s lease,
     /// whose alarm is at 960 ms) waits on with a new token, and is handed a later grant that
     /// the late one's give-back cannot free: that give-back takes 20 ms to land, while the

@@ -66,6 +66,12 @@ struct Times {
     /// (`None` before one). A request sent before then may have reached the server after that
     /// extend and set the expiry last, so its reply may only shorten the deadline.
     extended_at: Option<Instant>,
+    /// The TTL of the last explicit extend answered (`None` before one): renewals carry it
+    /// from then on. Kept here, beside `extended_at`, rather than only in the driver's entry
+    /// (which learns of it a command later), so that a renewal reads its TTL and the extend
+    /// sets it in one order: a renewal that read the old TTL was sent before the extend's reply
+    /// in that order, and its reply may then only shorten.
+    renew_ttl: Option<Duration>,
 }
 
 impl Times {
@@ -74,12 +80,14 @@ impl Times {
             deadline,
             alarm: deadline.checked_sub(ahead).unwrap_or(deadline),
             extended_at: None,
+            renew_ttl: None,
         }
     }
 
     fn set(&mut self, deadline: Instant, ahead: Duration) {
         *self = Times {
             extended_at: self.extended_at,
+            renew_ttl: self.renew_ttl,
             ..Times::new(deadline, ahead)
         };
     }
@@ -108,6 +116,20 @@ impl LeaseState {
         self.times().alarm
     }
 
+    /// The TTL a renewal sends now: the last answered extend's, else `granted` (the grant's).
+    fn renew_ttl(&self, granted: Duration) -> Duration {
+        self.times().renew_ttl.unwrap_or(granted)
+    }
+
+    /// When to renew: at `planned`, unless the lease's alarm comes sooner than that allows. A
+    /// reply that shortened the deadline (a renewal that ran after an extend to a longer TTL,
+    /// or an extend to a shorter one) leaves the planned time, counted in the new TTL, after
+    /// the alarm; halfway there leaves the renewal room to get through.
+    fn renew_by(&self, planned: Instant) -> Instant {
+        let now = Instant::now();
+        planned.min(now + self.alarm().saturating_duration_since(now) / 2)
+    }
+
     /// A renewal sent at `sent` succeeded. It moves the deadline forward only: a late reply of
     /// an older renewal must not shorten it. But one sent before an explicit extend's reply
     /// came may have run before or after that extend on the server, so it may only shorten.
@@ -121,7 +143,7 @@ impl LeaseState {
             self.lost.cancel();
             return false;
         }
-        self.answered(sent, deadline, ahead, false);
+        self.answered(sent, deadline, ahead, None);
         true
     }
 
@@ -129,12 +151,18 @@ impl LeaseState {
     /// shorter or longer than before, so the deadline is set outright. The same rules as
     /// [`renewed`](Self::renewed) hold for an extend sent before another extend's reply, and
     /// for one answered once the lease counts as lost (`false`: it stays lost).
-    pub(crate) fn extended(&self, sent: Instant, deadline: Instant, ahead: Duration) -> bool {
+    pub(crate) fn extended(
+        &self,
+        sent: Instant,
+        deadline: Instant,
+        ahead: Duration,
+        ttl: Duration,
+    ) -> bool {
         if self.is_lost() {
             self.lost.cancel();
             return false;
         }
-        self.answered(sent, deadline, ahead, true);
+        self.answered(sent, deadline, ahead, Some(ttl));
         true
     }
 
@@ -170,9 +198,19 @@ impl LeaseState {
         self.earlier.notify_waiters();
     }
 
-    /// A renewal or, with `explicit`, an extend sent at `sent` succeeded with `deadline`.
-    fn answered(&self, sent: Instant, deadline: Instant, ahead: Duration, explicit: bool) {
+    /// A renewal or an extend (`extend_ttl`: its TTL) sent at `sent` succeeded with `deadline`.
+    fn answered(
+        &self,
+        sent: Instant,
+        deadline: Instant,
+        ahead: Duration,
+        extend_ttl: Option<Duration>,
+    ) {
+        let explicit = extend_ttl.is_some();
         let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
+        if extend_ttl.is_some() {
+            t.renew_ttl = extend_ttl;
+        }
         let before = t.alarm;
         // Sent before the last extend's reply came: it may have run before or after that extend
         // on the server, so it may only shorten.
@@ -519,6 +557,11 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
             }
         }
         let mut due: HashMap<Duration, Batch> = HashMap::new();
+        // Taken before any lease's TTL is read, not when the future is first polled (a loop
+        // turn later, maybe): an extend answered after a TTL was read must count this renewal
+        // as sent before it, so that its reply, carrying the TTL from before the extend, may
+        // then only shorten the deadline.
+        let sent_at = Instant::now();
         let first_due = d.renews.first().is_some_and(|(t, _)| *t <= now);
         while let Some(&(at, id)) = d.renews.first() {
             if !first_due || at > now + BATCH_WINDOW {
@@ -527,7 +570,7 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
             d.renews.remove(&(at, id));
             if let Some(e) = d.entries.get_mut(&id) {
                 e.filed_renew = None;
-                let slot = due.entry(e.ttl).or_default();
+                let slot = due.entry(e.state.renew_ttl(e.ttl)).or_default();
                 slot.0.push(id);
                 slot.1.push((e.key.clone(), e.token.clone()));
             }
@@ -535,11 +578,6 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
         for (ttl, (ids, items)) in due {
             let backend = backend.clone();
             debug!(count = items.len(), ?ttl, "renewing leases");
-            // Taken with the TTL read above, not when the future is first polled (a loop turn
-            // later, maybe): an extend answered in between must count this renewal as sent
-            // before it, whose reply may then only shorten the deadline, since it carries the
-            // TTL from before the extend.
-            let sent_at = Instant::now();
             inflight.push(async move {
                 let result = backend.extend_each(&items, ttl).await;
                 (sent_at, ttl, ids, result)
@@ -632,7 +670,8 @@ fn apply<B: Backend + Clone>(backend: &B, d: &mut Driver, cmd: Cmd) {
             if let Some(e) = d.entries.get_mut(&id) {
                 e.ttl = ttl;
                 if e.filed_renew.is_some() {
-                    d.file_renew(id, Instant::now() + ttl / 3);
+                    let at = e.state.renew_by(Instant::now() + ttl / 3);
+                    d.file_renew(id, at);
                 }
                 d.file_deadline(id);
             }
@@ -677,7 +716,7 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                     );
                     d.remove(*id);
                 } else if held {
-                    let next = sent_at + e.ttl / 3;
+                    let next = e.state.renew_by(sent_at + e.state.renew_ttl(e.ttl) / 3);
                     d.file_deadline(*id);
                     d.file_renew(*id, next);
                 } else if let Some(e) = d.remove(*id) {
@@ -788,7 +827,12 @@ mod tests {
         s.extending(t0 + Duration::from_secs(30), AHEAD);
         assert_eq!(deadline(&s), t0 + Duration::from_secs(3));
         let sent = Instant::now();
-        assert!(s.extended(sent, sent + Duration::from_secs(30), AHEAD));
+        assert!(s.extended(
+            sent,
+            sent + Duration::from_secs(30),
+            AHEAD,
+            Duration::from_secs(30)
+        ));
         assert_eq!(deadline(&s), sent + Duration::from_secs(30));
     }
 
@@ -796,7 +840,12 @@ mod tests {
     fn an_extend_sets_the_deadline_even_when_shorter() {
         let t0 = Instant::now();
         let s = LeaseState::new(t0 + Duration::from_secs(30), AHEAD);
-        s.extended(t0, t0 + Duration::from_secs(1), AHEAD);
+        s.extended(
+            t0,
+            t0 + Duration::from_secs(1),
+            AHEAD,
+            Duration::from_secs(1),
+        );
         assert_eq!(deadline(&s), t0 + Duration::from_secs(1));
         assert!(s.remaining() <= Duration::from_secs(1));
     }
@@ -805,7 +854,12 @@ mod tests {
     fn replies_sent_before_an_extend_came_back_only_shorten() {
         let t0 = Instant::now();
         let s = LeaseState::new(t0 + Duration::from_secs(30), AHEAD);
-        s.extended(t0, t0 + Duration::from_secs(5), AHEAD);
+        s.extended(
+            t0,
+            t0 + Duration::from_secs(5),
+            AHEAD,
+            Duration::from_secs(5),
+        );
         // Sent before the extend's reply, with the old TTL: it may have run first on the
         // server, so it must not bring the old expiry back...
         s.renewed(t0, t0 + Duration::from_secs(30), AHEAD);
@@ -814,7 +868,12 @@ mod tests {
         s.renewed(t0, t0 + Duration::from_secs(2), AHEAD);
         assert_eq!(deadline(&s), t0 + Duration::from_secs(2));
         // The same for a second extend sent before the first one's reply.
-        s.extended(t0, t0 + Duration::from_secs(20), AHEAD);
+        s.extended(
+            t0,
+            t0 + Duration::from_secs(20),
+            AHEAD,
+            Duration::from_secs(20),
+        );
         assert_eq!(deadline(&s), t0 + Duration::from_secs(2));
         // A renewal sent afterwards moves it forward again.
         let later = Instant::now() + Duration::from_millis(1);
