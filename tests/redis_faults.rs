@@ -387,6 +387,70 @@ async fn connecting_is_bounded_by_the_connection_timeout(flavor: Flavor) {
     );
 }
 
+/// A subscription slow to be confirmed (it may take a second) does not carry a short wait
+/// past its deadline.
+async fn a_slow_subscription_keeps_the_wait_deadline(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = support::proxy::Proxy::start(server.port).await;
+    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    // The locker's connections through the proxy: the shared one, then the subscription's.
+    let started = Instant::now();
+    while proxy.connections() < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the subscription connection was not made"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let holder = Locker::redis(&server.url()).await.expect("connect");
+    let held = holder
+        .try_acquire("slow-sub", &opts(20_000))
+        .await
+        .expect("holder");
+    proxy.delay_requests_of(1, Duration::from_millis(1500));
+    let started = Instant::now();
+    let waited = locker
+        .acquire("slow-sub", &opts(5_000).wait(Duration::from_millis(150)))
+        .await;
+    let took = started.elapsed();
+    assert!(
+        matches!(waited, Err(Error::WaitTimeout { .. })),
+        "{waited:?}"
+    );
+    assert!(
+        took < Duration::from_millis(700),
+        "a 150 ms wait took {took:?}"
+    );
+    held.release().await.expect("release");
+
+    // The same for a queue's waiting claim, on the same slow subscription.
+    let backend = leasehold::RedisBackend::connect(&proxy.url())
+        .await
+        .expect("connect");
+    let queue = leasehold::queue::Queue::builder("slow-sub")
+        .on_redis(backend)
+        .expect("queue");
+    while proxy.connections() < 4 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the queue's subscription connection was not made"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    proxy.delay_requests_of(3, Duration::from_millis(1500));
+    let started = Instant::now();
+    let claimed = queue
+        .claim_wait(Duration::from_secs(5), Duration::from_millis(150))
+        .await
+        .expect("claim_wait");
+    let took = started.elapsed();
+    assert!(claimed.is_none());
+    assert!(
+        took < Duration::from_millis(700),
+        "a 150 ms claim wait took {took:?}"
+    );
+}
+
 /// Calls of `command` the server has answered since its stats were last reset.
 fn calls(server: &Server, command: &str) -> u64 {
     let stats = server.info_field("commandstats", &format!("cmdstat_{command}"));
@@ -547,6 +611,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn connecting_is_bounded_by_the_connection_timeout() {
                 super::connecting_is_bounded_by_the_connection_timeout($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_slow_subscription_keeps_the_wait_deadline() {
+                super::a_slow_subscription_keeps_the_wait_deadline($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn held_without_expiry() {

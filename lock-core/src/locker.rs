@@ -688,8 +688,18 @@ impl<B: Backend + Clone> Locker<B> {
             };
             if watch.is_none() {
                 // Subscribe, then try once more at once: a release between the failed attempt
-                // and the subscription would otherwise go unseen until the timer.
-                watch = Some(self.core.backend.watch(&key).await?);
+                // and the subscription would otherwise go unseen until the timer. A slow
+                // subscription (it may wait a second for the server's confirmation) must not
+                // carry the wait past its deadline.
+                match tokio::time::timeout_at(give_up, self.core.backend.watch(&key)).await {
+                    Ok(w) => watch = Some(w?),
+                    Err(_) => {
+                        return Err(Error::WaitTimeout {
+                            key: key.user().to_owned(),
+                            waited: started.elapsed(),
+                        });
+                    }
+                }
                 continue;
             }
             let now = Instant::now();

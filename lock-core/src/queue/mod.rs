@@ -956,8 +956,13 @@ impl Queue {
             };
             if watch.is_none() {
                 // Subscribe, then look once more: an enqueue between the empty claim and the
-                // subscription would otherwise wait for the fallback timer.
-                watch = Some(store!(self, s => s.watch().await)?);
+                // subscription would otherwise wait for the fallback timer. Bounded by the
+                // wait: a subscription slow to be confirmed must not carry it past its end.
+                let subscribed = async { store!(self, s => s.watch().await) };
+                match tokio::time::timeout_at(give_up, subscribed).await {
+                    Ok(w) => watch = Some(w?),
+                    Err(_) => return Ok(None),
+                }
                 continue;
             }
             let now = Instant::now();
