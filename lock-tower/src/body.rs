@@ -13,12 +13,73 @@ use lock_core::Lease;
 use pin_project_lite::pin_project;
 
 /// The error type of [`LockBody`]: the inner body's error, or [`LeaseLostWhileStreaming`].
+///
+/// ```
+/// use axum::{body::Body, handler::HandlerWithoutStateExt};
+/// use http_body_util::BodyExt;
+/// use lock_tower::{BoxError, KeyExtractor, LockLayer};
+/// use tower_layer::Layer;
+/// use tower_service::Service;
+///
+/// async fn report() -> &'static str {
+///     "monthly report"
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), BoxError> {
+/// let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::path_segment(1));
+/// let mut svc = layer.layer(report.into_service());
+/// let res = svc.call(http::Request::post("/reports/2024-05").body(Body::empty())?).await?;
+/// // Whatever failed (the handler's body or the lease), reading the body gives a `BoxError`.
+/// let body: Result<_, BoxError> = res.into_body().collect().await;
+/// assert_eq!(body?.to_bytes(), "monthly report");
+/// # Ok(()) }
+/// ```
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 type BoxFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// The lease was lost while the response body streamed; the body ends with this error, so the
 /// client sees a cut-off response rather than a complete one produced without the lock.
+///
+/// ```
+/// use axum::{body::Body, handler::HandlerWithoutStateExt};
+/// use http_body_util::BodyExt;
+/// use lock_core::{AnyBackend, Locker, MemoryBackend};
+/// use lock_tower::{KeyExtractor, LeaseLostWhileStreaming, LockLayer};
+/// use std::time::Duration;
+/// use tower_layer::Layer;
+/// use tower_service::Service;
+/// # use std::{convert::Infallible, pin::Pin, task::{Context, Poll}};
+/// # /// A feed that never sends its next frame.
+/// # struct Endless;
+/// # impl http_body::Body for Endless {
+/// #     type Data = bytes::Bytes;
+/// #     type Error = Infallible;
+/// #     fn poll_frame(
+/// #         self: Pin<&mut Self>,
+/// #         _: &mut Context<'_>,
+/// #     ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, Infallible>>> {
+/// #         Poll::Pending
+/// #     }
+/// # }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lock_tower::BoxError> {
+/// let memory = MemoryBackend::new();
+/// let locker = Locker::new(AnyBackend::Memory(memory.clone()));
+/// // A short TTL, so the next renewal notices the loss soon.
+/// let layer = LockLayer::new(locker.clone(), KeyExtractor::path_segment(1))
+///     .ttl(Duration::from_millis(300));
+/// let mut feed = layer.layer((|| async { Body::new(Endless) }).into_service());
+/// let res = feed.call(http::Request::get("/feeds/4").body(Body::empty())?).await?;
+///
+/// // An operator deletes the lock while the body streams.
+/// memory.force_delete(&locker.lock_key("4")?);
+/// let err = res.into_body().collect().await.expect_err("the body is cut off");
+/// assert!(err.is::<LeaseLostWhileStreaming>());
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct LeaseLostWhileStreaming {
     key: String,
@@ -72,6 +133,19 @@ pub(crate) type Relay = tokio::sync::mpsc::Receiver<Option<Result<Frame<Bytes>, 
 
 /// The task relaying a response body stopped before the body ended; the body ends with this
 /// error, so the client sees a cut-off response rather than a short one that looks whole.
+///
+/// ```
+/// use lock_tower::{BoxError, LeaseLostWhileStreaming, RelayBroken};
+///
+/// // Either way the client got a cut-off response and should send the request again.
+/// fn cut_off(e: &BoxError) -> bool {
+///     e.is::<LeaseLostWhileStreaming>() || e.is::<RelayBroken>()
+/// }
+///
+/// let err: BoxError = Box::new(RelayBroken);
+/// assert!(cut_off(&err));
+/// assert!(!cut_off(&BoxError::from("connection reset")));
+/// ```
 #[derive(Debug)]
 pub struct RelayBroken;
 
@@ -102,6 +176,31 @@ pin_project! {
     /// last frame is handed on; when it is dropped unfinished (the client went away), the lease
     /// is released in the background. If the lease is lost meanwhile, the body ends with
     /// [`LeaseLostWhileStreaming`].
+    ///
+    /// ```
+    /// use axum::{body::Body, handler::HandlerWithoutStateExt};
+    /// use http_body_util::BodyExt;
+    /// use lock_core::{LockOptions, Locker};
+    /// use lock_tower::{KeyExtractor, LockBody, LockLayer};
+    /// use tower_layer::Layer;
+    /// use tower_service::Service;
+    ///
+    /// async fn statement() -> &'static str {
+    ///     "balance: 120.00"
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let locker = Locker::memory();
+    /// let layer = LockLayer::new(locker.clone(), KeyExtractor::path_segment(1));
+    /// let mut svc = layer.layer(statement.into_service());
+    /// let req = http::Request::get("/accounts/7/statement").body(Body::empty())?;
+    /// let res: http::Response<LockBody<Body>> = svc.call(req).await?;
+    /// assert_eq!(res.into_body().collect().await?.to_bytes(), "balance: 120.00");
+    /// // The body ended, so the lease is already released.
+    /// locker.try_acquire("7", &LockOptions::new()).await?;
+    /// # Ok(()) }
+    /// ```
     pub struct LockBody<B> {
         #[pin]
         kind: Kind<B>,

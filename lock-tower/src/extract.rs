@@ -44,11 +44,53 @@ pub struct Fence(pub lock_core::Fence);
 
 /// A view of the lease held for this request (key, fence, time left, lost signal), as an axum
 /// extractor. Missing layer: [`MissingLease`] (500); `Option<HeldLease>` never rejects.
+///
+/// ```
+/// use axum::{Router, body::Body, routing::post};
+/// use lock_tower::{HeldLease, KeyExtractor, LockLayer};
+/// use tower_service::Service;
+///
+/// async fn export(HeldLease(lease): HeldLease) -> String {
+///     // A long job checks `lease.is_lost()` between steps and stops once it is.
+///     assert!(!lease.is_lost());
+///     format!("exported under {}", lease.key())
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lock_tower::BoxError> {
+/// let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::route_param("id"))
+///     .key_prefix("export:");
+/// let mut app: Router = Router::new().route("/exports/{id}", post(export)).route_layer(layer);
+///
+/// let res = app.call(http::Request::post("/exports/7").body(Body::empty())?).await?;
+/// assert_eq!(axum::body::to_bytes(res.into_body(), 1024).await?, "exported under export:7");
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct HeldLease(pub LeaseInfo);
 
 /// The rejection of [`Fence`] and [`HeldLease`] on a route without a lock layer: a server
 /// misconfiguration, so 500.
+///
+/// ```
+/// use axum::{Router, body::Body, routing::post};
+/// use lock_tower::Fence;
+/// use tower_service::Service;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lock_tower::BoxError> {
+/// // Neither route has a lock layer.
+/// let mut app: Router = Router::new()
+///     .route("/strict", post(|Fence(f): Fence| async move { f.to_string() }))
+///     .route("/lenient", post(|f: Option<Fence>| async move { format!("{f:?}") }));
+///
+/// let res = app.call(http::Request::post("/strict").body(Body::empty())?).await?;
+/// assert_eq!(res.status(), 500);
+/// assert_eq!(res.headers()["content-type"], "application/problem+json");
+/// let res = app.call(http::Request::post("/lenient").body(Body::empty())?).await?;
+/// assert_eq!(axum::body::to_bytes(res.into_body(), 1024).await?, "None");
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct MissingLease {
     extractor: &'static str,
@@ -138,6 +180,33 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for HeldLease {
 
 impl Fence {
     /// The fence from a request's extensions, for non-axum Tower services.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, extract::Request, routing::post};
+    /// use lock_tower::{Fence, KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// // Any code holding the request (a plain Tower service, a middleware inside the
+    /// // layer) finds the fence this way.
+    /// async fn withdraw(req: Request) -> String {
+    ///     let fence = Fence::from_extensions(req.extensions()).expect("under a LockLayer");
+    ///     fence.0.to_string()
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::path_segment(1));
+    /// let mut app: Router = Router::new().route("/accounts/{id}", post(withdraw)).layer(layer);
+    /// let mut fences = Vec::new();
+    /// for _ in 0..2 {
+    ///     let res = app.call(http::Request::post("/accounts/7").body(Body::empty())?).await?;
+    ///     let body = axum::body::to_bytes(res.into_body(), 64).await?;
+    ///     fences.push(std::str::from_utf8(&body)?.parse::<u64>()?);
+    /// }
+    /// // Each grant of the key has a newer fence.
+    /// assert!(fences[1] > fences[0]);
+    /// # Ok(()) }
+    /// ```
     pub fn from_extensions(ext: &http::Extensions) -> Option<Fence> {
         ext.get::<Held>().map(|h| Fence(h.fence))
     }

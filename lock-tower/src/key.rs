@@ -13,6 +13,25 @@ use http::request::Parts;
 use crate::reject::Reason;
 
 /// Longest `Idempotency-Key` accepted, the common limit among senders and servers.
+///
+/// ```
+/// use axum::{Router, body::Body, routing::post};
+/// use lock_tower::{DedupeLayer, MAX_IDEMPOTENCY_KEY_LEN};
+/// use tower_service::Service;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lock_tower::BoxError> {
+/// let mut app: Router = Router::new()
+///     .route("/orders", post(|| async { "created" }))
+///     .layer(DedupeLayer::new(lock_core::Locker::memory()));
+/// for (len, status) in [(MAX_IDEMPOTENCY_KEY_LEN, 200), (MAX_IDEMPOTENCY_KEY_LEN + 1, 400)] {
+///     let req = http::Request::post("/orders")
+///         .header("idempotency-key", "k".repeat(len))
+///         .body(Body::empty())?;
+///     assert_eq!(app.call(req).await?.status(), status);
+/// }
+/// # Ok(()) }
+/// ```
 pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
 
 type KeyFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
@@ -87,6 +106,27 @@ impl KeyExtractor {
     /// as axum's router decodes it. For `/accounts/7/withdraw` and `/accounts/%37/withdraw`,
     /// segment 1 is `7`; a segment that is not UTF-8 once decoded is an invalid key (400). Works with any Tower
     /// server and with `Router::layer` as well as `route_layer`.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_core::{LockOptions, Locker};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let locker = Locker::memory();
+    /// let mut app: Router = Router::new()
+    ///     .route("/accounts/{id}/withdraw", post(|| async { "withdrawn" }))
+    ///     // Read before routing, so `Router::layer` works too.
+    ///     .layer(LockLayer::new(locker.clone(), KeyExtractor::path_segment(1)));
+    ///
+    /// let _held = locker.try_acquire("7", &LockOptions::new()).await?;
+    /// // `%37` is `7` to the handler, so it must be the same lock.
+    /// let req = http::Request::post("/accounts/%37/withdraw").body(Body::empty())?;
+    /// assert_eq!(app.call(req).await?.status(), 409);
+    /// # Ok(()) }
+    /// ```
     pub fn path_segment(index: usize) -> KeyExtractor {
         KeyExtractor {
             source: Source::PathSegment(index),
@@ -98,13 +138,56 @@ impl KeyExtractor {
     /// with `pass_through_without_key`). axum only knows the parameters after routing, so add the layer with
     /// `route_layer` (or to the `MethodRouter`), not with `Router::layer`: there every request
     /// would miss its key.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_core::{LockOptions, Locker};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let locker = Locker::memory();
+    /// let mut app: Router = Router::new()
+    ///     .route("/accounts/{id}/withdraw", post(|| async { "withdrawn" }))
+    ///     .route_layer(LockLayer::new(locker.clone(), KeyExtractor::route_param("id")));
+    ///
+    /// let _held = locker.try_acquire("7", &LockOptions::new()).await?;
+    /// for (path, status) in [("/accounts/7/withdraw", 409), ("/accounts/8/withdraw", 200)] {
+    ///     let req = http::Request::post(path).body(Body::empty())?;
+    ///     assert_eq!(app.call(req).await?.status(), status);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn route_param(name: &str) -> KeyExtractor {
         KeyExtractor {
             source: Source::RouteParam(name.into()),
         }
     }
 
-    /// The value of a header, which must be visible ASCII; an empty value counts as absent.
+    /// The value of a header, which must be visible ASCII; an empty or blank value (only
+    /// whitespace, trimmed away) counts as absent.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use http::HeaderName;
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let account = KeyExtractor::header(HeaderName::from_static("x-account"));
+    /// let mut app: Router = Router::new()
+    ///     .route("/transfers", post(|| async { "sent" }))
+    ///     .layer(LockLayer::new(lock_core::Locker::memory(), account));
+    ///
+    /// // A blank value would give every such request one shared key, so it is no key (400).
+    /// for (value, status) in [("7", 200), ("  ", 400)] {
+    ///     let req = http::Request::post("/transfers").header("x-account", value);
+    ///     assert_eq!(app.call(req.body(Body::empty())?).await?.status(), status);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn header(name: HeaderName) -> KeyExtractor {
         KeyExtractor {
             source: Source::Header(name),
@@ -115,6 +198,28 @@ impl KeyExtractor {
     /// string, so it arrives quoted (`"abc"`); the quotes and escapes are removed. A bare value
     /// without quotes (as some senders use) is accepted as it is. Keys longer than
     /// [`MAX_IDEMPOTENCY_KEY_LEN`] are refused.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::{DedupeLayer, KeyExtractor};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let dedupe = DedupeLayer::new(lock_core::Locker::memory())
+    ///     .key(KeyExtractor::idempotency_key());
+    /// let mut app: Router = Router::new()
+    ///     .route("/payments", post(|| async { "charged" }))
+    ///     .layer(dedupe);
+    ///
+    /// // The structured-field string and the bare value name one key: the second is a replay.
+    /// for (key, replayed) in [(r#""8e03978e""#, false), ("8e03978e", true)] {
+    ///     let req = http::Request::post("/payments").header("idempotency-key", key);
+    ///     let res = app.call(req.body(Body::empty())?).await?;
+    ///     assert_eq!(res.headers().contains_key("idempotent-replayed"), replayed);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn idempotency_key() -> KeyExtractor {
         KeyExtractor {
             source: Source::IdempotencyKey,
@@ -123,6 +228,27 @@ impl KeyExtractor {
 
     /// The delivery id of Standard Webhooks senders: the `webhook-id` header, or `svix-id`
     /// when `webhook-id` is absent or empty.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::{DedupeLayer, KeyExtractor};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let dedupe = DedupeLayer::new(lock_core::Locker::memory()).key(KeyExtractor::webhook_id());
+    /// let mut app: Router = Router::new()
+    ///     .route("/hooks/events", post(|| async { "handled" }))
+    ///     .layer(dedupe);
+    ///
+    /// // Svix sends the same id as `svix-id`: one delivery, so the second is a replay.
+    /// for (header, replayed) in [("webhook-id", false), ("svix-id", true)] {
+    ///     let req = http::Request::post("/hooks/events").header(header, "msg_2KWPBgLlAfxd");
+    ///     let res = app.call(req.body(Body::empty())?).await?;
+    ///     assert_eq!(res.headers().contains_key("idempotent-replayed"), replayed);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn webhook_id() -> KeyExtractor {
         KeyExtractor {
             source: Source::WebhookId,
@@ -138,6 +264,30 @@ impl KeyExtractor {
     /// key is hashed before it is stored; under a `LockLayer` it is the lock's name as it is, so
     /// a secret in the hook URL's query (`?token=...`) would appear in server keys and traces:
     /// keep secrets in headers.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::{DedupeLayer, KeyExtractor};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let dedupe = DedupeLayer::new(lock_core::Locker::memory())
+    ///     .key(KeyExtractor::github_delivery());
+    /// let mut app: Router = Router::new()
+    ///     .route("/hooks/github", post(|| async { "handled" }))
+    ///     .layer(dedupe);
+    ///
+    /// // One delivery id sent to two hooks: each handles it once.
+    /// let hooks = [("?hook=ci", false), ("?hook=deploy", false), ("?hook=ci", true)];
+    /// for (query, replayed) in hooks {
+    ///     let req = http::Request::post(format!("/hooks/github{query}"))
+    ///         .header("x-github-delivery", "72d3162e-cc78-11e3-81ab-4c9367dc0958");
+    ///     let res = app.call(req.body(Body::empty())?).await?;
+    ///     assert_eq!(res.headers().contains_key("idempotent-replayed"), replayed);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn github_delivery() -> KeyExtractor {
         KeyExtractor {
             source: Source::GithubDelivery,
@@ -154,6 +304,31 @@ impl KeyExtractor {
     /// only whole numbers within 64 bits are keys (`7.5` or `1e30` are invalid, 400), since
     /// others are rounded when parsed and distinct ids could share a key.
     /// Keys longer than [`MAX_IDEMPOTENCY_KEY_LEN`] bytes are invalid (400).
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_core::{LockOptions, Locker};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let locker = Locker::memory();
+    /// let mut app: Router = Router::new()
+    ///     .route("/transfers", post(|body: String| async move { body }))
+    ///     .layer(LockLayer::new(locker.clone(), KeyExtractor::json_field("/account")));
+    ///
+    /// // The layer read the body, and the handler still gets it byte for byte.
+    /// let req = http::Request::post("/transfers").body(Body::from(r#"{"account": 7}"#))?;
+    /// let res = app.call(req).await?;
+    /// assert_eq!(axum::body::to_bytes(res.into_body(), 1024).await?, r#"{"account": 7}"#);
+    ///
+    /// // `7` and `"7"` are one account, so one lock.
+    /// let _held = locker.try_acquire("7", &LockOptions::new()).await?;
+    /// let req = http::Request::post("/transfers").body(Body::from(r#"{"account": "7"}"#))?;
+    /// assert_eq!(app.call(req).await?.status(), 409);
+    /// # Ok(()) }
+    /// ```
     pub fn json_field(pointer: &str) -> KeyExtractor {
         KeyExtractor {
             source: Source::Json(pointer.into()),
@@ -161,6 +336,29 @@ impl KeyExtractor {
     }
 
     /// Any function of the request head; `None` means the request has no key.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// // One report run at a time per tenant, named in the query (`?tenant=acme`).
+    /// let tenant = KeyExtractor::from_fn(|parts| {
+    ///     let query = parts.uri.query()?;
+    ///     query.split('&').find_map(|kv| kv.strip_prefix("tenant=")).map(str::to_owned)
+    /// });
+    /// let mut app: Router = Router::new()
+    ///     .route("/reports", post(|| async { "queued" }))
+    ///     .layer(LockLayer::new(lock_core::Locker::memory(), tenant));
+    ///
+    /// for (uri, status) in [("/reports?tenant=acme", 200), ("/reports", 400)] {
+    ///     let req = http::Request::post(uri).body(Body::empty())?;
+    ///     assert_eq!(app.call(req).await?.status(), status);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn from_fn(f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> KeyExtractor {
         KeyExtractor {
             source: Source::Fn(Arc::new(f)),

@@ -10,6 +10,22 @@ use http::{Response, StatusCode};
 use http_body_util::Full;
 
 /// Why a layer answered a request itself instead of running the handler.
+///
+/// ```
+/// use lock_tower::Reason;
+///
+/// // The reasons whose rejections say when to come back (`Retry-After`). `Reason` is
+/// // `#[non_exhaustive]`, so a match needs a catch-all arm.
+/// fn come_back_later(reason: Reason) -> bool {
+///     match reason {
+///         Reason::Busy | Reason::WaitTimeout | Reason::Unavailable => true,
+///         _ => false,
+///     }
+/// }
+///
+/// assert!(come_back_later(Reason::Busy));
+/// assert!(!come_back_later(Reason::KeyReused));
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Reason {
@@ -33,7 +49,8 @@ pub enum Reason {
     /// default 422).
     KeyReused,
     /// The layer's own settings are out of range (a TTL below `MIN_TTL` or above `MAX_TTL`, a
-    /// retention below 1 ms or above a year), or a `DedupeLayer` runs on a backend with no
+    /// retention below 1 ms or above a year, a `LockLayer` key prefix no key can follow), or a
+    /// `DedupeLayer` runs on a backend with no
     /// result store (a Redlock quorum): every request would fail the same way, so this is a
     /// server error (default 500, no `Retry-After`), logged at `error` level.
     Misconfigured,
@@ -48,6 +65,18 @@ pub enum Reason {
 
 impl Reason {
     /// The status a layer answers with unless configured otherwise.
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use lock_tower::Reason;
+    ///
+    /// assert_eq!(Reason::MissingKey.default_status(), StatusCode::BAD_REQUEST);
+    /// assert_eq!(Reason::BodyTooLarge.default_status(), StatusCode::PAYLOAD_TOO_LARGE);
+    /// assert_eq!(Reason::Busy.default_status(), StatusCode::CONFLICT);
+    /// assert_eq!(Reason::KeyReused.default_status(), StatusCode::UNPROCESSABLE_ENTITY);
+    /// assert_eq!(Reason::Unavailable.default_status(), StatusCode::SERVICE_UNAVAILABLE);
+    /// assert_eq!(Reason::Misconfigured.default_status(), StatusCode::INTERNAL_SERVER_ERROR);
+    /// ```
     pub fn default_status(self) -> StatusCode {
         match self {
             Reason::MissingKey | Reason::InvalidKey | Reason::BodyUnreadable => {
@@ -113,6 +142,32 @@ impl Reason {
 }
 
 /// One rejection, as handed to a custom responder (see `rejection_response` on the layers).
+///
+/// ```
+/// use axum::{Router, body::Body, routing::post};
+/// use bytes::Bytes;
+/// use http_body_util::Full;
+/// use lock_tower::{KeyExtractor, LockLayer, Rejection};
+/// use tower_service::Service;
+///
+/// // Plain text, for clients that do not read problem+json.
+/// fn plain(r: &Rejection) -> http::Response<Full<Bytes>> {
+///     let mut res = http::Response::new(Full::from(format!("{:?}: {}", r.reason(), r.detail())));
+///     *res.status_mut() = r.status();
+///     res
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lock_tower::BoxError> {
+/// let account = KeyExtractor::header(http::HeaderName::from_static("x-account"));
+/// let layer = LockLayer::new(lock_core::Locker::memory(), account).rejection_response(plain);
+/// let mut app: Router = Router::new().route("/transfers", post(|| async { "sent" })).layer(layer);
+///
+/// let res = app.call(http::Request::post("/transfers").body(Body::empty())?).await?;
+/// assert_eq!(res.status(), 400);
+/// assert!(axum::body::to_bytes(res.into_body(), 1024).await?.starts_with(b"MissingKey: "));
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Rejection {
     reason: Reason,
@@ -123,24 +178,163 @@ pub struct Rejection {
 
 impl Rejection {
     /// Why the request was rejected.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use http::HeaderValue;
+    /// use lock_tower::{DedupeLayer, Reason};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let layer = DedupeLayer::new(lock_core::Locker::memory()).rejection_response(|r| {
+    ///     let mut res = r.problem_response();
+    ///     // Tell API clients what they forgot; keep the default for everything else.
+    ///     if r.reason() == Reason::MissingKey {
+    ///         let help = HeaderValue::from_static("</docs/idempotency>; rel=\"help\"");
+    ///         res.headers_mut().insert(http::header::LINK, help);
+    ///     }
+    ///     res
+    /// });
+    /// let mut app: Router = Router::new()
+    ///     .route("/orders", post(|| async { "created" }))
+    ///     .layer(layer);
+    ///
+    /// let res = app.call(http::Request::post("/orders").body(Body::empty())?).await?;
+    /// assert_eq!(res.status(), 400);
+    /// assert!(res.headers().contains_key("link"));
+    /// # Ok(()) }
+    /// ```
     pub fn reason(&self) -> Reason {
         self.reason
     }
     /// The status configured for this reason.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use http::StatusCode;
+    /// use lock_core::{LockOptions, Locker};
+    /// use lock_tower::{KeyExtractor, LockLayer, Reason};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let locker = Locker::memory();
+    /// let layer = LockLayer::new(locker.clone(), KeyExtractor::path_segment(1))
+    ///     .reject_status(Reason::Busy, StatusCode::TOO_MANY_REQUESTS)
+    ///     // The responder sees the configured status, not the default 409.
+    ///     .rejection_response(|r| {
+    ///         let text = r.status().canonical_reason().unwrap_or("rejected");
+    ///         let mut res = http::Response::new(text.into());
+    ///         *res.status_mut() = r.status();
+    ///         res
+    ///     });
+    /// let mut app: Router = Router::new()
+    ///     .route("/jobs/{id}", post(|| async { "ran" }))
+    ///     .layer(layer);
+    ///
+    /// let _held = locker.try_acquire("nightly", &LockOptions::new()).await?;
+    /// let res = app.call(http::Request::post("/jobs/nightly").body(Body::empty())?).await?;
+    /// assert_eq!(res.status(), 429);
+    /// assert_eq!(axum::body::to_bytes(res.into_body(), 1024).await?, "Too Many Requests");
+    /// # Ok(()) }
+    /// ```
     pub fn status(&self) -> StatusCode {
         self.status
     }
     /// When the client may usefully try again, for `Busy`, `WaitTimeout` and `Unavailable`.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_core::{LockOptions, Locker};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use std::time::Duration;
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let locker = Locker::memory();
+    /// let layer = LockLayer::new(locker.clone(), KeyExtractor::path_segment(1))
+    ///     .rejection_response(|r| {
+    ///         let mut res = r.problem_response();
+    ///         // `Retry-After` is in whole seconds; some clients want it finer.
+    ///         if let Some(after) = r.retry_after() {
+    ///             res.headers_mut().insert("retry-after-ms", (after.as_millis() as u64).into());
+    ///         }
+    ///         res
+    ///     });
+    /// let mut app: Router = Router::new()
+    ///     .route("/jobs/{id}", post(|| async { "ran" }))
+    ///     .layer(layer);
+    ///
+    /// let opts = LockOptions::new().ttl(Duration::from_secs(20));
+    /// let _held = locker.try_acquire("nightly", &opts).await?;
+    /// let res = app.call(http::Request::post("/jobs/nightly").body(Body::empty())?).await?;
+    /// let ms: u64 = res.headers()["retry-after-ms"].to_str()?.parse()?;
+    /// assert!(0 < ms && ms <= 20_000);
+    /// # Ok(()) }
+    /// ```
     pub fn retry_after(&self) -> Option<Duration> {
         self.retry_after
     }
     /// A human-readable explanation.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let account = KeyExtractor::header(http::HeaderName::from_static("x-account"));
+    /// let layer = LockLayer::new(lock_core::Locker::memory(), account).rejection_response(|r| {
+    ///     let mut res = http::Response::new(r.detail().to_owned().into());
+    ///     *res.status_mut() = r.status();
+    ///     res
+    /// });
+    /// let mut app: Router = Router::new()
+    ///     .route("/transfers", post(|| async { "sent" }))
+    ///     .layer(layer);
+    ///
+    /// let res = app.call(http::Request::post("/transfers").body(Body::empty())?).await?;
+    /// let detail = axum::body::to_bytes(res.into_body(), 1024).await?;
+    /// assert!(std::str::from_utf8(&detail)?.contains("x-account"));
+    /// # Ok(()) }
+    /// ```
     pub fn detail(&self) -> &str {
         &self.detail
     }
 
     /// The default answer: an RFC 9457 `application/problem+json` body, with `Retry-After` (in
     /// whole seconds, rounded up) where the rejection has one.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let account = KeyExtractor::header(http::HeaderName::from_static("x-account"));
+    /// let layer = LockLayer::new(lock_core::Locker::memory(), account).rejection_response(|r| {
+    ///     // The default answer, plus a header of the API's own.
+    ///     let mut res = r.problem_response();
+    ///     res.headers_mut().insert("cache-control", http::HeaderValue::from_static("no-store"));
+    ///     res
+    /// });
+    /// let mut app: Router = Router::new()
+    ///     .route("/transfers", post(|| async { "sent" }))
+    ///     .layer(layer);
+    ///
+    /// let res = app.call(http::Request::post("/transfers").body(Body::empty())?).await?;
+    /// assert_eq!(res.headers()["content-type"], "application/problem+json");
+    /// assert_eq!(res.headers()["cache-control"], "no-store");
+    /// let problem: serde_json::Value =
+    ///     serde_json::from_slice(&axum::body::to_bytes(res.into_body(), 4096).await?)?;
+    /// assert_eq!(problem["type"], "urn:leasehold:problem:missing-key");
+    /// assert_eq!(problem["status"], 400);
+    /// # Ok(()) }
+    /// ```
     pub fn problem_response(&self) -> Response<Full<Bytes>> {
         let body = serde_json::json!({
             "type": format!("urn:leasehold:problem:{}", self.reason.slug()),

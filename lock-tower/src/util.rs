@@ -10,6 +10,45 @@ use crate::reject::{Reason, Rejections};
 
 /// The request body the inner service sees: the original one, or the same bytes after a layer
 /// had to read them (a JSON key, a dedupe fingerprint).
+///
+/// A plain Tower service wrapped by a layer takes requests with this body:
+///
+/// ```
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::{BodyExt, Full};
+/// use lock_tower::{BoxError, KeyExtractor, LockLayer, RequestBody};
+/// use std::{future::Future, pin::Pin};
+/// use tower_layer::Layer;
+/// use tower_service::Service;
+/// # use std::task::{Context, Poll};
+///
+/// #[derive(Clone)]
+/// struct Echo;
+///
+/// impl Service<Request<RequestBody<Full<Bytes>>>> for Echo {
+///     type Response = Response<Full<Bytes>>;
+///     type Error = BoxError;
+///     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+/// #   fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+/// #       Poll::Ready(Ok(()))
+/// #   }
+///     fn call(&mut self, req: Request<RequestBody<Full<Bytes>>>) -> Self::Future {
+///         Box::pin(async move {
+///             // The original body, or the same bytes once the layer read them: one content.
+///             let body = req.into_body().collect().await?.to_bytes();
+///             Ok(Response::new(Full::new(body)))
+///         })
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), BoxError> {
+/// let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::json_field("/id"));
+/// let res = layer.layer(Echo).call(Request::new(Full::from(r#"{"id": 7}"#))).await?;
+/// assert_eq!(res.into_body().collect().await?.to_bytes(), r#"{"id": 7}"#);
+/// # Ok(()) }
+/// ```
 pub type RequestBody<B> = Either<B, Full<Bytes>>;
 
 /// Reads a request body up to `cap` bytes.

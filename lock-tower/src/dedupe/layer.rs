@@ -13,12 +13,66 @@ use crate::key::KeyExtractor;
 use crate::reject::{Reason, Rejection, Rejections};
 
 /// How long a completed result is replayed, unless configured otherwise: 24 hours.
+///
+/// ```
+/// use lock_tower::{DedupeLayer, dedupe::DEFAULT_RETENTION};
+/// use std::time::Duration;
+///
+/// assert_eq!(DEFAULT_RETENTION, Duration::from_secs(24 * 60 * 60));
+/// // Stripe retries a failed delivery for up to three days.
+/// let stripe = DedupeLayer::new(lock_core::Locker::memory()).retention(3 * DEFAULT_RETENTION);
+/// # let _ = stripe;
+/// ```
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 /// The longest retention accepted: a year.
+///
+/// ```
+/// use axum::{Router, body::Body, routing::post};
+/// use lock_tower::{DedupeLayer, dedupe::MAX_RETENTION};
+/// use std::time::Duration;
+/// use tower_service::Service;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lock_tower::BoxError> {
+/// // A year and a day: a setup error, answered 500 before the handler runs.
+/// let too_long = MAX_RETENTION + Duration::from_secs(24 * 60 * 60);
+/// let layer = DedupeLayer::new(lock_core::Locker::memory()).retention(too_long);
+/// let mut app: Router = Router::new().route("/orders", post(|| async { "created" })).layer(layer);
+///
+/// let req = http::Request::post("/orders").header("idempotency-key", r#""o-1""#);
+/// assert_eq!(app.call(req.body(Body::empty())?).await?.status(), 500);
+/// # Ok(()) }
+/// ```
 pub const MAX_RETENTION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 /// The largest response body stored for replay, unless configured otherwise: 256 KiB.
+///
+/// ```
+/// use lock_tower::{DedupeLayer, dedupe::DEFAULT_STORED_BODY_LIMIT};
+///
+/// assert_eq!(DEFAULT_STORED_BODY_LIMIT, 256 * 1024);
+/// // Replays of this endpoint carry whole exports of up to 1 MiB.
+/// let exports = DedupeLayer::new(lock_core::Locker::memory())
+///     .stored_body_limit(4 * DEFAULT_STORED_BODY_LIMIT);
+/// # let _ = exports;
+/// ```
 pub const DEFAULT_STORED_BODY_LIMIT: usize = 256 * 1024;
 /// The largest request body read (for the fingerprint and JSON keys): 1 MiB.
+///
+/// ```
+/// use axum::{Router, body::Body, routing::post};
+/// use lock_tower::{DedupeLayer, dedupe::DEFAULT_REQUEST_BODY_LIMIT};
+/// use tower_service::Service;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lock_tower::BoxError> {
+/// let layer = DedupeLayer::new(lock_core::Locker::memory());
+/// let mut app: Router = Router::new().route("/uploads", post(|| async { "stored" })).layer(layer);
+///
+/// let big = vec![b'x'; DEFAULT_REQUEST_BODY_LIMIT + 1];
+/// let req = http::Request::post("/uploads").header("idempotency-key", r#""u-1""#);
+/// assert_eq!(app.call(req.body(Body::from(big))?).await?.status(), 413);
+/// # Ok(()) }
+/// ```
 pub const DEFAULT_REQUEST_BODY_LIMIT: usize = 1024 * 1024;
 
 /// The lock-core namespace of the claims (and so of the results stored beside them).
@@ -133,6 +187,25 @@ impl DedupeLayer {
     /// stored bodies up to 256 KiB, request bodies up to 1 MiB, replayed headers
     /// `content-type`, `content-language`, `content-location`, `location`, `etag`,
     /// `last-modified` and `cache-control`.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::get};
+    /// use lock_tower::DedupeLayer;
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let mut app: Router = Router::new()
+    ///     .route("/orders", get(|| async { "orders" }).post(|| async { "created" }))
+    ///     .layer(DedupeLayer::new(lock_core::Locker::memory()));
+    ///
+    /// // GET is not deduped, so it needs no key; a POST without `Idempotency-Key` is refused.
+    /// let list = http::Request::get("/orders").body(Body::empty())?;
+    /// assert_eq!(app.call(list).await?.status(), 200);
+    /// let create = http::Request::post("/orders").body(Body::empty())?;
+    /// assert_eq!(app.call(create).await?.status(), 400);
+    /// # Ok(()) }
+    /// ```
     pub fn new(locker: Locker) -> DedupeLayer {
         let claims = locker
             .with_namespace(CLAIM_NAMESPACE)
@@ -175,20 +248,86 @@ impl DedupeLayer {
     }
 
     /// Where the delivery id comes from (default [`KeyExtractor::idempotency_key`]).
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::{DedupeLayer, KeyExtractor};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let request_id = KeyExtractor::header(http::HeaderName::from_static("x-request-id"));
+    /// let layer = DedupeLayer::new(lock_core::Locker::memory()).key(request_id);
+    /// let mut app: Router = Router::new()
+    ///     .route("/orders", post(|| async { "created" }))
+    ///     .layer(layer);
+    ///
+    /// for replayed in [false, true] {
+    ///     let req = http::Request::post("/orders").header("x-request-id", "req-81f3");
+    ///     let res = app.call(req.body(Body::empty())?).await?;
+    ///     assert_eq!(res.headers().contains_key("idempotent-replayed"), replayed);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn key(self, key: KeyExtractor) -> Self {
         self.with(|c| c.key = key)
     }
 
     /// A namespace for this layer's keys (for example the sender's name), so two endpoints
     /// with the same ids do not dedupe each other.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::{DedupeLayer, KeyExtractor};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let hooks = DedupeLayer::new(lock_core::Locker::memory()).key(KeyExtractor::webhook_id());
+    /// let mut app: Router = Router::new()
+    ///     .route("/hooks/a", post(|| async { "a" }).layer(hooks.clone().scope("sender-a")))
+    ///     .route("/hooks/b", post(|| async { "b" }).layer(hooks.scope("sender-b")));
+    ///
+    /// // Two senders happen to use one id. Unscoped, the second delivery would be taken for
+    /// // the first one's key reused on another path (422); scoped, each is handled.
+    /// for hook in ["/hooks/a", "/hooks/b"] {
+    ///     let req = http::Request::post(hook).header("webhook-id", "msg_1");
+    ///     assert_eq!(app.call(req.body(Body::empty())?).await?.status(), 200);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn scope(self, scope: impl Into<String>) -> Self {
         let scope = scope.into();
         self.with(|c| c.scope = scope)
     }
 
     /// How long a completed result is replayed (default 24 h). Standard Webhooks suggests at
-    /// least 5 minutes. From 1 ms to [`MAX_RETENTION`]; out of that range every request is
-    /// answered 500 ([`Reason::Misconfigured`]) before the handler runs.
+    /// least 5 minutes. From 1 ms to [`MAX_RETENTION`]; out of that range every request the
+    /// layer would dedupe (see [`methods`](Self::methods)) is answered 500
+    /// ([`Reason::Misconfigured`]) before the handler runs.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::DedupeLayer;
+    /// use std::time::Duration;
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let layer = DedupeLayer::new(lock_core::Locker::memory())
+    ///     .retention(Duration::from_millis(20));
+    /// let mut app: Router = Router::new()
+    ///     .route("/orders", post(|| async { "created" }))
+    ///     .layer(layer);
+    /// let create = || http::Request::post("/orders").header("idempotency-key", r#""o-1""#);
+    ///
+    /// app.call(create().body(Body::empty())?).await?;
+    /// tokio::time::sleep(Duration::from_millis(50)).await;
+    /// // Past the retention the result is forgotten: the same key runs the handler again.
+    /// let res = app.call(create().body(Body::empty())?).await?;
+    /// assert!(!res.headers().contains_key("idempotent-replayed"));
+    /// # Ok(()) }
+    /// ```
     pub fn retention(self, retention: Duration) -> Self {
         self.with(|c| c.retention = retention)
     }
@@ -196,12 +335,53 @@ impl DedupeLayer {
     /// The claim's lease TTL (default 30 s, renewed while the handler runs). From lock-core's
     /// `MIN_TTL` to `MAX_TTL` (10 ms to 24 h); out of that range keyed requests are answered
     /// 500 ([`Reason::Misconfigured`]) before the handler runs.
+    ///
+    /// ```
+    /// use lock_tower::{DedupeLayer, KeyExtractor};
+    /// use std::time::Duration;
+    ///
+    /// // A process that dies mid-delivery holds the sender's retries off for at most 10 s.
+    /// let layer = DedupeLayer::new(lock_core::Locker::memory())
+    ///     .key(KeyExtractor::webhook_id())
+    ///     .claim_ttl(Duration::from_secs(10));
+    /// # let _ = layer;
+    /// ```
     pub fn claim_ttl(self, ttl: Duration) -> Self {
         self.with(|c| c.claim = c.claim.clone().ttl(ttl))
     }
 
     /// Let a duplicate that arrives while the first still runs wait up to `deadline` for the
     /// first to finish (then get its result) instead of an immediate 409.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::DedupeLayer;
+    /// use std::sync::{Arc, atomic::{AtomicUsize, Ordering}};
+    /// use std::time::Duration;
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let runs = Arc::new(AtomicUsize::new(0));
+    /// let counter = runs.clone();
+    /// let charge = move || async move {
+    ///     counter.fetch_add(1, Ordering::SeqCst);
+    ///     tokio::time::sleep(Duration::from_millis(50)).await;
+    ///     "charged"
+    /// };
+    /// let layer = DedupeLayer::new(lock_core::Locker::memory()).wait(Duration::from_secs(5));
+    /// let app: Router = Router::new().route("/payments", post(charge)).layer(layer);
+    /// let pay = || http::Request::post("/payments").header("idempotency-key", r#""p-1""#);
+    ///
+    /// // A retry sent while the first still runs waits for it and gets its answer, not a 409.
+    /// let (a, b) = tokio::join!(
+    ///     app.clone().call(pay().body(Body::empty())?),
+    ///     app.clone().call(pay().body(Body::empty())?),
+    /// );
+    /// assert_eq!([a?.status(), b?.status()], [200, 200]);
+    /// assert_eq!(runs.load(Ordering::SeqCst), 1);
+    /// # Ok(()) }
+    /// ```
     pub fn wait(self, deadline: Duration) -> Self {
         self.with(|c| {
             c.wait = true;
@@ -210,6 +390,27 @@ impl DedupeLayer {
     }
 
     /// Dedupe only these methods (default POST, PUT, PATCH, DELETE); others pass through.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use http::Method;
+    /// use lock_tower::DedupeLayer;
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// // PUT replaces the whole order, idempotent by itself; only POST needs dedupe.
+    /// let layer = DedupeLayer::new(lock_core::Locker::memory()).methods([Method::POST]);
+    /// let mut app: Router = Router::new()
+    ///     .route("/orders", post(|| async { "created" }).put(|| async { "replaced" }))
+    ///     .layer(layer);
+    ///
+    /// for (method, status) in [(Method::PUT, 200), (Method::POST, 400)] {
+    ///     let req = http::Request::builder().method(method).uri("/orders");
+    ///     assert_eq!(app.call(req.body(Body::empty())?).await?.status(), status);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
         let methods = methods.into_iter().collect();
         self.with(|c| c.methods = Some(methods))
@@ -219,24 +420,108 @@ impl DedupeLayer {
     /// taken from the head (a header, the path, a closure), such a request's body is handed on
     /// unread, whatever its size; with a JSON-body key, the body is read (up to the
     /// [cap](Self::request_body_limit)) to look for the key, and handed on.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::DedupeLayer;
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// // Clients that send an `Idempotency-Key` get dedupe; older ones are served as before.
+    /// let layer = DedupeLayer::new(lock_core::Locker::memory()).pass_through_without_key();
+    /// let mut app: Router = Router::new()
+    ///     .route("/orders", post(|| async { "created" }))
+    ///     .layer(layer);
+    ///
+    /// for _ in 0..2 {
+    ///     let res = app.call(http::Request::post("/orders").body(Body::empty())?).await?;
+    ///     assert_eq!(res.status(), 200);
+    ///     assert!(!res.headers().contains_key("idempotent-replayed"));
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn pass_through_without_key(self) -> Self {
         self.with(|c| c.pass_unkeyed = true)
     }
 
     /// The largest request body read for the fingerprint (default 1 MiB); a keyed request
     /// above it gets 413.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::{DedupeLayer, KeyExtractor};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// // Webhook events are a few KiB; do not buffer a megabyte per delivery.
+    /// let layer = DedupeLayer::new(lock_core::Locker::memory())
+    ///     .key(KeyExtractor::webhook_id())
+    ///     .request_body_limit(16 * 1024);
+    /// let mut app: Router = Router::new().route("/hooks", post(|| async { "ok" })).layer(layer);
+    ///
+    /// let req = http::Request::post("/hooks").header("webhook-id", "msg_1");
+    /// let res = app.call(req.body(Body::from(vec![b'x'; 32 * 1024]))?).await?;
+    /// assert_eq!(res.status(), 413);
+    /// # Ok(()) }
+    /// ```
     pub fn request_body_limit(self, bytes: usize) -> Self {
         self.with(|c| c.request_limit = bytes)
     }
 
     /// The largest response body stored for replay (default 256 KiB); see the table above for
     /// what happens beyond it.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::DedupeLayer;
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let layer = DedupeLayer::new(lock_core::Locker::memory()).stored_body_limit(8);
+    /// let mut app: Router = Router::new()
+    ///     .route("/exports", post(|| async { "a body longer than 8 bytes" }))
+    ///     .layer(layer);
+    /// let export = || http::Request::post("/exports").header("idempotency-key", r#""e-1""#);
+    ///
+    /// let first = app.call(export().body(Body::empty())?).await?;
+    /// let body = axum::body::to_bytes(first.into_body(), 1024).await?;
+    /// assert_eq!(body, "a body longer than 8 bytes");
+    /// // The replay keeps status and headers, and says the body was not kept.
+    /// let replay = app.call(export().body(Body::empty())?).await?;
+    /// assert_eq!(replay.headers()["idempotent-body-omitted"], "true");
+    /// assert!(axum::body::to_bytes(replay.into_body(), 1024).await?.is_empty());
+    /// # Ok(()) }
+    /// ```
     pub fn stored_body_limit(self, bytes: usize) -> Self {
         self.with(|c| c.stored_limit = bytes)
     }
 
     /// Replay this response header too (beside the defaults); naming one already listed
     /// changes nothing.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use http::HeaderName;
+    /// use lock_tower::DedupeLayer;
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let layer = DedupeLayer::new(lock_core::Locker::memory())
+    ///     .replay_header(HeaderName::from_static("x-charge-id"));
+    /// let charge = || async { ([("x-charge-id", "ch_3MtwBw")], "charged") };
+    /// let mut app: Router = Router::new().route("/payments", post(charge)).layer(layer);
+    /// let pay = || http::Request::post("/payments").header("idempotency-key", r#""p-1""#);
+    ///
+    /// app.call(pay().body(Body::empty())?).await?;
+    /// let replay = app.call(pay().body(Body::empty())?).await?;
+    /// assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    /// assert_eq!(replay.headers()["x-charge-id"], "ch_3MtwBw");
+    /// # Ok(()) }
+    /// ```
     pub fn replay_header(self, name: HeaderName) -> Self {
         self.with(|c| {
             // Listed twice, a header would be stored and replayed twice.
@@ -248,11 +533,63 @@ impl DedupeLayer {
 
     /// The status to answer with for `reason` (for example 409 instead of 422 for
     /// [`Reason::KeyReused`]).
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use http::StatusCode;
+    /// use lock_tower::{DedupeLayer, Reason};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let layer = DedupeLayer::new(lock_core::Locker::memory())
+    ///     .reject_status(Reason::KeyReused, StatusCode::CONFLICT);
+    /// let mut app: Router = Router::new()
+    ///     .route("/orders", post(|| async { "created" }))
+    ///     .layer(layer);
+    /// let order = |body| {
+    ///     let req = http::Request::post("/orders").header("idempotency-key", r#""o-1""#);
+    ///     req.body(Body::from(body))
+    /// };
+    ///
+    /// assert_eq!(app.call(order(r#"{"qty": 1}"#)?).await?.status(), 200);
+    /// // The same key with another body: 409 here instead of the default 422.
+    /// assert_eq!(app.call(order(r#"{"qty": 2}"#)?).await?.status(), 409);
+    /// # Ok(()) }
+    /// ```
     pub fn reject_status(self, reason: Reason, status: StatusCode) -> Self {
         self.with(|c| c.rejections.set_status(reason, status))
     }
 
     /// Build rejection responses with `f` instead of the default problem+json body.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::{DedupeLayer, Reason};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let layer = DedupeLayer::new(lock_core::Locker::memory()).rejection_response(|r| {
+    ///     // The API's own error codes instead of problem+json.
+    ///     let code = match r.reason() {
+    ///         Reason::MissingKey => "IDEMPOTENCY_KEY_REQUIRED",
+    ///         _ => "REJECTED",
+    ///     };
+    ///     let mut res = http::Response::new(format!(r#"{{"code":"{code}"}}"#).into());
+    ///     *res.status_mut() = r.status();
+    ///     res
+    /// });
+    /// let mut app: Router = Router::new()
+    ///     .route("/orders", post(|| async { "created" }))
+    ///     .layer(layer);
+    ///
+    /// let res = app.call(http::Request::post("/orders").body(Body::empty())?).await?;
+    /// assert_eq!(res.status(), 400);
+    /// let body = axum::body::to_bytes(res.into_body(), 1024).await?;
+    /// assert_eq!(body, r#"{"code":"IDEMPOTENCY_KEY_REQUIRED"}"#);
+    /// # Ok(()) }
+    /// ```
     pub fn rejection_response(
         self,
         f: impl Fn(&Rejection) -> Response<Full<Bytes>> + Send + Sync + 'static,

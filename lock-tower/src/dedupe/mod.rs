@@ -2,6 +2,14 @@
 //!
 //! Module layout as in tower-http: the layer (configuration and builder), the service, the
 //! response future (shared with [`lock`](crate::lock)), and the result store.
+//!
+//! ```
+//! use lock_tower::dedupe::{DEFAULT_RETENTION, DedupeLayer};
+//!
+//! // Kept a week, for a sender that retries for up to five days.
+//! let layer = DedupeLayer::new(lock_core::Locker::memory()).retention(7 * DEFAULT_RETENTION);
+//! # let _ = layer;
+//! ```
 
 mod layer;
 mod service;

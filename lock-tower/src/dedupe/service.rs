@@ -27,6 +27,30 @@ pub(crate) const REPLAYED: HeaderName = HeaderName::from_static("idempotent-repl
 pub(crate) const BODY_OMITTED: HeaderName = HeaderName::from_static("idempotent-body-omitted");
 
 /// The service [`DedupeLayer`](super::DedupeLayer) wraps around an inner service.
+///
+/// Without axum's router, wrap any Tower service (here an axum handler made one):
+///
+/// ```
+/// use axum::{body::Body, handler::HandlerWithoutStateExt};
+/// use lock_tower::{DedupeLayer, dedupe::Dedupe};
+/// use tower_layer::Layer;
+/// use tower_service::Service;
+///
+/// async fn create_order() -> &'static str {
+///     "created"
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lock_tower::BoxError> {
+/// let layer = DedupeLayer::new(lock_core::Locker::memory());
+/// let mut svc: Dedupe<_> = layer.layer(create_order.into_service());
+/// for replayed in [false, true] {
+///     let req = http::Request::post("/orders").header("idempotency-key", r#""o-1""#);
+///     let res = svc.call(req.body(Body::empty())?).await?;
+///     assert_eq!(res.headers().contains_key("idempotent-replayed"), replayed);
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Dedupe<S> {
     pub(crate) inner: S,

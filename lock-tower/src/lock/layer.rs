@@ -12,6 +12,23 @@ use crate::key::KeyExtractor;
 use crate::reject::{Reason, Rejection, Rejections};
 
 /// The JSON body cap used when the key is a body field, unless configured otherwise.
+///
+/// ```
+/// use axum::{Router, body::Body, routing::post};
+/// use lock_tower::{DEFAULT_KEY_BODY_LIMIT, KeyExtractor, LockLayer};
+/// use tower_service::Service;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lock_tower::BoxError> {
+/// let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::json_field("/account"));
+/// let mut app: Router = Router::new().route("/transfers", post(|| async { "sent" })).layer(layer);
+///
+/// let memo = "x".repeat(DEFAULT_KEY_BODY_LIMIT);
+/// let body = format!(r#"{{"account": 7, "memo": "{memo}"}}"#);
+/// let res = app.call(http::Request::post("/transfers").body(Body::from(body))?).await?;
+/// assert_eq!(res.status(), 413);
+/// # Ok(()) }
+/// ```
 pub const DEFAULT_KEY_BODY_LIMIT: usize = 64 * 1024;
 
 #[derive(Clone)]
@@ -98,6 +115,31 @@ pub struct LockLayer {
 impl LockLayer {
     /// A layer locking on the key `key` finds, on `locker`'s backend. Defaults: lease TTL 30 s
     /// (renewed), no waiting, every method, no key prefix, missing key → 400.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_core::{LockOptions, Locker};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let locker = Locker::memory();
+    /// let mut app: Router = Router::new()
+    ///     .route("/accounts/{id}/withdraw", post(|| async { "withdrawn" }))
+    ///     .route_layer(LockLayer::new(locker.clone(), KeyExtractor::route_param("id")));
+    /// let withdraw = || http::Request::post("/accounts/7/withdraw").body(Body::empty());
+    /// assert_eq!(app.call(withdraw()?).await?.status(), 200);
+    ///
+    /// // While another process (here, the same locker) holds account 7: 409, and when to retry.
+    /// let held = locker.try_acquire("7", &LockOptions::new()).await?;
+    /// let res = app.call(withdraw()?).await?;
+    /// assert_eq!(res.status(), 409);
+    /// assert!(res.headers().contains_key("retry-after"));
+    /// held.release().await?;
+    /// assert_eq!(app.call(withdraw()?).await?.status(), 200);
+    /// # Ok(()) }
+    /// ```
     pub fn new(locker: Locker, key: KeyExtractor) -> LockLayer {
         LockLayer {
             cfg: Arc::new(LockConfig {
@@ -126,6 +168,28 @@ impl LockLayer {
     /// The prefix follows lock-core's rules for keys (no `{`, `}` or control characters, and
     /// room left under `MAX_KEY_LEN`); one that breaks them makes every request a 500
     /// ([`Reason::Misconfigured`]), logged at `error`.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_core::{LockOptions, Locker};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let locker = Locker::memory();
+    /// let layer = LockLayer::new(locker.clone(), KeyExtractor::route_param("id"))
+    ///     .key_prefix("account:");
+    /// let mut app: Router = Router::new()
+    ///     .route("/accounts/{id}/withdraw", post(|| async { "withdrawn" }))
+    ///     .route_layer(layer);
+    ///
+    /// // A batch job outside HTTP locks the same account under its full name.
+    /// let _job = locker.try_acquire("account:7", &LockOptions::new()).await?;
+    /// let res = app.call(http::Request::post("/accounts/7/withdraw").body(Body::empty())?).await?;
+    /// assert_eq!(res.status(), 409);
+    /// # Ok(()) }
+    /// ```
     pub fn key_prefix(self, prefix: impl Into<String>) -> Self {
         let prefix = prefix.into();
         let problem = if prefix.contains(['{', '}']) {
@@ -147,12 +211,60 @@ impl LockLayer {
     /// request runs, so this only bounds how long a crashed process keeps the key. From
     /// lock-core's `MIN_TTL` to `MAX_TTL` (10 ms to 24 h); out of that range every request is
     /// answered 500 ([`Reason::Misconfigured`]).
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use std::time::Duration;
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::path_segment(0));
+    /// // Below lock-core's MIN_TTL: a setup error, answered 500 before the handler runs.
+    /// let ttls = [(Duration::from_secs(10), 200), (Duration::from_millis(1), 500)];
+    /// for (ttl, status) in ttls {
+    ///     let mut app: Router = Router::new()
+    ///         .route("/reports", post(|| async { "done" }))
+    ///         .layer(layer.clone().ttl(ttl));
+    ///     let res = app.call(http::Request::post("/reports").body(Body::empty())?).await?;
+    ///     assert_eq!(res.status(), status);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn ttl(self, ttl: Duration) -> Self {
         self.with(|c| c.opts = c.opts.clone().ttl(ttl))
     }
 
     /// Wait up to `deadline` for a held key instead of answering 409 at once; after the
     /// deadline the answer is [`Reason::WaitTimeout`] (409 by default, 503 is a common choice).
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_core::{LockOptions, Locker};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use std::time::Duration;
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let locker = Locker::memory();
+    /// let layer = LockLayer::new(locker.clone(), KeyExtractor::route_param("id"))
+    ///     .wait(Duration::from_secs(5));
+    /// let mut app: Router = Router::new()
+    ///     .route("/accounts/{id}/withdraw", post(|| async { "withdrawn" }))
+    ///     .route_layer(layer);
+    ///
+    /// let held = locker.try_acquire("7", &LockOptions::new()).await?;
+    /// tokio::spawn(async move {
+    ///     tokio::time::sleep(Duration::from_millis(50)).await;
+    ///     held.release().await
+    /// });
+    /// // Waits for the holder instead of answering 409.
+    /// let res = app.call(http::Request::post("/accounts/7/withdraw").body(Body::empty())?).await?;
+    /// assert_eq!(res.status(), 200);
+    /// # Ok(()) }
+    /// ```
     pub fn wait(self, deadline: Duration) -> Self {
         self.with(|c| {
             c.wait = true;
@@ -162,6 +274,31 @@ impl LockLayer {
 
     /// Lock only requests with these methods (for example POST, PUT, PATCH, DELETE); others
     /// pass through unlocked. Default: every method.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::get};
+    /// use http::Method;
+    /// use lock_core::{LockOptions, Locker};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let locker = Locker::memory();
+    /// let layer = LockLayer::new(locker.clone(), KeyExtractor::route_param("id"))
+    ///     .methods([Method::POST, Method::DELETE]);
+    /// let mut app: Router = Router::new()
+    ///     .route("/accounts/{id}", get(|| async { "balance" }).post(|| async { "updated" }))
+    ///     .route_layer(layer);
+    ///
+    /// // Reads do not queue behind a writer.
+    /// let _held = locker.try_acquire("7", &LockOptions::new()).await?;
+    /// for (method, status) in [(Method::GET, 200), (Method::POST, 409)] {
+    ///     let req = http::Request::builder().method(method).uri("/accounts/7");
+    ///     assert_eq!(app.call(req.body(Body::empty())?).await?.status(), status);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
         let methods = methods.into_iter().collect();
         self.with(|c| c.methods = Some(methods))
@@ -169,22 +306,113 @@ impl LockLayer {
 
     /// Let requests without a key through, unlocked, instead of answering 400. A key that is
     /// present but invalid is still refused.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let account = KeyExtractor::header(http::HeaderName::from_static("x-account"));
+    /// let layer = LockLayer::new(lock_core::Locker::memory(), account).pass_through_without_key();
+    /// let mut app: Router = Router::new()
+    ///     .route("/quotes", post(|| async { "quoted" }))
+    ///     .layer(layer);
+    ///
+    /// let res = app.call(http::Request::post("/quotes").body(Body::empty())?).await?;
+    /// assert_eq!(res.status(), 200);
+    /// // Braces are not allowed in a key: the request named one, just not a usable one.
+    /// let req = http::Request::post("/quotes").header("x-account", "{7}");
+    /// assert_eq!(app.call(req.body(Body::empty())?).await?.status(), 400);
+    /// # Ok(()) }
+    /// ```
     pub fn pass_through_without_key(self) -> Self {
         self.with(|c| c.pass_unkeyed = true)
     }
 
     /// The most the layer reads of a request body to find a JSON key (default 64 KiB); above it
     /// the answer is [`Reason::BodyTooLarge`] (413). Unused for other key sources.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// // Transfer requests are small; refuse anything bigger before reading all of it.
+    /// let account = KeyExtractor::json_field("/account");
+    /// let layer = LockLayer::new(lock_core::Locker::memory(), account).body_limit(1024);
+    /// let mut app: Router = Router::new()
+    ///     .route("/transfers", post(|| async { "sent" }))
+    ///     .layer(layer);
+    ///
+    /// let body = format!(r#"{{"account": 7, "memo": "{}"}}"#, "x".repeat(1024));
+    /// let res = app.call(http::Request::post("/transfers").body(Body::from(body))?).await?;
+    /// assert_eq!(res.status(), 413);
+    /// # Ok(()) }
+    /// ```
     pub fn body_limit(self, bytes: usize) -> Self {
         self.with(|c| c.body_limit = bytes)
     }
 
     /// The status to answer with for `reason`.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use http::StatusCode;
+    /// use lock_core::{LockOptions, Locker};
+    /// use lock_tower::{KeyExtractor, LockLayer, Reason};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let locker = Locker::memory();
+    /// let layer = LockLayer::new(locker.clone(), KeyExtractor::route_param("id"))
+    ///     .reject_status(Reason::Busy, StatusCode::TOO_MANY_REQUESTS);
+    /// let mut app: Router = Router::new()
+    ///     .route("/accounts/{id}/withdraw", post(|| async { "withdrawn" }))
+    ///     .route_layer(layer);
+    ///
+    /// let _held = locker.try_acquire("7", &LockOptions::new()).await?;
+    /// let res = app.call(http::Request::post("/accounts/7/withdraw").body(Body::empty())?).await?;
+    /// assert_eq!(res.status(), 429);
+    /// assert!(res.headers().contains_key("retry-after"));
+    /// # Ok(()) }
+    /// ```
     pub fn reject_status(self, reason: Reason, status: StatusCode) -> Self {
         self.with(|c| c.rejections.set_status(reason, status))
     }
 
     /// Build rejection responses with `f` instead of the default problem+json body.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, routing::post};
+    /// use lock_tower::{KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let account = KeyExtractor::header(http::HeaderName::from_static("x-account"));
+    /// let layer = LockLayer::new(lock_core::Locker::memory(), account).rejection_response(|r| {
+    ///     // The API's own error shape instead of problem+json.
+    ///     let body = serde_json::json!({ "error": r.detail() }).to_string();
+    ///     let mut res = http::Response::new(body.into());
+    ///     *res.status_mut() = r.status();
+    ///     res
+    /// });
+    /// let mut app: Router = Router::new()
+    ///     .route("/transfers", post(|| async { "sent" }))
+    ///     .layer(layer);
+    ///
+    /// let res = app.call(http::Request::post("/transfers").body(Body::empty())?).await?;
+    /// assert_eq!(res.status(), 400);
+    /// let body = axum::body::to_bytes(res.into_body(), 1024).await?;
+    /// let error: serde_json::Value = serde_json::from_slice(&body)?;
+    /// assert!(error["error"].is_string());
+    /// # Ok(()) }
+    /// ```
     pub fn rejection_response(
         self,
         f: impl Fn(&Rejection) -> Response<Full<Bytes>> + Send + Sync + 'static,

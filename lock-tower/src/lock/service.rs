@@ -19,6 +19,27 @@ use crate::reject::Reason;
 use crate::util::{RequestBody, read_capped, reject};
 
 /// The service [`LockLayer`](super::LockLayer) wraps around an inner service.
+///
+/// Without axum's router, wrap any Tower service (here an axum handler made one):
+///
+/// ```
+/// use axum::{body::Body, handler::HandlerWithoutStateExt};
+/// use lock_tower::{Fence, KeyExtractor, LockLayer, lock::Lock};
+/// use tower_layer::Layer;
+/// use tower_service::Service;
+///
+/// async fn settle(Fence(fence): Fence) -> String {
+///     format!("settled under fence {fence}")
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lock_tower::BoxError> {
+/// let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::path_segment(1));
+/// let mut svc: Lock<_> = layer.layer(settle.into_service());
+/// let res = svc.call(http::Request::post("/orders/42/settle").body(Body::empty())?).await?;
+/// assert_eq!(res.status(), 200);
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Lock<S> {
     pub(crate) inner: S,
