@@ -199,11 +199,20 @@ pub(crate) async fn watch_through(
     };
     match registered {
         Registered::First(subscribed) => {
-            // Confirmed, given up on, or this waiter gone: later watchers stop waiting for it.
-            let _confirmed = Confirmed(subscribed);
-            if subscribing {
-                let _ = tokio::time::timeout(Duration::from_secs(1), ack_rx).await;
-            }
+            let mut confirmed = subscribed.subscribe();
+            // Settled (confirmed, or given up on after a second) by a task of its own, not by
+            // this waiter: if it left first (a timeout around its acquire), the others would
+            // stop waiting while the subscribe it sent is still on its way.
+            // Made outside the task, so that a task dropped unpolled settles it too.
+            let settled = Confirmed(subscribed);
+            tokio::spawn(async move {
+                let _settled = settled;
+                if subscribing {
+                    let _ = tokio::time::timeout(Duration::from_secs(1), ack_rx).await;
+                }
+            });
+            let _ = tokio::time::timeout(Duration::from_secs(2), confirmed.wait_for(|done| *done))
+                .await;
         }
         Registered::Existing(subscribed) => {
             let mut confirmed = subscribed.subscribe();
@@ -302,6 +311,38 @@ mod tests {
         });
         let (_first, _second) = both.await.expect("both return once confirmed");
         assert!(sub_rx.try_recv().is_err(), "one subscribe for the channel");
+    }
+
+    /// The first watcher leaving before its subscription is confirmed (a timeout around the
+    /// acquire) does not release the others' wait: the subscribe it sent is still on its way.
+    #[tokio::test]
+    async fn a_first_watcher_that_leaves_does_not_end_the_others_wait() {
+        let wakeups = Arc::new(Wakeups::default());
+        let (sub_tx, mut sub_rx) = mpsc::unbounded_channel::<SubCmd>();
+        let key = LockKey::new("t", "left");
+        let watcher = || {
+            let (wakeups, sub_tx, key) = (wakeups.clone(), sub_tx.clone(), key.clone());
+            tokio::spawn(async move { watch_through(&wakeups, &sub_tx, &key).await })
+        };
+        let first = watcher();
+        let Some(SubCmd::Subscribe(_, ack)) = sub_rx.recv().await else {
+            panic!("the first watcher did not subscribe");
+        };
+        let second = watcher();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        first.abort();
+        let _ = first.await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            !second.is_finished(),
+            "the second watcher returned before the subscription was confirmed"
+        );
+        ack.send(())
+            .expect("the subscription's ack is still awaited");
+        tokio::time::timeout(Duration::from_millis(500), second)
+            .await
+            .expect("the second watcher returns once confirmed")
+            .expect("second");
     }
 
     /// The unsubscribe of a channel's last watcher is sent while the registry is locked, so no
