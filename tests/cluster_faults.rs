@@ -708,6 +708,33 @@ async fn queue_keeps_its_jobs_through_a_moving_slot(flavor: Flavor) {
     assert_eq!(reaped.iter().map(|r| r.id).collect::<Vec<_>>(), [b_id]);
 }
 
+/// An explicit extend whose node does not answer in time may still have landed: it is of
+/// unknown outcome, not "unavailable", as on one server.
+async fn an_unanswered_extend_is_of_unknown_outcome(flavor: Flavor) {
+    let cluster = Cluster::start(flavor, 3, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = Locker::redis_cluster(&urls).await.expect("connect");
+    let ttl = Duration::from_secs(1);
+    let lease = locker
+        .try_acquire("stalled", &LockOptions::new().ttl(ttl).renew(false))
+        .await
+        .expect("grant");
+    let key = locker.lock_key("stalled").expect("key");
+    let (_, owner) = slot_and_owner(&cluster, key.lock_key());
+    // Shorter than the cluster's node timeout (1 s): the node is stalled, not failed over.
+    let paused = cluster.nodes[owner].pause();
+    let extended = lease.extend(ttl).await;
+    drop(paused);
+    assert!(
+        matches!(
+            extended,
+            Err(leasehold::Error::OutcomeUnknown { op: "extend", .. })
+        ),
+        "{extended:?}"
+    );
+}
+
 /// Every scenario above on a Redis cluster and on a Valkey cluster, as
 /// `on_redis::<scenario>` and `on_valkey::<scenario>`.
 macro_rules! on_each_flavor {
@@ -739,6 +766,7 @@ on_each_flavor!(
     queue_keeps_its_jobs_through_a_moving_slot,
     subscribe_follows_a_moved_slot,
     renewal_follows_a_moved_slot,
+    an_unanswered_extend_is_of_unknown_outcome,
 );
 
 /// The README's ACL section says the plain `leasehold` rule cannot even connect to a cluster

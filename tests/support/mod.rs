@@ -311,6 +311,14 @@ impl Server {
         }
     }
 
+    /// SIGSTOP: the server stops answering while its connections stay open (a stalled
+    /// process, not a dead one), until the returned guard is dropped (SIGCONT).
+    pub fn pause(&self) -> Paused {
+        let pid = self.child.as_ref().expect("the server is running").id();
+        signal(pid, "STOP");
+        Paused(pid)
+    }
+
     /// Kills and starts again on the same port and directory.
     pub fn restart(&mut self) {
         self.kill();
@@ -522,4 +530,22 @@ impl Cluster {
         }
         c.query(&mut conn).expect("cluster test command")
     }
+}
+
+/// A server stopped by [`Server::pause`]; continued when dropped, also when the test fails.
+pub struct Paused(u32);
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        signal(self.0, "CONT");
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let status = std::process::Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{sig} {pid} failed");
 }

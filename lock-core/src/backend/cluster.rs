@@ -581,16 +581,19 @@ impl Backend for ClusterBackend {
     }
 
     /// A lease whose node failed is an error: the node's own (a refusal stays
-    /// [`Error::Refused`]), or [`Error::Unavailable`] when it did not answer in time.
+    /// [`Error::Refused`]), or [`Error::OutcomeUnknown`] when it did not answer in time (the
+    /// extend may have landed).
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
         crate::types::validate_ttl(ttl)?;
         let (answers, first_error) = self.extend_all(items, ttl).await;
-        if answers.iter().any(Option::is_none) {
-            return Err(first_error.unwrap_or_else(|| {
-                Error::Unavailable(redis::RedisError::from((
+        if let Some(i) = answers.iter().position(Option::is_none) {
+            return Err(first_error.unwrap_or_else(|| Error::OutcomeUnknown {
+                op: "extend",
+                key: items[i].0.user().to_owned(),
+                source: redis::RedisError::from((
                     redis::ErrorKind::Io,
-                    "renewal failed on part of the cluster",
-                )))
+                    "the node did not answer the extend in time",
+                )),
             }));
         }
         Ok(answers.into_iter().flatten().collect())
