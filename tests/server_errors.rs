@@ -1004,6 +1004,54 @@ async fn refused_publish(flavor: Flavor) {
     next.release().await.expect("release");
 }
 
+/// The queue's wake-ups refused as `refused_publish` refuses the release's: the steps that
+/// publish (enqueue, retry, reap) have already written when the `PUBLISH` is refused, so they
+/// succeed, with their writes, and a waiting claim still finds the job by its timer. Reported
+/// as refused, an enqueue would be retried by its caller and the job stored twice.
+async fn queue_refused_publish(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let queue = Queue::redis(&server.acl_user_url_for(QUEUE_USER), "refused-publish")
+        .await
+        .expect("connect as the queue user");
+    let _: () = server.cmd(&["ACL", "SETUSER", QUEUE_USER, "-publish"]);
+    let _: () = server.cmd(&["ACL", "LOG", "RESET"]);
+    let id = queue.enqueue(b"once").await.expect("enqueue");
+    assert_eq!(
+        queue.counts().await.expect("counts").pending,
+        1,
+        "stored once"
+    );
+    let claim = queue
+        .claim(Duration::from_secs(30))
+        .await
+        .expect("claim")
+        .expect("the job");
+    assert_eq!(claim.id(), id);
+    claim.retry(Duration::ZERO).await.expect("retry");
+    let lapsed = queue
+        .claim(Duration::from_millis(20))
+        .await
+        .expect("claim")
+        .expect("the job again");
+    assert_eq!(lapsed.attempts(), 2);
+    sleep(Duration::from_millis(50)).await;
+    let reaped = queue.reap().await.expect("reap");
+    assert_eq!(reaped.len(), 1);
+    let log: Vec<std::collections::HashMap<String, redis::Value>> = server.cmd(&["ACL", "LOG"]);
+    assert!(
+        log.iter()
+            .any(|e| e.get("object") == Some(&redis::Value::BulkString(b"publish".to_vec()))),
+        "the server did not refuse the queue's PUBLISH: {log:?}"
+    );
+    let again = queue
+        .claim_wait(Duration::from_secs(30), Duration::from_secs(5))
+        .await
+        .expect("claim_wait")
+        .expect("the job, found without a wake-up");
+    assert_eq!((again.id(), again.attempts()), (id, 3));
+    server.acl_user_url_for(QUEUE_USER);
+}
+
 /// For each scenario `name`, the tests `redis_name` and `valkey_name`.
 macro_rules! on_redis_and_valkey {
     ($($name:ident: $redis:ident, $valkey:ident;)*) => {
@@ -1086,6 +1134,7 @@ on_redis_and_valkey! {
         valkey_quorum_members_out_of_memory;
     loading: redis_loading, valkey_loading;
     refused_publish: redis_refused_publish, valkey_refused_publish;
+    queue_refused_publish: redis_queue_refused_publish, valkey_queue_refused_publish;
 }
 
 macro_rules! hostile {

@@ -64,3 +64,10 @@ local function guard(jk, want, done_ok)
   return nil
 end
 
+-- Wakes waiting claimers, after the step's writes: pcall, since a refused wake-up (an ACL user
+-- without PUBLISH) must not report as failed a step whose writes stand; an enqueue reported as
+-- refused would be sent again and its jobs stored twice. Claimers then find the job by their
+-- timer.
+local function wake(what)
+  redis.pcall(PUBLISH, ARGV[2], what)
+end

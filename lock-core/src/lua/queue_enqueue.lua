@@ -13,5 +13,5 @@ for i = 4, #ARGV do
   redis.call('ZADD', KEYS[1], id, s(id))
   out[#out + 1] = id
 end
-redis.call(PUBLISH, ARGV[2], 'enqueued')
+wake('enqueued')
 return out

@@ -42,6 +42,6 @@ for _, id in ipairs(expired) do
   end
 end
 if woke then
-  redis.call(PUBLISH, ARGV[2], 'reaped')
+  wake('reaped')
 end
 return out

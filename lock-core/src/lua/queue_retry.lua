@@ -24,5 +24,5 @@ if delay > 0 then
 end
 redis.call('HSET', jk, 'state', 'pending')
 redis.call('ZADD', KEYS[1], id, id)
-redis.call(PUBLISH, ARGV[2], 'retried')
+wake('retried')
 return {1, 'pending'}
