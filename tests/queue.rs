@@ -595,6 +595,77 @@ async fn handler_panic_is_retried(h: Harness) {
     assert_eq!((info.state, info.attempts), (JobState::Done, 2));
 }
 
+/// A handler that panics before it returns its future (in the closure's synchronous part)
+/// counts as a failed attempt as one that panics inside it does: the job is retried, and the
+/// slot (here the only one) goes on to the next job.
+async fn handler_panic_before_its_future_is_retried(h: Harness) {
+    let q = h.open(Queue::builder("sync-panics")).await;
+    let first = q.enqueue(b"boom").await.expect("enqueue");
+    let second = q.enqueue(b"fine").await.expect("enqueue");
+    let w = Worker::new(q.clone())
+        .concurrency(1)
+        .backoff(ms(20), ms(20))
+        .start(|job| {
+            if job.payload() == b"boom" && job.attempts() == 1 {
+                panic!("the closure explodes before its future exists");
+            }
+            async move { Ok(()) }
+        })
+        .expect("start");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            w.report().completed == 2
+        })
+        .await,
+        "{:?}",
+        w.report()
+    );
+    let r = w.shutdown(Duration::from_secs(5)).await;
+    assert_eq!((r.retried, r.completed, r.in_flight), (1, 2, 0), "{r:?}");
+    assert_eq!(q.job(first).await.expect("job").attempts, 2);
+    assert_eq!(q.job(second).await.expect("job").attempts, 1);
+}
+
+/// A handler that blocks its thread past its lease (CPU work, a synchronous call) keeps the
+/// lease: renewal runs on a task of its own, so the job is not reaped and handed to another
+/// worker while the handler still runs.
+async fn a_blocking_handler_keeps_its_lease(h: Harness) {
+    let q = h.open(Queue::builder("blocking")).await;
+    let id = q.enqueue(b"crunch").await.expect("enqueue");
+    let w = Worker::new(q.clone())
+        .ttl(ms(600))
+        .reap_every(Duration::from_secs(3_600))
+        .start(|_job| async move {
+            std::thread::sleep(Duration::from_millis(1_800));
+            Ok(())
+        })
+        .expect("start");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            w.report().in_flight == 1
+        })
+        .await,
+        "the worker did not claim the job"
+    );
+    let mut stolen = None;
+    let started = tokio::time::Instant::now();
+    while w.report().completed == 0 && started.elapsed() < Duration::from_secs(10) {
+        q.reap().await.expect("reap");
+        if let Some(c) = q.claim(Duration::from_secs(30)).await.expect("claim") {
+            stolen = Some(c.attempts());
+            break;
+        }
+        tokio::time::sleep(ms(50)).await;
+    }
+    assert_eq!(
+        stolen, None,
+        "the job was reaped and claimed again while its handler ran"
+    );
+    let r = w.shutdown(Duration::from_secs(5)).await;
+    assert_eq!((r.completed, r.lost), (1, 0), "{r:?}");
+    assert_eq!(q.job(id).await.expect("job").attempts, 1);
+}
+
 /// A handler whose lease is taken away is cancelled; its result never lands.
 async fn lost_lease_cancels_handler(h: Harness) {
     let q = h.open(Queue::builder("cancel")).await;
@@ -1208,6 +1279,14 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn handler_panic_is_retried() {
                 super::handler_panic_is_retried(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn handler_panic_before_its_future_is_retried() {
+                super::handler_panic_before_its_future_is_retried(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_blocking_handler_keeps_its_lease() {
+                super::a_blocking_handler_keeps_its_lease(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_lease_cancels_handler() {

@@ -174,8 +174,15 @@ fn bump(c: &AtomicU64) {
 /// is refused, or the lease's time runs out locally while extends keep failing, the handler is
 /// dropped (cancelled) before another worker can be given the job. `Ok` completes the job; a
 /// [`JobError`] retries it after an exponential backoff (`backoff × 2^(attempts-1)`, capped at
-/// `max_backoff`) or, if permanent, fails it. Every worker also runs [`Queue::reap`] on a beat,
-/// so crashed workers' jobs come back without a separate process.
+/// `max_backoff`) or, if permanent, fails it. A handler that panics (in its future, or in the
+/// closure before it returns one) counts as a retryable failure. Every worker also runs
+/// [`Queue::reap`] on a beat, so crashed workers' jobs come back without a separate process.
+///
+/// Renewal runs on a task of its own, so a handler that blocks its thread (CPU work, a
+/// synchronous call) keeps its lease on a multi-threaded runtime; on a current-thread runtime
+/// nothing else runs while it blocks. Cancellation, like any future's, takes effect at the
+/// handler's next `.await`: a handler that blocks past a lost lease runs on until it yields,
+/// which is why writes should check the job's fence.
 ///
 /// ```
 /// use lock_core::queue::{Queue, Worker};
@@ -419,12 +426,33 @@ where
             payload,
         };
         // A panicking handler counts as a failed attempt, not a dead slot: the job is retried
-        // and this slot goes on claiming.
-        let work = std::panic::AssertUnwindSafe(handler(job)).catch_unwind();
+        // and this slot goes on claiming. Caught around the call too, not only around the
+        // future: a closure may panic before it returns one.
+        let work = async {
+            let fut = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(job)))?;
+            std::panic::AssertUnwindSafe(fut).catch_unwind().await
+        };
+        // Renewal on a task of its own: a handler that blocks its thread (CPU work, a
+        // synchronous call) would otherwise stop its own lease's renewal, and the job would be
+        // reaped and run by another worker while this one still runs it. The task ends with
+        // the job (dropped, it is aborted).
+        let mut renewal = Renewal(tokio::spawn(keep_alive(
+            queue.clone(),
+            id,
+            attempts,
+            worker.ttl,
+            local_deadline,
+        )));
+        // A task spawned from a worker thread waits in that thread's next-task slot, which
+        // other threads do not take from: let it start (it then sleeps until its first
+        // extend, and whichever thread's timers wake it runs it) before the handler can block
+        // this thread.
+        tokio::task::yield_now().await;
         let outcome = tokio::select! {
             biased;
-            lost = keep_alive(&queue, id, attempts, worker.ttl, local_deadline) => {
-                warn!(reason = %lost, "lease lost; handler cancelled");
+            lost = &mut renewal.0 => {
+                let reason = lost.map_or_else(|e| format!("renewal task failed: {e}"), |e| e.to_string());
+                warn!(%reason, "lease lost; handler cancelled");
                 bump(&stats.lost);
                 return;
             }
@@ -437,6 +465,7 @@ where
                 Err(JobError::retry(format!("handler panicked: {what}")))
             }),
         };
+        drop(renewal);
         let settled = match &outcome {
             Ok(()) => with_retries(|| queue.complete(id, attempts))
                 .await
@@ -498,10 +527,19 @@ where
     op().await
 }
 
+/// A job's renewal task, aborted when dropped: the job ended (or its slot was aborted).
+struct Renewal(tokio::task::JoinHandle<Error>);
+
+impl Drop for Renewal {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Extends the lease every third of it; returns only when the lease is lost: an extend was
 /// refused, or the local deadline passed while extends kept failing or hung.
 async fn keep_alive(
-    queue: &Queue,
+    queue: Queue,
     id: JobId,
     attempts: u64,
     ttl: Duration,
