@@ -39,7 +39,9 @@ pub enum Error {
         /// Time left on the holder's lease, if it has an expiry.
         remaining: Option<Duration>,
     },
-    /// The wait deadline passed while another holder kept the key.
+    /// The wait deadline passed before the lease could be taken: the key was last seen held,
+    /// or the wait ended queued behind this locker's other waiters of the key, or while its
+    /// wake-up subscription was still being confirmed.
     #[error("gave up waiting for lock `{key}` after {waited:?}")]
     WaitTimeout {
         /// The key that was waited for.
@@ -196,8 +198,11 @@ pub enum Error {
     },
     /// The connection dropped or the reply timed out after the command was sent, so whether it
     /// took effect is unknown. On a cluster also when the client lost its connections while
-    /// the command was in flight (redis-rs reports that as "no connection").
-    #[error("outcome of {op} on `{key}` is unknown: the connection failed mid-command")]
+    /// the command was in flight (redis-rs reports that as "no connection"), or when a node did
+    /// not answer an explicit extend within a quarter of its TTL.
+    #[error(
+        "outcome of {op} on `{key}` is unknown: no answer came (the connection failed or timed out)"
+    )]
     OutcomeUnknown {
         /// The operation that was in flight.
         op: &'static str,

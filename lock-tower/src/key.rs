@@ -370,8 +370,8 @@ impl KeyExtractor {
         matches!(self.source, Source::Json(_))
     }
 
-    /// The key of a request; `body` is the buffered body when [`needs_body`](Self::needs_body)
-    /// (or the layer buffers anyway).
+    /// The key of a request; `body` is the buffered body, which only a key that
+    /// [`needs_body`](Self::needs_body) reads.
     pub(crate) async fn extract(
         &self,
         parts: &mut Parts,

@@ -32,8 +32,9 @@ const SLOTS: u16 = 16384;
 /// one hash tag, so each script runs in one slot. Releases wake waiters with sharded pub/sub
 /// (`SPUBLISH` / `SSUBSCRIBE`, Redis 7 and Valkey), over RESP3 on the same connection; the client
 /// resubscribes after a reconnect or a slot move, and every waiter of a resubscribed channel
-/// retries, since a release in the gap was not seen. Renewal batches are grouped by slot, so on a
-/// cluster they cost one script call per slot rather than one per 256 leases.
+/// retries, since a release in the gap was not seen. Renewals are grouped by node (from
+/// `CLUSTER SLOTS`): one script call per node and 256 leases, slot by slot only where the slot
+/// map is stale.
 ///
 /// ```no_run
 /// use lock_core::{Locker, LockOptions};
@@ -581,8 +582,8 @@ impl Backend for ClusterBackend {
     }
 
     /// A lease whose node failed is an error: the node's own (a refusal stays
-    /// [`Error::Refused`]), or [`Error::OutcomeUnknown`] when it did not answer in time (the
-    /// extend may have landed).
+    /// [`Error::Refused`]), or [`Error::OutcomeUnknown`] when it did not answer within a
+    /// quarter of `ttl` (the extend may have landed).
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
         crate::types::validate_ttl(ttl)?;
         let (answers, first_error) = self.extend_all(items, ttl).await;

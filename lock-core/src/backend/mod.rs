@@ -141,7 +141,10 @@ pub trait Backend: Send + Sync + 'static {
     -> impl Future<Output = Result<Option<u64>>> + Send;
 
     /// Registers interest in releases of `key`. When this returns, a release that happens later
-    /// is guaranteed to bump the watch (or, after a subscription gap, every watch).
+    /// is guaranteed to bump the watch (or, after a subscription gap, every watch) once the
+    /// subscription is confirmed: it is waited for up to about a second; if it is not
+    /// confirmed by then, the waiter's timer, and the wake-all of a later resubscription,
+    /// cover the gap.
     fn watch(&self, key: &LockKey) -> impl Future<Output = Result<Watch>> + Send;
 
     /// The wake-up registry this backend feeds.

@@ -143,7 +143,7 @@ impl DedupeConfig {
 /// | result store unreachable when a request arrives | 503 with `Retry-After: 1`; the handler does not run |
 /// | [`retention`](Self::retention) (1 ms to a year) or [`claim_ttl`](Self::claim_ttl) (lock-core's `MIN_TTL` to `MAX_TTL`) out of range | 500 ([`Reason::Misconfigured`]), logged at `error`; the handler does not run |
 /// | a backend with no result store (a Redlock quorum) | 500 ([`Reason::Misconfigured`], no `Retry-After`), logged at `error`; the handler does not run |
-/// | request with a key, body above the cap (1 MiB) | 413 (the body is read only for a keyed request's fingerprint: without a header key, the request is answered or passed through unread; a JSON-body key is looked for in the body, up to the cap) |
+/// | request with a key, body above the cap (1 MiB) | 413 (the body is read only for a keyed request's fingerprint: without a key in the request head (header, path, route parameter, closure), the request is answered or passed through unread; a JSON-body key is looked for in the body, up to the cap) |
 /// | response body fails while the layer reads it | 500 ([`Reason::ResponseFailed`]); nothing stored, claim released |
 /// | response body above the stored cap (256 KiB) | the first caller gets the full body; once it ended well (before the caller sees its end), the stored result keeps status and headers only, and replays carry an empty body with `Idempotent-Body-Omitted: true`; if it fails past the cap, nothing is stored and the claim is released |
 ///
