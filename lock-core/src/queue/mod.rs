@@ -39,6 +39,10 @@
 //!   or complete it, since nobody else can have the job.
 //! - After a job completes, a marker stays for [`QueueBuilder::keep_done`]; a late caller of an
 //!   old attempt gets [`Error::Stale`] while it stays, [`Error::UnknownJob`] after.
+//! - Dead jobs are kept, payload included, until someone removes them: there is no purge call
+//!   yet. On Redis / Valkey remove a dead job's hash (`{prefix:queue}:job:<id>`) and its entry
+//!   in `{prefix:queue}:dead` together (`MULTI`); the memory queue keeps them for the life of
+//!   the process, so a long-running process whose jobs keep dying grows with them.
 //! - Payloads are at most [`MAX_PAYLOAD`] bytes; errors are stored cut to [`MAX_ERROR_LEN`].
 //! - `max_attempts` is stored with each job at enqueue; changing the builder later does not
 //!   change jobs already queued.
