@@ -25,6 +25,8 @@ enum Harness {
     /// `docs/leasehold.acl`.
     Acl(Server),
     Cluster(Cluster),
+    /// A cluster whose every node the queue reaches as the `leasehold-queue-cluster` user.
+    ClusterAcl(Cluster),
 }
 
 impl Harness {
@@ -59,6 +61,15 @@ impl Harness {
                     "the ACL user could write outside its prefix"
                 );
                 b.redis(&url).await.expect("connect as the ACL user")
+            }
+            Harness::ClusterAcl(c) => {
+                let urls: Vec<String> = c
+                    .nodes
+                    .iter()
+                    .map(|n| n.acl_user_url_for("leasehold-queue-cluster"))
+                    .collect();
+                let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+                b.cluster(&urls).await.expect("connect as the ACL user")
             }
             Harness::Cluster(c) => {
                 let urls = c.urls();
@@ -1356,4 +1367,8 @@ suite!(valkey_acl, Harness::Acl(Server::start(Flavor::Valkey)));
 suite!(
     redis_cluster,
     Harness::Cluster(Cluster::start(Flavor::Redis, 3, 0))
+);
+suite!(
+    redis_cluster_acl,
+    Harness::ClusterAcl(Cluster::start(Flavor::Redis, 3, 0))
 );
