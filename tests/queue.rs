@@ -677,6 +677,55 @@ async fn a_blocking_handler_keeps_its_lease(h: Harness) {
     assert_eq!(q.job(id).await.expect("job").attempts, 1);
 }
 
+/// `purge_dead` removes dead jobs by age, hashes and all, and nothing else: not the young dead,
+/// not pending, active or delayed jobs.
+async fn purge_dead_removes_old_dead_jobs(h: Harness) {
+    let q = h.open(Queue::builder("purge").max_attempts(2)).await;
+    let ids = q
+        .enqueue_many(["old", "young", "active", "delayed", "pending"])
+        .await
+        .expect("enqueue");
+    let claim = || async { q.claim(ms(30_000)).await.expect("claim").expect("a job") };
+    claim().await.fail("old").await.expect("fail");
+    sleep(ms(300)).await;
+    claim().await.fail("young").await.expect("fail");
+    let active = claim().await;
+    let to = claim().await.retry(ms(60_000)).await.expect("retry");
+    assert_eq!(to, JobState::Delayed);
+    assert_eq!(q.counts().await.expect("counts").dead, 2);
+    assert_eq!(
+        q.purge_dead(ms(3_600_000)).await.expect("purge"),
+        0,
+        "nothing an hour old"
+    );
+    assert_eq!(
+        q.purge_dead(ms(150)).await.expect("purge"),
+        1,
+        "only the old one"
+    );
+    assert!(matches!(q.job(ids[0]).await, Err(Error::UnknownJob { .. })));
+    assert_eq!(q.job(ids[1]).await.expect("young").state, JobState::Dead);
+    assert_eq!(q.purge_dead(Duration::ZERO).await.expect("purge"), 1);
+    assert!(matches!(q.job(ids[1]).await, Err(Error::UnknownJob { .. })));
+    let counts = q.counts().await.expect("counts");
+    assert_eq!(
+        (counts.dead, counts.active, counts.delayed, counts.pending),
+        (0, 1, 1, 1),
+        "{counts:?}"
+    );
+    assert_eq!(q.job(ids[2]).await.expect("active").state, JobState::Active);
+    assert_eq!(
+        q.job(ids[3]).await.expect("delayed").state,
+        JobState::Delayed
+    );
+    assert_eq!(
+        q.job(ids[4]).await.expect("pending").state,
+        JobState::Pending
+    );
+    active.complete().await.expect("complete");
+    assert_eq!(q.purge_dead(Duration::ZERO).await.expect("purge"), 0);
+}
+
 /// A handler whose lease is taken away is cancelled; its result never lands.
 async fn lost_lease_cancels_handler(h: Harness) {
     let q = h.open(Queue::builder("cancel")).await;
@@ -1290,6 +1339,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn handler_panic_is_retried() {
                 super::handler_panic_is_retried(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn purge_dead_removes_old_dead_jobs() {
+                super::purge_dead_removes_old_dead_jobs(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn handler_panic_before_its_future_is_retried() {

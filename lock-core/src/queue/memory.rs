@@ -368,6 +368,27 @@ impl MemoryQueue {
         Ok(moved)
     }
 
+    pub(crate) async fn purge_dead(&self, age_ms: u64, limit: usize) -> Result<u64> {
+        let now = self.clock.now();
+        let mut st = self.state();
+        let mut removed = 0;
+        while removed < limit {
+            let Some(&(died, id)) = st.dead.first() else {
+                break;
+            };
+            // Died at least `age_ms` ago, as the script's `<= now - age` bound.
+            if died.saturating_add(age_ms) > now {
+                break;
+            }
+            st.dead.remove(&(died, id));
+            if st.jobs.get(&id).is_some_and(|j| j.state == JobState::Dead) {
+                st.jobs.remove(&id);
+            }
+            removed += 1;
+        }
+        Ok(removed as u64)
+    }
+
     pub(crate) async fn counts(&self) -> Result<QueueCounts> {
         let st = self.state();
         Ok(QueueCounts {

@@ -39,10 +39,9 @@
 //!   or complete it, since nobody else can have the job.
 //! - After a job completes, a marker stays for [`QueueBuilder::keep_done`]; a late caller of an
 //!   old attempt gets [`Error::Stale`] while it stays, [`Error::UnknownJob`] after.
-//! - Dead jobs are kept, payload included, until someone removes them: there is no purge call
-//!   yet. On Redis / Valkey remove a dead job's hash (`{prefix:queue}:job:<id>`) and its entry
-//!   in `{prefix:queue}:dead` together (`MULTI`); the memory queue keeps them for the life of
-//!   the process, so a long-running process whose jobs keep dying grows with them.
+//! - Dead jobs are kept, payload included, until [`Queue::purge_dead`] removes them: nothing
+//!   removes them on its own, so a queue whose jobs keep dying grows until something purges
+//!   it (a beat in your service, say `purge_dead` of what died over a week ago every hour).
 //! - Payloads are at most [`MAX_PAYLOAD`] bytes; errors are stored cut to [`MAX_ERROR_LEN`].
 //! - `max_attempts` is stored with each job at enqueue; changing the builder later does not
 //!   change jobs already queued.
@@ -1216,6 +1215,44 @@ impl Queue {
             debug!(moved = all.len(), "reaped");
         }
         Ok(all)
+    }
+
+    /// Removes the dead jobs that died at least `older_than` ago on the store's clock (zero:
+    /// every dead job), payloads and last errors with them, and returns how many. Read what you
+    /// want to keep first ([`Queue::job`]); a removed job is [`Error::UnknownJob`] afterwards.
+    /// Jobs in any other state are never touched. Safe to run from many processes at once:
+    /// each job is removed once.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::Queue;
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"not an address").await?;
+    /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
+    /// claim.fail("malformed address").await?;
+    /// assert_eq!(queue.purge_dead(Duration::from_secs(7 * 86_400)).await?, 0); // too recent
+    /// assert_eq!(queue.purge_dead(Duration::ZERO).await?, 1);
+    /// assert_eq!(queue.counts().await?.dead, 0);
+    /// # Ok(()) }
+    /// ```
+    #[instrument(level = "debug", skip(self), fields(queue = %self.inner.name))]
+    pub async fn purge_dead(&self, older_than: Duration) -> Result<u64> {
+        // Far past any job's age, and short of where the script's arithmetic on doubles would
+        // stop being exact.
+        let age = ms(older_than).min(1 << 50);
+        let mut removed = 0;
+        loop {
+            let n = store!(self, s => s.purge_dead(age, REAP_BATCH).await)?;
+            removed += n;
+            if n < REAP_BATCH as u64 {
+                break;
+            }
+        }
+        if removed > 0 {
+            debug!(removed, "purged dead jobs");
+        }
+        Ok(removed)
     }
 
     /// How many jobs are pending, active, delayed and dead.

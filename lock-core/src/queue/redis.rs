@@ -34,6 +34,7 @@ struct Scripts {
     fail: Script,
     extend: Script,
     reap: Script,
+    purge: Script,
     inspect: Script,
 }
 
@@ -47,6 +48,7 @@ macro_rules! scripts {
             fail: queue_script!("queue_fail.lua", $publish),
             extend: queue_script!("queue_extend.lua", $publish),
             reap: queue_script!("queue_reap.lua", $publish),
+            purge: queue_script!("queue_purge.lua", $publish),
             inspect: queue_script!("queue_inspect.lua", $publish),
         }
     };
@@ -330,6 +332,18 @@ impl RedisQueue {
             })
             .collect::<Option<Vec<_>>>()
             .ok_or_else(|| unexpected("reap", &reply))
+    }
+
+    pub(crate) async fn purge_dead(&self, age_ms: u64, limit: usize) -> Result<u64> {
+        let reply = self
+            .run("purge_dead", &self.backend.scripts().purge, |inv| {
+                inv.arg(limit).arg(age_ms);
+            })
+            .await?;
+        match status("purge_dead", &reply)? {
+            (1, [n]) => uint(n).ok_or_else(|| unexpected("purge_dead", &reply)),
+            _ => Err(unexpected("purge_dead", &reply)),
+        }
     }
 
     pub(crate) async fn counts(&self) -> Result<QueueCounts> {
