@@ -361,10 +361,11 @@ impl<B: Backend + Clone> Lease<B> {
     }
 }
 
-/// An explicit extend sent and not answered yet. Dropped so (the call failed, or its caller's
-/// future was dropped), the extend may still have landed: the deadline may only shorten to its
-/// expiry, and a renewal sent meanwhile, which may have run before it on the server (another
-/// connection, a quorum member, a resent call), may no longer lengthen it.
+/// An explicit extend sent and not settled yet; dropped, it tells the lease state the extend is
+/// over. Dropped unanswered (the call failed, or its caller's future was dropped), the extend
+/// may still have landed: the deadline may only shorten to its expiry, and a renewal sent
+/// meanwhile, which may have run before it on the server (another connection, a quorum member,
+/// a resent call), may no longer lengthen it.
 struct MaybeExtended<'a> {
     state: &'a LeaseState,
     deadline: Instant,
@@ -378,6 +379,7 @@ impl Drop for MaybeExtended<'_> {
             self.state
                 .maybe_extended(self.deadline, warn_ahead(self.ttl));
         }
+        self.state.extend_settled();
     }
 }
 

@@ -72,6 +72,16 @@ struct Times {
     /// sets it in one order: a renewal that read the old TTL was sent before the extend's reply
     /// in that order, and its reply may then only shorten.
     renew_ttl: Option<Duration>,
+    /// Explicit extends sent and not settled yet. While one travels, a renewal may run before
+    /// or after it on the server (and its reply be handled before or after the extend's), so
+    /// the server's expiry is whichever ran last: only the earlier of the two is sure.
+    extends_out: u32,
+    /// The earliest deadline an extend still travelling may set: a renewal answered meanwhile
+    /// is not taken past it.
+    extends_min: Option<Instant>,
+    /// The earliest deadline of the renewals answered while an extend travelled: the extend's
+    /// answer is not taken past it.
+    renewed_cap: Option<Instant>,
 }
 
 impl Times {
@@ -81,19 +91,24 @@ impl Times {
             alarm: deadline.checked_sub(ahead).unwrap_or(deadline),
             extended_at: None,
             renew_ttl: None,
+            extends_out: 0,
+            extends_min: None,
+            renewed_cap: None,
         }
     }
 
     fn set(&mut self, deadline: Instant, ahead: Duration) {
         *self = Times {
-            extended_at: self.extended_at,
-            renew_ttl: self.renew_ttl,
-            ..Times::new(deadline, ahead)
+            deadline,
+            alarm: deadline.checked_sub(ahead).unwrap_or(deadline),
+            ..*self
         };
     }
 
     fn sent_before_extend(&self, sent: Instant) -> bool {
-        self.extended_at.is_some_and(|at| sent < at)
+        // `<=`: a clock too coarse (or paused) to tell the two apart counts the renewal as
+        // sent first, which at worst applies it more cautiously than it needed.
+        self.extended_at.is_some_and(|at| sent <= at)
     }
 }
 
@@ -130,26 +145,53 @@ impl LeaseState {
         planned.min(now + self.alarm().saturating_duration_since(now) / 2)
     }
 
+    /// A renewal sent at `sent` succeeded (see [`renewed_next`](Self::renewed_next)); `false`
+    /// when the lease was already lost.
+    #[cfg(test)]
+    pub(crate) fn renewed(&self, sent: Instant, deadline: Instant, ahead: Duration) -> bool {
+        self.renewal_answered(sent, deadline, ahead).is_some()
+    }
+
     /// A renewal sent at `sent` succeeded. It moves the deadline forward only: a late reply of
     /// an older renewal must not shorten it. But one sent before an explicit extend's reply
-    /// came may have run before or after that extend on the server, so it may only shorten.
+    /// came may have run before or after that extend on the server, so it may only shorten;
+    /// and while an extend travels, it is not taken past that extend's deadline.
     ///
     /// Loss is final: a reply that comes once the lease already counts as lost (its alarm
     /// passed, or loss was signalled) does not revive it, since `lost()` may have fired and
-    /// its holder stopped; the lease is marked lost for good and `false` returned, and the
+    /// its holder stopped; the lease is marked lost for good and `None` returned, and the
     /// driver stops renewing it.
-    pub(crate) fn renewed(&self, sent: Instant, deadline: Instant, ahead: Duration) -> bool {
+    ///
+    /// Otherwise it returns the lease's alarm after the reply and when to renew next: a third
+    /// of the TTL renewals now carry (`granted`, unless an extend set another) after `sent`,
+    /// but no later than halfway to the alarm. One look at the state, as the driver makes this
+    /// call for every lease it renews.
+    pub(crate) fn renewed_next(
+        &self,
+        sent: Instant,
+        deadline: Instant,
+        ahead: Duration,
+        granted: Duration,
+    ) -> Option<(Instant, Instant)> {
+        let t = self.renewal_answered(sent, deadline, ahead)?;
+        let ttl = t.renew_ttl.unwrap_or(granted);
+        let now = Instant::now();
+        let next = (sent + ttl / 3).min(now + t.alarm.saturating_duration_since(now) / 2);
+        Some((t.alarm, next))
+    }
+
+    fn renewal_answered(&self, sent: Instant, deadline: Instant, ahead: Duration) -> Option<Times> {
         if self.is_lost() {
             self.lost.cancel();
-            return false;
+            return None;
         }
-        self.answered(sent, deadline, ahead, None);
-        true
+        Some(self.answered(sent, deadline, ahead, None))
     }
 
     /// An explicit extend sent at `sent` succeeded: the server's expiry is now the one it set,
-    /// shorter or longer than before, so the deadline is set outright. The same rules as
-    /// [`renewed`](Self::renewed) hold for an extend sent before another extend's reply, and
+    /// shorter or longer than before, so the deadline is set outright, though not past that of
+    /// a renewal answered while it travelled. The same rules as
+    /// [`renewed_next`](Self::renewed_next) hold for an extend sent before another extend's reply, and
     /// for one answered once the lease counts as lost (`false`: it stays lost).
     pub(crate) fn extended(
         &self,
@@ -162,7 +204,7 @@ impl LeaseState {
             self.lost.cancel();
             return false;
         }
-        self.answered(sent, deadline, ahead, Some(ttl));
+        let _ = self.answered(sent, deadline, ahead, Some(ttl));
         true
     }
 
@@ -170,7 +212,24 @@ impl LeaseState {
     /// to `deadline`, whether or not its answer ever comes back, so the local deadline may only
     /// shorten to it now. One that would lengthen it changes nothing yet.
     pub(crate) fn extending(&self, deadline: Instant, ahead: Duration) {
+        {
+            let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
+            t.extends_out += 1;
+            t.extends_min = Some(t.extends_min.map_or(deadline, |m| m.min(deadline)));
+        }
         self.shorten(deadline, ahead, false);
+    }
+
+    /// An explicit extend is over, answered or not (after [`extended`](Self::extended) or
+    /// [`maybe_extended`](Self::maybe_extended), if either): once none travels, renewals move
+    /// the deadline as before.
+    pub(crate) fn extend_settled(&self) {
+        let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
+        t.extends_out = t.extends_out.saturating_sub(1);
+        if t.extends_out == 0 {
+            t.extends_min = None;
+            t.renewed_cap = None;
+        }
     }
 
     /// An explicit extend whose outcome is unknown (an error, or its caller gone before the
@@ -205,11 +264,22 @@ impl LeaseState {
         deadline: Instant,
         ahead: Duration,
         extend_ttl: Option<Duration>,
-    ) {
+    ) -> Times {
         let explicit = extend_ttl.is_some();
         let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
-        if extend_ttl.is_some() {
+        let mut deadline = deadline;
+        if explicit {
             t.renew_ttl = extend_ttl;
+            // A renewal answered while this extend travelled may have run after it.
+            if let Some(cap) = t.renewed_cap {
+                deadline = deadline.min(cap);
+            }
+        } else if t.extends_out > 0 {
+            // An extend still travelling may run after this renewal, or may have run before it.
+            t.renewed_cap = Some(t.renewed_cap.map_or(deadline, |c| c.min(deadline)));
+            if let Some(min) = t.extends_min {
+                deadline = deadline.min(min);
+            }
         }
         let before = t.alarm;
         // Sent before the last extend's reply came: it may have run before or after that extend
@@ -227,10 +297,12 @@ impl LeaseState {
             }
         }
         let earlier = t.alarm < before;
+        let after = *t;
         drop(t);
         if earlier {
             self.earlier.notify_waiters();
         }
+        after
     }
 
     /// Resolves once the lease is lost: cancelled by the driver or a failed extend, or its
@@ -459,10 +531,16 @@ impl Driver {
     }
 
     fn file_deadline(&mut self, id: u64) {
+        if let Some(alarm) = self.entries.get(&id).map(|e| e.state.alarm()) {
+            self.file_deadline_at(id, alarm);
+        }
+    }
+
+    fn file_deadline_at(&mut self, id: u64, alarm: Instant) {
         if let Some(e) = self.entries.get_mut(&id) {
             self.deadlines.remove(&(e.filed_deadline, id));
-            e.filed_deadline = e.state.alarm();
-            self.deadlines.insert((e.filed_deadline, id));
+            e.filed_deadline = alarm;
+            self.deadlines.insert((alarm, id));
         }
     }
 
@@ -705,26 +783,32 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                     d.file_renew(*id, retry);
                     continue;
                 };
-                if held
-                    && !e
-                        .state
-                        .renewed(sent_at, sent_at + ttl - drift(ttl), warn_ahead(ttl))
+                if !held {
+                    if let Some(e) = d.remove(*id) {
+                        warn!(
+                            key = e.key.user(),
+                            "lease lost: the server no longer holds it"
+                        );
+                        e.state.lost.cancel();
+                    }
+                    continue;
+                }
+                let deadline = sent_at + ttl - drift(ttl);
+                match e
+                    .state
+                    .renewed_next(sent_at, deadline, warn_ahead(ttl), e.ttl)
                 {
-                    debug!(
-                        key = e.key.user(),
-                        "renewal answered after the lease counted as lost; it stays lost"
-                    );
-                    d.remove(*id);
-                } else if held {
-                    let next = e.state.renew_by(sent_at + e.state.renew_ttl(e.ttl) / 3);
-                    d.file_deadline(*id);
-                    d.file_renew(*id, next);
-                } else if let Some(e) = d.remove(*id) {
-                    warn!(
-                        key = e.key.user(),
-                        "lease lost: the server no longer holds it"
-                    );
-                    e.state.lost.cancel();
+                    Some((alarm, next)) => {
+                        d.file_deadline_at(*id, alarm);
+                        d.file_renew(*id, next);
+                    }
+                    None => {
+                        debug!(
+                            key = e.key.user(),
+                            "renewal answered after the lease counted as lost; it stays lost"
+                        );
+                        d.remove(*id);
+                    }
                 }
             }
         }
@@ -748,6 +832,46 @@ mod tests {
 
     fn deadline(state: &LeaseState) -> Instant {
         state.times().deadline
+    }
+
+    /// A renewal sent while an extend to a longer TTL travels may run after it on the server
+    /// and set the expiry last; its reply handled before the extend's (two tasks woken by one
+    /// read of the connection run in either order) must cap what the extend's answer sets.
+    #[test]
+    fn a_renewal_answered_during_an_extend_caps_it() {
+        let t0 = Instant::now();
+        let s = LeaseState::new(t0 + Duration::from_secs(30), AHEAD);
+        s.extending(t0 + Duration::from_secs(300), AHEAD);
+        let sent = t0 + Duration::from_millis(1);
+        assert!(s.renewed(sent, sent + Duration::from_secs(30), AHEAD));
+        assert!(s.extended(
+            t0,
+            t0 + Duration::from_secs(300),
+            AHEAD,
+            Duration::from_secs(300)
+        ));
+        s.extend_settled();
+        assert!(
+            deadline(&s) <= sent + Duration::from_secs(30),
+            "the extend's answer set a deadline past the renewal's"
+        );
+        // Once no extend travels, renewals move the deadline forward again.
+        let later = t0 + Duration::from_secs(1);
+        assert!(s.renewed(later, later + Duration::from_secs(300), AHEAD));
+        assert_eq!(deadline(&s), later + Duration::from_secs(300));
+    }
+
+    /// While an extend to a shorter TTL travels, a renewal with the old, longer TTL answered
+    /// meanwhile may have run before it: its reply must not lengthen the lease past the
+    /// extend's deadline.
+    #[test]
+    fn a_renewal_answered_during_a_shortening_extend_does_not_lengthen() {
+        let t0 = Instant::now();
+        let s = LeaseState::new(t0 + Duration::from_secs(30), AHEAD);
+        s.extending(t0 + Duration::from_secs(5), AHEAD);
+        let sent = Instant::now() + Duration::from_millis(1);
+        assert!(s.renewed(sent, sent + Duration::from_secs(30), AHEAD));
+        assert!(deadline(&s) <= t0 + Duration::from_secs(5));
     }
 
     #[test]
