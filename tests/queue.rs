@@ -644,10 +644,10 @@ async fn a_blocking_handler_keeps_its_lease(h: Harness) {
     let q = h.open(Queue::builder("blocking")).await;
     let id = q.enqueue(b"crunch").await.expect("enqueue");
     let w = Worker::new(q.clone())
-        .ttl(ms(600))
+        .ttl(ms(1_000))
         .reap_every(Duration::from_secs(3_600))
         .start(|_job| async move {
-            std::thread::sleep(Duration::from_millis(1_800));
+            std::thread::sleep(Duration::from_millis(2_500));
             Ok(())
         })
         .expect("start");
@@ -687,7 +687,7 @@ async fn purge_dead_removes_old_dead_jobs(h: Harness) {
         .expect("enqueue");
     let claim = || async { q.claim(ms(30_000)).await.expect("claim").expect("a job") };
     claim().await.fail("old").await.expect("fail");
-    sleep(ms(300)).await;
+    sleep(ms(1_000)).await;
     claim().await.fail("young").await.expect("fail");
     let active = claim().await;
     let to = claim().await.retry(ms(60_000)).await.expect("retry");
@@ -699,7 +699,7 @@ async fn purge_dead_removes_old_dead_jobs(h: Harness) {
         "nothing an hour old"
     );
     assert_eq!(
-        q.purge_dead(ms(150)).await.expect("purge"),
+        q.purge_dead(ms(500)).await.expect("purge"),
         1,
         "only the old one"
     );

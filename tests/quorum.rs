@@ -1045,12 +1045,28 @@ async fn a_wait_cancelled_while_subscribing_leaves_no_registration() {
         p.delay_requests_of(1, Duration::from_millis(1500));
     }
     let wakeups = locker.backend().wakeups().clone();
-    let waited = tokio::time::timeout(
-        Duration::from_millis(400),
-        locker.acquire("slow-sub", &opts(1_000).wait(Duration::from_secs(10))),
-    )
-    .await;
-    assert!(waited.is_err(), "the acquire ended before the timeout");
+    let acquiring = tokio::spawn(async move {
+        tokio::time::timeout(
+            Duration::from_millis(400),
+            locker.acquire("slow-sub", &opts(1_000).wait(Duration::from_secs(10))),
+        )
+        .await
+        .map(|r| r.map(|l| l.fence()))
+    });
+    // The wait got as far as its subscriptions: the cancel below comes while they are made.
+    let started = Instant::now();
+    while wakeups.watched() == 0 {
+        assert!(
+            started.elapsed() < Duration::from_millis(400),
+            "the acquire never subscribed"
+        );
+        sleep(Duration::from_millis(2)).await;
+    }
+    let waited = acquiring.await.expect("the acquire task");
+    assert!(
+        waited.is_err(),
+        "the acquire ended before the timeout: {waited:?}"
+    );
     let started = Instant::now();
     while wakeups.watched() > 0 {
         assert!(

@@ -451,6 +451,26 @@ async fn a_slow_subscription_keeps_the_wait_deadline(flavor: Flavor) {
     );
 }
 
+/// A wait of zero on a held key ends at once, without subscribing for wake-ups it cannot use
+/// (nor unsubscribing after), as `try_acquire` would.
+async fn a_zero_wait_does_not_subscribe(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let held = locker
+        .try_acquire("zero", &opts(20_000))
+        .await
+        .expect("holder");
+    start_counting(&server, &locker).await;
+    for _ in 0..3 {
+        let r = locker
+            .acquire("zero", &opts(5_000).wait(Duration::ZERO))
+            .await;
+        assert!(matches!(r, Err(Error::WaitTimeout { .. })), "{r:?}");
+    }
+    assert_eq!(calls(&server, "subscribe"), 0, "a zero wait subscribed");
+    held.release().await.expect("release");
+}
+
 /// Calls of `command` the server has answered since its stats were last reset.
 fn calls(server: &Server, command: &str) -> u64 {
     let stats = server.info_field("commandstats", &format!("cmdstat_{command}"));
@@ -615,6 +635,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_slow_subscription_keeps_the_wait_deadline() {
                 super::a_slow_subscription_keeps_the_wait_deadline($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_zero_wait_does_not_subscribe() {
+                super::a_zero_wait_does_not_subscribe($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn held_without_expiry() {

@@ -1044,12 +1044,32 @@ async fn queue_refused_publish(flavor: Flavor) {
         "the server did not refuse the queue's PUBLISH: {log:?}"
     );
     let again = queue
-        .claim_wait(Duration::from_secs(30), Duration::from_secs(5))
+        .claim(Duration::from_secs(30))
         .await
-        .expect("claim_wait")
-        .expect("the job, found without a wake-up");
+        .expect("claim")
+        .expect("the reaped job");
     assert_eq!((again.id(), again.attempts()), (id, 3));
-    server.acl_user_url_for(QUEUE_USER);
+    again.complete().await.expect("complete");
+    // A claim already waiting when a job arrives without a wake-up finds it by its timer
+    // (CLAIM_POLL_FALLBACK, a second), not at the end of its wait.
+    let waiting = tokio::spawn({
+        let queue = queue.clone();
+        async move {
+            let started = Instant::now();
+            let claimed = queue
+                .claim_wait(Duration::from_secs(30), Duration::from_secs(10))
+                .await;
+            (claimed.map(|c| c.map(|c| c.id())), started.elapsed())
+        }
+    });
+    sleep(Duration::from_millis(200)).await;
+    let late = queue.enqueue(b"late").await.expect("enqueue");
+    let (claimed, took) = waiting.await.expect("the waiting claim");
+    assert_eq!(claimed.expect("claim_wait"), Some(late));
+    assert!(
+        took < Duration::from_secs(5),
+        "the claim waited {took:?}: neither woken nor found by its timer"
+    );
 }
 
 /// For each scenario `name`, the tests `redis_name` and `valkey_name`.

@@ -152,10 +152,10 @@ impl<B: Backend + Clone> Lease<B> {
     /// use lock_core::{LockOptions, Locker};
     /// let locker = Locker::memory();
     /// use std::time::Duration;
-    /// let opts = LockOptions::new().ttl(Duration::from_millis(40)).renew(false);
+    /// let opts = LockOptions::new().ttl(Duration::from_millis(500)).renew(false);
     /// let lease = locker.acquire("k", &opts).await?;
     /// assert!(!lease.is_lost());
-    /// tokio::time::sleep(Duration::from_millis(60)).await;
+    /// tokio::time::sleep(Duration::from_millis(600)).await;
     /// assert!(lease.is_lost());
     /// # Ok(()) }
     /// ```

@@ -687,6 +687,14 @@ impl<B: Backend + Clone> Locker<B> {
                 }
             };
             if watch.is_none() {
+                if Instant::now() >= give_up {
+                    // A wait that is already over (`wait(Duration::ZERO)`) has no use for a
+                    // subscription.
+                    return Err(Error::WaitTimeout {
+                        key: key.user().to_owned(),
+                        waited: started.elapsed(),
+                    });
+                }
                 // Subscribe, then try once more at once: a release between the failed attempt
                 // and the subscription would otherwise go unseen until the timer. A slow
                 // subscription (it may wait a second for the server's confirmation) must not

@@ -958,6 +958,10 @@ impl Queue {
                 Err(next_due) => next_due,
             };
             if watch.is_none() {
+                if Instant::now() >= give_up {
+                    // A wait already over (`Duration::ZERO`) has no use for a subscription.
+                    return Ok(None);
+                }
                 // Subscribe, then look once more: an enqueue between the empty claim and the
                 // subscription would otherwise wait for the fallback timer. Bounded by the
                 // wait: a subscription slow to be confirmed must not carry it past its end.

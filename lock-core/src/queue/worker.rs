@@ -443,8 +443,8 @@ where
             worker.ttl,
             local_deadline,
         )));
-        // A task spawned from a worker thread waits in that thread's next-task slot, which
-        // other threads do not take from: let it start (it then sleeps until its first
+        // A task spawned from a worker thread waits in that thread's next-task slot (tokio's
+        // LIFO slot), which other threads do not steal from: let it start (it then sleeps until its first
         // extend, and whichever thread's timers wake it runs it) before the handler can block
         // this thread.
         tokio::task::yield_now().await;
