@@ -283,23 +283,50 @@ impl Drop for Watch {
 mod tests {
     use super::*;
 
+    /// A registry fed by a subscription task the test plays by hand.
+    struct Registry {
+        wakeups: Arc<Wakeups>,
+        sub_tx: mpsc::UnboundedSender<SubCmd>,
+        sub_rx: mpsc::UnboundedReceiver<SubCmd>,
+        key: LockKey,
+    }
+
+    impl Registry {
+        fn new(key: &str) -> Registry {
+            let (sub_tx, sub_rx) = mpsc::unbounded_channel();
+            Registry {
+                wakeups: Arc::default(),
+                sub_tx,
+                sub_rx,
+                key: LockKey::new("t", key),
+            }
+        }
+
+        /// A waiter registering on its own task.
+        fn watcher(&self) -> tokio::task::JoinHandle<Watch> {
+            let (wakeups, sub_tx, key) =
+                (self.wakeups.clone(), self.sub_tx.clone(), self.key.clone());
+            tokio::spawn(async move { watch_through(&wakeups, &sub_tx, &key).await })
+        }
+
+        /// The first watcher's subscribe, as the subscription task receives it: its ack.
+        async fn subscribed(&mut self) -> oneshot::Sender<()> {
+            let Some(SubCmd::Subscribe(_, ack)) = self.sub_rx.recv().await else {
+                panic!("the first watcher did not subscribe");
+            };
+            ack
+        }
+    }
+
     /// A watcher that arrives while the first one's subscribe is still unconfirmed waits for
     /// it too: returned at once, it could try the key, find it held, and sleep through a
     /// release published before the subscription took effect.
     #[tokio::test]
     async fn a_second_watcher_waits_for_the_first_ones_subscription() {
-        let wakeups = Arc::new(Wakeups::default());
-        let (sub_tx, mut sub_rx) = mpsc::unbounded_channel::<SubCmd>();
-        let key = LockKey::new("t", "second");
-        let watcher = || {
-            let (wakeups, sub_tx, key) = (wakeups.clone(), sub_tx.clone(), key.clone());
-            tokio::spawn(async move { watch_through(&wakeups, &sub_tx, &key).await })
-        };
-        let first = watcher();
-        let Some(SubCmd::Subscribe(_, ack)) = sub_rx.recv().await else {
-            panic!("the first watcher did not subscribe");
-        };
-        let second = watcher();
+        let mut r = Registry::new("second");
+        let first = r.watcher();
+        let ack = r.subscribed().await;
+        let second = r.watcher();
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(
             !second.is_finished(),
@@ -310,25 +337,20 @@ mod tests {
             (first.await.expect("first"), second.await.expect("second"))
         });
         let (_first, _second) = both.await.expect("both return once confirmed");
-        assert!(sub_rx.try_recv().is_err(), "one subscribe for the channel");
+        assert!(
+            r.sub_rx.try_recv().is_err(),
+            "one subscribe for the channel"
+        );
     }
 
     /// The first watcher leaving before its subscription is confirmed (a timeout around the
     /// acquire) does not release the others' wait: the subscribe it sent is still on its way.
     #[tokio::test]
     async fn a_first_watcher_that_leaves_does_not_end_the_others_wait() {
-        let wakeups = Arc::new(Wakeups::default());
-        let (sub_tx, mut sub_rx) = mpsc::unbounded_channel::<SubCmd>();
-        let key = LockKey::new("t", "left");
-        let watcher = || {
-            let (wakeups, sub_tx, key) = (wakeups.clone(), sub_tx.clone(), key.clone());
-            tokio::spawn(async move { watch_through(&wakeups, &sub_tx, &key).await })
-        };
-        let first = watcher();
-        let Some(SubCmd::Subscribe(_, ack)) = sub_rx.recv().await else {
-            panic!("the first watcher did not subscribe");
-        };
-        let second = watcher();
+        let mut r = Registry::new("left");
+        let first = r.watcher();
+        let ack = r.subscribed().await;
+        let second = r.watcher();
         tokio::time::sleep(Duration::from_millis(50)).await;
         first.abort();
         let _ = first.await;
