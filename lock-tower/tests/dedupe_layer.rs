@@ -47,6 +47,7 @@ on_every_backend!(
     caps_at_their_exact_boundaries,
     a_panicking_handler_frees_the_claim,
     an_unkeyed_request_is_answered_unread,
+    a_body_that_lingers_past_its_length_is_stored,
 );
 
 /// A webhook endpoint that counts its runs and answers something unique per run.
@@ -457,6 +458,56 @@ async fn an_unkeyed_request_is_answered_unread(h: Harness) {
     .expect("answered without the body")
     .expect("read the status line");
     assert_eq!(&head, b"HTTP/1.1 400");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A response body with a `Content-Length` that stays pending after its last byte (a stream
+/// whose sender lingers): without the layer the server sends it and stops polling; the layer,
+/// which reads it whole before it answers, must stop at its declared end too, not wait for an
+/// end that never comes while the claim is renewed for ever.
+async fn a_body_that_lingers_past_its_length_is_stored(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r2 = runs.clone();
+    let app = Router::new()
+        .route(
+            "/hooks/linger",
+            post(move || {
+                let runs = r2.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Response::builder()
+                        .status(StatusCode::CREATED)
+                        .header("content-length", "5")
+                        .body(Body::new(common::Lingering(Some(Bytes::from_static(
+                            b"hello",
+                        )))))
+                        .expect("response")
+                }
+            }),
+        )
+        .layer(DedupeLayer::new(h.locker().await));
+    let addr = serve(app).await;
+    let deliver = || {
+        send(
+            addr,
+            Method::POST,
+            "/hooks/linger",
+            &[("idempotency-key", r#""l-1""#)],
+            "{}",
+        )
+    };
+    let first = tokio::time::timeout(Duration::from_secs(5), deliver())
+        .await
+        .expect("the answer waited for a body end that never comes");
+    assert_eq!(
+        (first.status, first.text().as_str()),
+        (StatusCode::CREATED, "hello")
+    );
+    let replay = tokio::time::timeout(Duration::from_secs(5), deliver())
+        .await
+        .expect("the duplicate hung");
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.text(), "hello");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 

@@ -298,6 +298,16 @@ where
     }
 }
 
+/// The length of a response body as the server will send it: the head's `Content-Length`, or
+/// else the body's exact size, read before any of it is.
+fn declared_len<B: Body>(head: &http::response::Parts, body: &B) -> Option<u64> {
+    head.headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .or_else(|| body.size_hint().exact())
+}
+
 /// What is left to do once the handler answered: store its result under the claim, then
 /// release the claim.
 struct Completion {
@@ -318,7 +328,14 @@ impl Completion {
         let cfg = &self.cfg;
         let mut buf = BytesMut::new();
         let mut overflow = false;
+        // A body with a declared length ends at its last byte: the server stops polling it
+        // there, so one that stays pending after it (a stream whose sender lingers) must not
+        // hold up the answer, nor keep the claim for ever.
+        let declared = declared_len(&head, &body);
         loop {
+            if declared.is_some_and(|d| buf.len() as u64 >= d) {
+                break;
+            }
             match next_frame(&mut body).await {
                 None => break,
                 Some(Ok(frame)) => {
@@ -364,15 +381,6 @@ impl Completion {
         // Above the cap the rest streams to the caller, and only a body that ends well may be
         // recorded: one that fails later must leave nothing behind, or the sender's retry would
         // get a replayed success for work whose answer never arrived.
-        let declared = head
-            .headers
-            .get(http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .or_else(|| {
-                let rest = body.size_hint().exact()?;
-                Some(rest + buf.len() as u64)
-            });
         let left = declared.map(|d| d.saturating_sub(buf.len() as u64));
         // A body whose last byte is already here: the server would send the buffered bytes as
         // the whole response and drop the body unpolled, before a relay could record it. The

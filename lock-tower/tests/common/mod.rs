@@ -212,6 +212,26 @@ impl Body for Drip {
     }
 }
 
+/// A response body that yields its one chunk and then stays pending without ever ending, as a
+/// stream whose sender lingers does; sent with a `Content-Length`, the server stops polling it
+/// after the chunk.
+pub struct Lingering(pub Option<Bytes>);
+
+impl Body for Lingering {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.0.take() {
+            Some(chunk) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
+            None => Poll::Pending,
+        }
+    }
+}
+
 /// Polls `f` every 20 ms until it returns true or `limit` passes.
 pub async fn eventually(limit: Duration, mut f: impl AsyncFnMut() -> bool) -> bool {
     let start = tokio::time::Instant::now();
