@@ -1142,22 +1142,22 @@ mod tests {
         }
     }
 
-    /// The memory backend behind one ordered connection on which the first extend with
-    /// `slow_ttl` takes `delay` to answer: every extend runs on the store when sent, in order,
-    /// and answers in the same order, so a renewal sent while the slow extend travels runs
-    /// after it and is answered after it.
+    /// The memory backend with a slow reply for the first extend with `slow_ttl`: every
+    /// extend runs on the store when sent, in order, and that one's answer takes `delay`, so
+    /// an extend sent after it runs after it and may be answered before it.
     #[derive(Clone)]
-    struct SlowExtend {
+    struct SlowReply {
         inner: MemoryBackend,
-        conn: Arc<tokio::sync::RwLock<()>>,
         slow_ttl: Duration,
         delay: Duration,
-        /// Renewals sent while a slow extend was unanswered.
-        overtaken: Arc<AtomicU64>,
         slowed: Arc<std::sync::atomic::AtomicBool>,
+        /// Whether the slow one is still unanswered.
+        pending: Arc<std::sync::atomic::AtomicBool>,
+        /// Extends answered while the slow one was unanswered.
+        overtook: Arc<AtomicU64>,
     }
 
-    impl Backend for SlowExtend {
+    impl Backend for SlowReply {
         fn acquire(
             &self,
             key: &LockKey,
@@ -1180,19 +1180,15 @@ mod tests {
         ) -> impl Future<Output = Result<Vec<bool>>> + Send {
             let (me, items) = (self.clone(), items.to_vec());
             async move {
+                let ran = me.inner.extend(&items, ttl).await;
                 if ttl == me.slow_ttl && !me.slowed.swap(true, Ordering::SeqCst) {
-                    let _travelling = me.conn.clone().write_owned().await;
-                    let ran = me.inner.extend(&items, ttl).await;
+                    me.pending.store(true, Ordering::SeqCst);
                     tokio::time::sleep(me.delay).await;
-                    ran
-                } else {
-                    let ran = me.inner.extend(&items, ttl).await;
-                    if me.conn.try_read().is_err() {
-                        me.overtaken.fetch_add(1, Ordering::SeqCst);
-                    }
-                    let _behind = me.conn.read().await;
-                    ran
+                    me.pending.store(false, Ordering::SeqCst);
+                } else if me.pending.load(Ordering::SeqCst) {
+                    me.overtook.fetch_add(1, Ordering::SeqCst);
                 }
+                ran
             }
         }
         fn admit(
@@ -1210,32 +1206,33 @@ mod tests {
         }
     }
 
-    /// A renewal sent while an extend to a longer TTL travels runs after it on the server, so
-    /// its expiry (the old TTL) is the one that counts, and its reply shortens the lease. The
-    /// next renewal must then come before that shortened deadline, with the new TTL; scheduled
-    /// a third of the new TTL later, it came after the lease had been given up as lost.
+    /// A renewal sent just before an extend to a longer TTL, and answered after it: the
+    /// lease cannot tell which ran last on the server, so the renewal's reply shortens it to
+    /// the old TTL. The next renewal must then come before that shortened deadline, with the
+    /// new TTL; scheduled a third of the new TTL later, it came after the lease had been given
+    /// up as lost.
     #[tokio::test(start_paused = true)]
     async fn a_renewal_that_shortened_the_lease_is_followed_in_time() {
         let memory = MemoryBackend::new();
-        let backend = SlowExtend {
+        let backend = SlowReply {
             inner: memory.clone(),
-            conn: Arc::default(),
-            slow_ttl: Duration::from_secs(30),
-            delay: Duration::from_millis(150),
-            overtaken: Arc::default(),
+            slow_ttl: Duration::from_millis(300),
+            delay: Duration::from_millis(50),
             slowed: Arc::default(),
+            pending: Arc::default(),
+            overtook: Arc::default(),
         };
         let locker = Locker::new(backend.clone());
         let lease = locker
             .try_acquire("k", &opts(Duration::from_millis(300)))
             .await
             .expect("acquire");
-        tokio::time::sleep(Duration::from_millis(90)).await;
-        // The renewal due at 100 ms is sent while this travels.
+        // The renewal due at 100 ms is sent, and answered 50 ms later.
+        tokio::time::sleep(Duration::from_millis(110)).await;
         lease.extend(Duration::from_secs(30)).await.expect("extend");
         assert!(
-            backend.overtaken.load(Ordering::SeqCst) >= 1,
-            "no renewal overtook the extend"
+            backend.overtook.load(Ordering::SeqCst) >= 1,
+            "the extend was not answered before the renewal sent ahead of it"
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert!(

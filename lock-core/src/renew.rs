@@ -131,9 +131,14 @@ impl LeaseState {
         self.times().alarm
     }
 
-    /// The TTL a renewal sends now: the last answered extend's, else `granted` (the grant's).
-    fn renew_ttl(&self, granted: Duration) -> Duration {
-        self.times().renew_ttl.unwrap_or(granted)
+    /// The TTL a renewal sends now: the last answered extend's, else `granted` (the grant's);
+    /// `None` while an explicit extend travels. A renewal sent then would run after the extend
+    /// on the server and set the expiry last, but its reply could be handled before the
+    /// extend's, whose answer would then claim a deadline the renewal had already cut short;
+    /// the extend renews the lease itself, and the driver tries again a little later.
+    pub(crate) fn renewal_ttl(&self, granted: Duration) -> Option<Duration> {
+        let t = self.times();
+        (t.extends_out == 0).then(|| t.renew_ttl.unwrap_or(granted))
     }
 
     /// When to renew: at `planned`, unless the lease's alarm comes sooner than that allows. A
@@ -270,8 +275,11 @@ impl LeaseState {
         let mut deadline = deadline;
         if explicit {
             t.renew_ttl = extend_ttl;
-            // A renewal answered while this extend travelled may have run after it.
-            if let Some(cap) = t.renewed_cap {
+            // A renewal answered while this extend travelled may have run after it, and so may
+            // another extend still travelling (two callers extending one lease at once; the
+            // earliest deadline of those travelling, this one's included, is then the cap).
+            let others = (t.extends_out > 1).then_some(t.extends_min).flatten();
+            for cap in [t.renewed_cap, others].into_iter().flatten() {
                 deadline = deadline.min(cap);
             }
         } else if t.extends_out > 0 {
@@ -641,6 +649,7 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
         // then only shorten the deadline.
         let sent_at = Instant::now();
         let first_due = d.renews.first().is_some_and(|(t, _)| *t <= now);
+        let mut deferred = Vec::new();
         while let Some(&(at, id)) = d.renews.first() {
             if !first_due || at > now + BATCH_WINDOW {
                 break;
@@ -648,10 +657,17 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
             d.renews.remove(&(at, id));
             if let Some(e) = d.entries.get_mut(&id) {
                 e.filed_renew = None;
-                let slot = due.entry(e.state.renew_ttl(e.ttl)).or_default();
+                let Some(ttl) = e.state.renewal_ttl(e.ttl) else {
+                    deferred.push((id, e.ttl));
+                    continue;
+                };
+                let slot = due.entry(ttl).or_default();
                 slot.0.push(id);
                 slot.1.push((e.key.clone(), e.token.clone()));
             }
+        }
+        for (id, ttl) in deferred.drain(..) {
+            d.file_renew(id, now + (ttl / 10).min(Duration::from_millis(250)));
         }
         for (ttl, (ids, items)) in due {
             let backend = backend.clone();
@@ -872,6 +888,133 @@ mod tests {
         let sent = Instant::now() + Duration::from_millis(1);
         assert!(s.renewed(sent, sent + Duration::from_secs(30), AHEAD));
         assert!(deadline(&s) <= t0 + Duration::from_secs(5));
+    }
+
+    /// One connection's worth of renewals and explicit extends, sent in some order and
+    /// answered (or, for extends, lost) in any order: the server runs them in the order sent,
+    /// as one multiplexed connection does, and the lease's local deadline must never pass the
+    /// server's expiry, whichever order the replies are handled in.
+    mod interleavings {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Clone, Debug)]
+        enum Step {
+            Renew,
+            /// An extend to this many ms.
+            Extend(u64),
+            /// Handle the reply of the in-flight request at this index (modulo their count);
+            /// an extend's reply is lost when the flag is set.
+            Answer(usize, bool),
+            /// Let this many ms pass.
+            Wait(u64),
+        }
+
+        fn step() -> impl Strategy<Value = Step> {
+            prop_oneof![
+                3 => Just(Step::Renew),
+                2 => (50u64..3_000).prop_map(Step::Extend),
+                6 => (0usize..8, proptest::bool::weighted(0.2)).prop_map(|(i, l)| Step::Answer(i, l)),
+                2 => (1u64..400).prop_map(Step::Wait),
+            ]
+        }
+
+        struct Sent {
+            at: Instant,
+            ttl: Duration,
+            explicit: bool,
+            /// Whether the key was still there when the server ran it.
+            held: bool,
+        }
+
+        fn run(steps: Vec<Step>) {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .start_paused(true)
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let granted = Duration::from_millis(1_000);
+                let t0 = Instant::now();
+                // The server's expiry of the key; `None` once it expired.
+                let mut expiry = Some(t0 + granted);
+                let s = LeaseState::new(t0 + granted - drift(granted), warn_ahead(granted));
+                let mut flight: Vec<Sent> = Vec::new();
+                for step in steps {
+                    tokio::time::advance(Duration::from_millis(1)).await;
+                    let now = Instant::now();
+                    if expiry.is_some_and(|e| e <= now) {
+                        expiry = None;
+                    }
+                    let mut send = |ttl: Duration, explicit: bool, expiry: &mut Option<Instant>| {
+                        let held = expiry.is_some();
+                        if held {
+                            *expiry = Some(now + ttl);
+                        }
+                        flight.push(Sent {
+                            at: now,
+                            ttl,
+                            explicit,
+                            held,
+                        });
+                    };
+                    match step {
+                        // As the driver: no renewal while an extend travels.
+                        Step::Renew => {
+                            if let Some(ttl) = s.renewal_ttl(granted) {
+                                send(ttl, false, &mut expiry);
+                            }
+                        }
+                        Step::Extend(ms) => {
+                            let ttl = Duration::from_millis(ms);
+                            s.extending(now + ttl - drift(ttl), warn_ahead(ttl));
+                            send(ttl, true, &mut expiry);
+                        }
+                        Step::Answer(i, lost) if !flight.is_empty() => {
+                            let r = flight.remove(i % flight.len());
+                            let deadline = r.at + r.ttl - drift(r.ttl);
+                            let ahead = warn_ahead(r.ttl);
+                            match (r.explicit, r.held, lost) {
+                                (true, _, true) => s.maybe_extended(deadline, ahead),
+                                (true, true, false) => {
+                                    s.extended(r.at, deadline, ahead, r.ttl);
+                                }
+                                (false, true, _) => {
+                                    s.renewed(r.at, deadline, ahead);
+                                }
+                                (_, false, _) => s.lost.cancel(),
+                            }
+                            if r.explicit {
+                                s.extend_settled();
+                            }
+                        }
+                        Step::Answer(..) => {}
+                        Step::Wait(ms) => tokio::time::advance(Duration::from_millis(ms)).await,
+                    }
+                    if s.is_lost() {
+                        continue;
+                    }
+                    let local = s.times().deadline;
+                    let server = expiry.unwrap_or(now);
+                    assert!(
+                        local <= server,
+                        "the lease is held until {:?} here, the server keeps it until {:?}",
+                        local - t0,
+                        server - t0
+                    );
+                }
+            });
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2_000))]
+            #[test]
+            fn the_local_deadline_never_passes_the_servers_expiry(
+                steps in proptest::collection::vec(step(), 1..40)
+            ) {
+                run(steps);
+            }
+        }
     }
 
     #[test]
