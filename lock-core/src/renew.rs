@@ -196,8 +196,8 @@ impl LeaseState {
     /// An explicit extend sent at `sent` succeeded: the server's expiry is now the one it set,
     /// shorter or longer than before, so the deadline is set outright, though not past that of
     /// a renewal answered while it travelled. The same rules as
-    /// [`renewed_next`](Self::renewed_next) hold for an extend sent before another extend's reply, and
-    /// for one answered once the lease counts as lost (`false`: it stays lost).
+    /// [`renewed_next`](Self::renewed_next) hold for an extend sent before another extend's
+    /// reply, and for one answered once the lease counts as lost (`false`: it stays lost).
     pub(crate) fn extended(
         &self,
         sent: Instant,
@@ -914,7 +914,8 @@ mod tests {
             prop_oneof![
                 3 => Just(Step::Renew),
                 2 => (50u64..3_000).prop_map(Step::Extend),
-                6 => (0usize..8, proptest::bool::weighted(0.2)).prop_map(|(i, l)| Step::Answer(i, l)),
+                6 => (0usize..8, proptest::bool::weighted(0.2))
+                    .prop_map(|(i, l)| Step::Answer(i, l)),
                 2 => (1u64..400).prop_map(Step::Wait),
             ]
         }

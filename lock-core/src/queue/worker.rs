@@ -444,14 +444,15 @@ where
             local_deadline,
         )));
         // A task spawned from a worker thread waits in that thread's next-task slot (tokio's
-        // LIFO slot), which other threads do not steal from: let it start (it then sleeps until its first
-        // extend, and whichever thread's timers wake it runs it) before the handler can block
-        // this thread.
+        // LIFO slot), which other threads do not steal from: let it start (it then sleeps until
+        // its first extend, and whichever thread's timers wake it runs it) before the handler
+        // can block this thread.
         tokio::task::yield_now().await;
         let outcome = tokio::select! {
             biased;
             lost = &mut renewal.0 => {
-                let reason = lost.map_or_else(|e| format!("renewal task failed: {e}"), |e| e.to_string());
+                let reason = lost
+                    .map_or_else(|e| format!("renewal task failed: {e}"), |e| e.to_string());
                 warn!(%reason, "lease lost; handler cancelled");
                 bump(&stats.lost);
                 return;
