@@ -235,7 +235,8 @@ impl Error {
     /// // Nothing listens on port 1: the connection is refused.
     /// let Err(down) = Locker::redis("redis://127.0.0.1:1/").await else { panic!("connected") };
     /// assert!(down.is_transient());
-    /// let Err(bad) = Locker::memory().try_acquire("", &LockOptions::new()).await else { panic!() };
+    /// let bad = Locker::memory().try_acquire("", &LockOptions::new()).await;
+    /// let Err(bad) = bad else { panic!("an empty key was accepted") };
     /// assert!(!bad.is_transient()); // bad input stays bad
     /// # }
     /// ```

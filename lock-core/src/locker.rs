@@ -71,7 +71,8 @@ impl LockOptions {
     /// use std::time::Duration;
     ///
     /// let locker = Locker::memory();
-    /// let lease = locker.acquire("nightly", &LockOptions::new().ttl(Duration::from_secs(5))).await?;
+    /// let opts = LockOptions::new().ttl(Duration::from_secs(5));
+    /// let lease = locker.acquire("nightly", &opts).await?;
     /// assert!(lease.remaining() <= Duration::from_secs(5));
     /// let zero = LockOptions::new().ttl(Duration::ZERO);
     /// assert!(matches!(locker.acquire("other", &zero).await, Err(Error::InvalidTtl { .. })));
@@ -186,7 +187,8 @@ impl LockOptions {
     ///
     /// ```
     /// # use lock_core::LockOptions; use std::time::Duration;
-    /// assert_eq!(LockOptions::new().ttl(Duration::from_secs(3)).ttl_value(), Duration::from_secs(3));
+    /// let opts = LockOptions::new().ttl(Duration::from_secs(3));
+    /// assert_eq!(opts.ttl_value(), Duration::from_secs(3));
     /// ```
     pub fn ttl_value(&self) -> Duration {
         self.ttl
@@ -356,7 +358,8 @@ impl Locker<AnyBackend> {
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
     /// use lock_core::{LockOptions, Locker};
     ///
-    /// let locker = Locker::redis_cluster(&["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"]).await?;
+    /// let nodes = ["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"];
+    /// let locker = Locker::redis_cluster(&nodes).await?;
     /// let lease = locker.acquire("payments:7", &LockOptions::new()).await?;
     /// lease.release().await?;
     /// # Ok(()) }

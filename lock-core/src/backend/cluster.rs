@@ -256,7 +256,8 @@ impl ClusterBackend {
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
     /// use lock_core::{ClusterBackend, Locker};
-    /// let backend = ClusterBackend::connect(&["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"]).await?;
+    /// let nodes = ["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"];
+    /// let backend = ClusterBackend::connect(&nodes).await?;
     /// let locker = Locker::new(backend);
     /// # Ok(()) }
     /// ```
@@ -273,7 +274,10 @@ impl ClusterBackend {
     /// use lock_core::{ClusterBackend, RedisConfig};
     /// use std::time::Duration;
     /// // Refusals during a failover are sent again for up to the response timeout.
-    /// let config = RedisConfig { response_timeout: Duration::from_secs(5), ..RedisConfig::default() };
+    /// let config = RedisConfig {
+    ///     response_timeout: Duration::from_secs(5),
+    ///     ..RedisConfig::default()
+    /// };
     /// let backend = ClusterBackend::connect_with(&["redis://10.0.0.1:7000/"], config).await?;
     /// # Ok(()) }
     /// ```

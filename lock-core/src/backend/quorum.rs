@@ -161,7 +161,10 @@ impl QuorumConfig {
     /// ```
     /// use lock_core::{QuorumConfig, RedisConfig};
     /// use std::time::Duration;
-    /// let redis = RedisConfig { connection_timeout: Duration::from_millis(200), ..RedisConfig::default() };
+    /// let redis = RedisConfig {
+    ///     connection_timeout: Duration::from_millis(200),
+    ///     ..RedisConfig::default()
+    /// };
     /// let config = QuorumConfig::default().redis(redis);
     /// assert_eq!(config.redis.connection_timeout, Duration::from_millis(200));
     /// ```
@@ -322,7 +325,9 @@ impl QuorumBackend {
     ///
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
-    /// let urls = ["redis://a:6379/", "redis://b:6379/", "redis://c:6379/", "redis://d:6379/", "redis://e:6379/"];
+    /// let urls = [
+    ///     "redis://a:6379/", "redis://b:6379/", "redis://c:6379/", "redis://d:6379/", "redis://e:6379/",
+    /// ];
     /// let backend = lock_core::QuorumBackend::connect(&urls).await?;
     /// assert_eq!((backend.members(), backend.quorum()), (5, 3));
     /// # Ok(()) }

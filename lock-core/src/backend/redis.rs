@@ -109,7 +109,8 @@ impl Scripts {
 /// use lock_core::{LockOptions, Locker, RedisBackend};
 ///
 /// // Typed by its backend: no dispatch, and the backend's own methods stay in reach.
-/// let locker: Locker<RedisBackend> = Locker::new(RedisBackend::connect("redis://127.0.0.1:6379/").await?);
+/// let backend = RedisBackend::connect("redis://127.0.0.1:6379/").await?;
+/// let locker: Locker<RedisBackend> = Locker::new(backend);
 /// let lease = locker.acquire("k", &LockOptions::new()).await?;
 /// # lease.release().await?;
 /// # Ok(()) }

@@ -169,7 +169,8 @@ pub const MAX_KEEP_DONE: Duration = Duration::from_secs(365 * 86_400);
 /// queue.enqueue(b"x").await?;
 /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
 /// let too_late = MAX_RETRY_DELAY + Duration::from_secs(1);
-/// assert!(matches!(queue.retry(claim.id(), claim.attempts(), too_late).await, Err(Error::InvalidDuration { .. })));
+/// let refused = queue.retry(claim.id(), claim.attempts(), too_late).await;
+/// assert!(matches!(refused, Err(Error::InvalidDuration { .. })));
 /// # Ok(()) }
 /// ```
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(365 * 86_400);
@@ -351,7 +352,8 @@ pub struct JobInfo {
 /// let crashed = queue.claim(Duration::from_millis(20)).await?.expect("a job");
 /// tokio::time::sleep(Duration::from_millis(40)).await;
 /// let reaped = queue.reap().await?;
-/// assert_eq!((reaped[0].id, reaped[0].attempts, reaped[0].to), (crashed.id(), 1, JobState::Pending));
+/// let back = (reaped[0].id, reaped[0].attempts, reaped[0].to);
+/// assert_eq!(back, (crashed.id(), 1, JobState::Pending));
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1114,7 +1116,8 @@ impl Queue {
     /// use lock_core::queue::JobState;
     /// let id = queue.enqueue(b"x").await?;
     /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
-    /// let to = queue.retry_because(id, claim.attempts(), Duration::from_secs(5), "rate limited").await?;
+    /// let delay = Duration::from_secs(5);
+    /// let to = queue.retry_because(id, claim.attempts(), delay, "rate limited").await?;
     /// assert_eq!(to, JobState::Delayed);
     /// assert_eq!(queue.job(id).await?.error.as_deref(), Some("rate limited"));
     /// # Ok(()) }
@@ -1441,7 +1444,8 @@ impl Claim {
     /// let queue = Queue::memory("mail")?;
     /// queue.enqueue(b"x").await?;
     /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
-    /// let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    /// use std::time::{SystemTime, UNIX_EPOCH};
+    /// let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).expect("after 1970").as_millis() as u64;
     /// assert!(claim.deadline_ms() > now_ms);
     /// # Ok(()) }
     /// ```
