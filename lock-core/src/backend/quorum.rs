@@ -326,7 +326,8 @@ impl QuorumBackend {
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
     /// let urls = [
-    ///     "redis://a:6379/", "redis://b:6379/", "redis://c:6379/", "redis://d:6379/", "redis://e:6379/",
+    ///     "redis://a:6379/", "redis://b:6379/", "redis://c:6379/",
+    ///     "redis://d:6379/", "redis://e:6379/",
     /// ];
     /// let backend = lock_core::QuorumBackend::connect(&urls).await?;
     /// assert_eq!((backend.members(), backend.quorum()), (5, 3));

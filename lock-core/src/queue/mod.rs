@@ -1445,7 +1445,8 @@ impl Claim {
     /// queue.enqueue(b"x").await?;
     /// let claim = queue.claim(Duration::from_secs(30)).await?.expect("a job");
     /// use std::time::{SystemTime, UNIX_EPOCH};
-    /// let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).expect("after 1970").as_millis() as u64;
+    /// let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).expect("after 1970");
+    /// let now_ms = since_epoch.as_millis() as u64;
     /// assert!(claim.deadline_ms() > now_ms);
     /// # Ok(()) }
     /// ```
