@@ -1036,6 +1036,28 @@ mod tests {
         LockOptions::new().ttl(ttl)
     }
 
+    /// The parts of `Backend` a test backend leaves to the memory backend in its `inner`.
+    macro_rules! forward_to_memory {
+        () => {
+            fn admit(
+                &self,
+                gate_key: &str,
+                fence: u64,
+            ) -> impl Future<Output = Result<Option<u64>>> + Send {
+                self.inner.admit(gate_key, fence)
+            }
+            fn watch(
+                &self,
+                key: &LockKey,
+            ) -> impl Future<Output = Result<crate::wake::Watch>> + Send {
+                self.inner.watch(key)
+            }
+            fn wakeups(&self) -> &Arc<crate::wake::Wakeups> {
+                self.inner.wakeups()
+            }
+        };
+    }
+
     /// How [`Faulty`] answers acquires.
     #[derive(Clone, Copy)]
     enum AcquireFault {
@@ -1127,19 +1149,7 @@ mod tests {
         ) -> impl Future<Output = Result<Vec<bool>>> + Send {
             self.inner.extend(items, ttl)
         }
-        fn admit(
-            &self,
-            gate_key: &str,
-            fence: u64,
-        ) -> impl Future<Output = Result<Option<u64>>> + Send {
-            self.inner.admit(gate_key, fence)
-        }
-        fn watch(&self, key: &LockKey) -> impl Future<Output = Result<crate::wake::Watch>> + Send {
-            self.inner.watch(key)
-        }
-        fn wakeups(&self) -> &Arc<crate::wake::Wakeups> {
-            self.inner.wakeups()
-        }
+        forward_to_memory!();
         fn undoes_abandoned_grants(&self) -> bool {
             true
         }
@@ -1194,19 +1204,7 @@ mod tests {
                 ran
             }
         }
-        fn admit(
-            &self,
-            gate_key: &str,
-            fence: u64,
-        ) -> impl Future<Output = Result<Option<u64>>> + Send {
-            self.inner.admit(gate_key, fence)
-        }
-        fn watch(&self, key: &LockKey) -> impl Future<Output = Result<crate::wake::Watch>> + Send {
-            self.inner.watch(key)
-        }
-        fn wakeups(&self) -> &Arc<crate::wake::Wakeups> {
-            self.inner.wakeups()
-        }
+        forward_to_memory!();
     }
 
     /// A renewal sent just before an extend to a longer TTL, and answered after it: the

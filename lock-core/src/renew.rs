@@ -181,8 +181,7 @@ impl LeaseState {
     /// or an extend to a shorter one) leaves the planned time, counted in the new TTL, after
     /// the alarm; halfway there leaves the renewal room to get through.
     fn renew_by(&self, planned: Instant) -> Instant {
-        let now = Instant::now();
-        planned.min(now + self.alarm().saturating_duration_since(now) / 2)
+        halfway_bound(planned, self.alarm())
     }
 
     /// A renewal sent at `sent` succeeded (see [`renewed_next`](Self::renewed_next)); `false`
@@ -215,9 +214,7 @@ impl LeaseState {
     ) -> Option<(Instant, Instant)> {
         let t = self.renewal_answered(sent, deadline, ahead)?;
         let ttl = t.renew_ttl.unwrap_or(granted);
-        let now = Instant::now();
-        let next = (sent + ttl / 3).min(now + t.alarm.saturating_duration_since(now) / 2);
-        Some((t.alarm, next))
+        Some((t.alarm, halfway_bound(sent + ttl / 3, t.alarm)))
     }
 
     fn renewal_answered(&self, sent: Instant, deadline: Instant, ahead: Duration) -> Option<Times> {
@@ -414,6 +411,12 @@ impl LeaseState {
         }
         t.deadline.saturating_duration_since(now)
     }
+}
+
+/// `planned`, or halfway from now to `alarm` if that is sooner (see [`LeaseState::renew_by`]).
+fn halfway_bound(planned: Instant, alarm: Instant) -> Instant {
+    let now = Instant::now();
+    planned.min(now + alarm.saturating_duration_since(now) / 2)
 }
 
 pub(crate) enum Cmd {

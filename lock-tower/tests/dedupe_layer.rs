@@ -458,6 +458,21 @@ async fn an_unkeyed_request_is_answered_unread(h: Harness) {
     .expect("answered without the body")
     .expect("read the status line");
     assert_eq!(&head, b"HTTP/1.1 400");
+    // An invalid key in the head is refused as soon, its body unread too.
+    let mut conn = TcpStream::connect(addr).await.expect("connect");
+    conn.write_all(
+        b"POST /hooks/a HTTP/1.1\r\nhost: test\r\nidempotency-key: \"a\"b\r\ncontent-length: 4096\r\n\r\n",
+    )
+    .await
+    .expect("send the head");
+    tokio::time::timeout(Duration::from_secs(5), async {
+        use tokio::io::AsyncReadExt;
+        conn.read_exact(&mut head).await
+    })
+    .await
+    .expect("answered without the body")
+    .expect("read the status line");
+    assert_eq!(&head, b"HTTP/1.1 400");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 

@@ -17,7 +17,7 @@ use crate::body::{BoxError, LockBody};
 use crate::extract::Held;
 use crate::future::ResponseFuture;
 use crate::key::KeyProblem;
-use crate::lock::service::{refuse, release};
+use crate::lock::service::{declared_len, refuse, release};
 use crate::reject::Reason;
 use crate::util::{RequestBody, read_capped, reject};
 
@@ -298,16 +298,6 @@ where
     }
 }
 
-/// The length of a response body as the server will send it: the head's `Content-Length`, or
-/// else the body's exact size, read before any of it is.
-fn declared_len<B: Body>(head: &http::response::Parts, body: &B) -> Option<u64> {
-    head.headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .or_else(|| body.size_hint().exact())
-}
-
 /// What is left to do once the handler answered: store its result under the claim, then
 /// release the claim.
 struct Completion {
@@ -331,7 +321,7 @@ impl Completion {
         // A body with a declared length ends at its last byte: the server stops polling it
         // there, so one that stays pending after it (a stream whose sender lingers) must not
         // hold up the answer, nor keep the claim for ever.
-        let declared = declared_len(&head, &body);
+        let declared = declared_len(&head, &body, None);
         loop {
             if declared.is_some_and(|d| buf.len() as u64 >= d) {
                 break;

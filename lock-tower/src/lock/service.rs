@@ -263,7 +263,7 @@ where
 /// else the body's exact size (plus the frame `first` already taken from it). A body with a
 /// declared length is dropped unpolled once that many bytes went out, so the layer must know
 /// where it ends without seeing its end.
-fn declared_len<B: Body>(
+pub(crate) fn declared_len<B: Body>(
     head: &http::response::Parts,
     body: &B,
     first: Option<&Result<http_body::Frame<Bytes>, BoxError>>,
