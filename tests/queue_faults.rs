@@ -175,6 +175,45 @@ async fn foreign_types(flavor: Flavor) {
     assert_eq!(kept, "clobbered");
 }
 
+/// A job hash whose `attempts` field was overwritten with something not an integer cannot be
+/// given a fence: the claim marks it dead with the reason and takes the next job, rather than
+/// fail every claim while it heads the pending set.
+async fn corrupt_attempts(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let q = Queue::redis(&server.url(), "ca").await.expect("connect");
+    let corrupt = q.enqueue(b"corrupt").await.expect("enqueue");
+    let next = q.enqueue(b"next").await.expect("enqueue");
+    let jk = format!("{{leasehold:ca}}:job:{corrupt}");
+    let _: i64 = server.cmd(&["HSET", &jk, "attempts", "three"]);
+    let got = q
+        .claim(ms(5_000))
+        .await
+        .expect("a corrupt job at the head of pending failed the claim")
+        .expect("the next pending job");
+    assert_eq!((got.id(), got.attempts()), (next, 1));
+    got.complete().await.expect("complete");
+    let info = q.job(corrupt).await.expect("the corrupt job");
+    assert_eq!(info.state, JobState::Dead);
+    let why = info.error.unwrap_or_default();
+    assert!(why.contains("attempts"), "reason: {why:?}");
+    let c = q.counts().await.expect("counts");
+    assert_eq!((c.pending, c.active, c.dead), (0, 0, 1));
+    // The field is left as it was found, for whoever wrote it to see.
+    let kept: String = server.cmd(&["HGET", &jk, "attempts"]);
+    assert_eq!(kept, "three");
+    // Any other refusal of the increment is the server's, not the job's: the claim fails and
+    // the job stays pending.
+    let again = q.enqueue(b"again").await.expect("enqueue");
+    let _: () = server.cmd(&["CONFIG", "SET", "maxmemory", "1"]);
+    let refused = q.claim(ms(5_000)).await;
+    let _: () = server.cmd(&["CONFIG", "SET", "maxmemory", "0"]);
+    assert!(refused.is_err(), "a claim under OOM answered {refused:?}");
+    let info = q.job(again).await.expect("the job");
+    assert_eq!(info.state, JobState::Pending);
+    let got = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert_eq!((got.id(), got.attempts()), (again, 1));
+}
+
 /// Scenario from the issue: a restart with AOF loses no enqueued job, and leases survive too.
 async fn aof_restart_keeps_jobs(flavor: Flavor) {
     let mut server = Server::start_with(flavor, true);
@@ -694,6 +733,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn foreign_types() {
                 super::foreign_types($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn corrupt_attempts() {
+                super::corrupt_attempts($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn aof_restart_keeps_jobs() {

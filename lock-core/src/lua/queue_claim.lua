@@ -1,10 +1,15 @@
 -- ARGV[3] lease ms. Returns {1, id, attempts, deadline ms, payload, aside...} or {0, ms until
--- the next delayed job is due or -1, aside...}, where aside is {job key, type} for every job key
--- of a foreign type this claim set aside in the dead set.
+-- the next delayed job is due or -1, aside...}, where aside is {job key, what was found} for
+-- every job this claim set aside in the dead set: a job key of a foreign type, or a job hash
+-- whose attempts field is corrupt.
 local bad = check_keys()
 if bad then return bad end
 local now = now_ms()
 local aside = {}
+-- HINCRBY's own refusals of the field's value, as Redis and Valkey word them.
+local function corrupt(err)
+  return string.find(err, 'not an integer', 1, true) or string.find(err, 'overflow', 1, true)
+end
 local function reply(out)
   for _, v in ipairs(aside) do
     out[#out + 1] = v
@@ -37,13 +42,28 @@ for _ = 1, 100 do
   local t = redis.call('TYPE', jk).ok
   if t == 'hash' then
     -- The fence first: if the field is corrupt this fails before the job is changed.
-    local att = redis.call('HINCRBY', jk, 'attempts', 1)
+    local att = redis.pcall('HINCRBY', jk, 'attempts', 1)
+    if type(att) == 'table' and not corrupt(att.err) then
+      -- The server's refusal (OOM, NOPERM...), not the job's fault: the claim fails, the job
+      -- stays pending.
+      return redis.error_reply(att.err)
+    end
     redis.call('ZREM', KEYS[1], id)
-    redis.call('HSET', jk, 'state', 'active')
-    -- The deadline is the server's clock plus the lease, never the worker's clock.
-    local deadline = now + tonumber(ARGV[3])
-    redis.call('ZADD', KEYS[2], deadline, id)
-    return reply({1, id, att, deadline, redis.call('HGET', jk, 'payload') or ''})
+    if type(att) == 'table' then
+      -- An attempts field written from outside (not an integer, or at its limit) gives no
+      -- fence to hand out, and a claim refused for it would stall every job behind it: the
+      -- job dies with the reason, the field kept as it was found.
+      redis.call('HSET', jk, 'state', 'dead', 'error', 'corrupt attempts field: ' .. att.err)
+      set_aside(id, now)
+      aside[#aside + 1] = jk
+      aside[#aside + 1] = 'hash with a corrupt attempts field'
+    else
+      redis.call('HSET', jk, 'state', 'active')
+      -- The deadline is the server's clock plus the lease, never the worker's clock.
+      local deadline = now + tonumber(ARGV[3])
+      redis.call('ZADD', KEYS[2], deadline, id)
+      return reply({1, id, att, deadline, redis.call('HGET', jk, 'payload') or ''})
+    end
   elseif t == 'none' then
     -- An id whose job was deleted from outside: nothing to run, drop it.
     redis.call('ZREM', KEYS[1], id)

@@ -863,7 +863,11 @@ impl Queue {
     ///
     /// On Redis / Valkey, a job whose key was overwritten with another type (by someone else)
     /// is not claimed: its id is set aside in the dead set, its key left untouched, with a
-    /// warning in the log, and the claim goes on to the next job.
+    /// warning in the log, and the claim goes on to the next job. So is a job whose `attempts`
+    /// field was overwritten with something not an integer (it has no fence to give): it goes
+    /// to the dead set with the reason as its error, the field kept as it was found. Any other
+    /// refusal by the server (out of memory, an ACL rule) fails the claim and leaves the job
+    /// pending.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {

@@ -220,15 +220,16 @@ impl RedisQueue {
         }
     }
 
-    /// Logs the job keys of a foreign type a claim set aside, as `{key, type}` pairs: the
-    /// claim itself succeeded, so this is the only trace an operator gets of them.
+    /// Logs the jobs a claim set aside, as `{key, what was found}` pairs (a foreign type, or a
+    /// corrupt attempts field): the claim itself succeeded, so this is the only trace an
+    /// operator gets of them.
     fn warn_set_aside(&self, aside: &[Value]) {
         for pair in aside.chunks(2) {
             warn!(
                 queue = %self.tag,
                 server_key = pair.first().and_then(text).unwrap_or_default(),
                 found = pair.get(1).and_then(text).unwrap_or_default(),
-                "a job key holds a foreign type: its id was moved to the dead set, the key left untouched"
+                "a job key holds a foreign type or a corrupt job: its id was moved to the dead set"
             );
         }
     }
