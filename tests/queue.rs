@@ -776,6 +776,54 @@ async fn lost_lease_cancels_handler(h: Harness) {
     assert_eq!(q.job(id).await.expect("job").state, JobState::Dead);
 }
 
+/// A handler future that panics while it is dropped (cancelled on a lost lease, a guard's
+/// `Drop` failing) costs the job its attempt, not the worker its slot: the next job still runs.
+async fn a_handler_panicking_when_cancelled_keeps_the_slot(h: Harness) {
+    let q = h.open(Queue::builder("drop-panics")).await;
+    let doomed = q.enqueue(b"doomed").await.expect("enqueue");
+    struct PanicOnDrop;
+    impl Drop for PanicOnDrop {
+        fn drop(&mut self) {
+            if !std::thread::panicking() {
+                panic!("the handler's guard fails as it is dropped");
+            }
+        }
+    }
+    let w = Worker::new(q.clone())
+        .concurrency(1)
+        .ttl(ms(600))
+        .reap_every(Duration::from_secs(3_600))
+        .start(|job| async move {
+            if job.payload() == b"doomed" {
+                let _guard = PanicOnDrop;
+                sleep(Duration::from_secs(60)).await;
+            }
+            Ok(())
+        })
+        .expect("start");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            w.report().in_flight == 1
+        })
+        .await,
+        "the worker did not claim the job"
+    );
+    // The next extend is refused: the handler is cancelled, and its guard panics.
+    q.fail(doomed, 1, "operator").await.expect("fail");
+    let next = q.enqueue(b"next").await.expect("enqueue");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            w.report().completed == 1
+        })
+        .await,
+        "the slot died with the cancelled handler: {:?}",
+        w.report()
+    );
+    let r = w.shutdown(Duration::from_secs(5)).await;
+    assert_eq!((r.lost, r.completed, r.in_flight), (1, 1, 0), "{r:?}");
+    assert_eq!(q.job(next).await.expect("job").state, JobState::Done);
+}
+
 async fn claim_wait_wakes_on_enqueue(h: Harness) {
     let q = h.open(Queue::builder("wake")).await;
     let started = Instant::now();
@@ -1351,6 +1399,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_blocking_handler_keeps_its_lease() {
                 super::a_blocking_handler_keeps_its_lease(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_handler_panicking_when_cancelled_keeps_the_slot() {
+                super::a_handler_panicking_when_cancelled_keeps_the_slot(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_lease_cancels_handler() {

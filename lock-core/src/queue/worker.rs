@@ -175,7 +175,8 @@ fn bump(c: &AtomicU64) {
 /// dropped (cancelled) before another worker can be given the job. `Ok` completes the job; a
 /// [`JobError`] retries it after an exponential backoff (`backoff × 2^(attempts-1)`, capped at
 /// `max_backoff`) or, if permanent, fails it. A handler that panics (in its future, or in the
-/// closure before it returns one) counts as a retryable failure. Every worker also runs
+/// closure before it returns one) counts as a retryable failure; one that panics as it is
+/// dropped after a lost lease is logged, and its slot goes on claiming. Every worker also runs
 /// [`Queue::reap`] on a beat, so crashed workers' jobs come back without a separate process.
 ///
 /// Renewal runs on a task of its own, so a handler that blocks its thread (CPU work, a
@@ -426,12 +427,11 @@ where
             payload,
         };
         // A panicking handler counts as a failed attempt, not a dead slot: the job is retried
-        // and this slot goes on claiming. Caught around the call too, not only around the
-        // future: a closure may panic before it returns one.
-        let work = async {
-            let fut = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(job)))?;
-            std::panic::AssertUnwindSafe(fut).catch_unwind().await
-        };
+        // and this slot goes on claiming. The call is inside the caught future, since a closure
+        // may panic before it returns one, and so is the drop of a handler that finished.
+        // Boxed, so that a handler cancelled on a lost lease is dropped where its panic can be
+        // caught too (a guard's `Drop` may fail).
+        let mut work = Box::pin(std::panic::AssertUnwindSafe(async { handler(job).await }).catch_unwind());
         // Renewal on a task of its own: a handler that blocks its thread (CPU work, a
         // synchronous call) would otherwise stop its own lease's renewal, and the job would be
         // reaped and run by another worker while this one still runs it. The task ends with
@@ -455,15 +455,13 @@ where
                     .map_or_else(|e| format!("renewal task failed: {e}"), |e| e.to_string());
                 warn!(%reason, "lease lost; handler cancelled");
                 bump(&stats.lost);
+                if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(work))) {
+                    warn!(panic = panic_text(&*panic), "the cancelled handler panicked as it was dropped");
+                }
                 return;
             }
-            out = work => out.unwrap_or_else(|panic| {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a non-text payload".to_owned());
-                Err(JobError::retry(format!("handler panicked: {what}")))
+            out = &mut work => out.unwrap_or_else(|panic| {
+                Err(JobError::retry(format!("handler panicked: {}", panic_text(&*panic))))
             }),
         };
         drop(renewal);
@@ -505,6 +503,15 @@ where
     }
     .instrument(span)
     .await
+}
+
+/// A panic's message, when it is text.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-text payload".to_owned())
 }
 
 /// Settling is idempotent per attempt (a repeated complete succeeds while the done marker is
