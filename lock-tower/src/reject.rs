@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -369,6 +370,7 @@ type Responder = dyn Fn(&Rejection) -> Response<Full<Bytes>> + Send + Sync;
 pub(crate) struct Rejections {
     statuses: [Option<StatusCode>; Reason::ALL],
     responder: Option<Arc<Responder>>,
+    pub(crate) setup_logged: SetupLogged,
 }
 
 impl Default for Rejections {
@@ -376,6 +378,34 @@ impl Default for Rejections {
         Rejections {
             statuses: [None; Reason::ALL],
             responder: None,
+            setup_logged: SetupLogged::default(),
+        }
+    }
+}
+
+/// Whether a layer has logged its setup problem yet. Every request through a misconfigured
+/// layer fails the same way, so the first is logged as an error and the rest at `debug`: one
+/// line for the operator, not one per request. A clone (a builder changed further) starts
+/// afresh, since its settings, and so its problem, may differ.
+#[derive(Default)]
+pub(crate) struct SetupLogged(AtomicBool);
+
+impl Clone for SetupLogged {
+    fn clone(&self) -> Self {
+        SetupLogged::default()
+    }
+}
+
+impl SetupLogged {
+    /// Logs `problem` (what is wrong) with `detail`: at `error` the first time, at `debug` after.
+    pub(crate) fn log(&self, problem: &str, detail: &dyn fmt::Display) {
+        if self.0.swap(true, Ordering::Relaxed) {
+            tracing::debug!(%detail, "{problem}");
+        } else {
+            tracing::error!(
+                %detail,
+                "{problem}; every request it applies to is answered 500 (logged once per layer)"
+            );
         }
     }
 }

@@ -158,14 +158,18 @@ where
             "the retention {:?} is out of range (1 ms to a year)",
             cfg.retention
         );
-        tracing::error!(%detail, "the layer's settings are out of range");
+        rejections
+            .setup_logged
+            .log("the layer's settings are out of range", &detail);
         return Ok(reject(rejections, Reason::Misconfigured, None, detail));
     }
     if matches!(cfg.store, Store::Unsupported) {
         // A setup problem no retry can cure: a 503 with `Retry-After` would have every sender
         // retry for ever, and running the handler undeduplicated would break the layer's promise.
         let detail = StoreError::Unsupported.to_string();
-        tracing::error!(%detail, "the layer's backend cannot keep results");
+        rejections
+            .setup_logged
+            .log("the layer's backend cannot keep results", &detail);
         return Ok(reject(rejections, Reason::Misconfigured, None, detail));
     }
     let (mut parts, body) = req.into_parts();

@@ -113,7 +113,9 @@ where
         // after it was moved out, and a local alive across two awaits has room of its own in
         // every state of the future.
         if let Some(problem) = cfg.prefix_problem {
-            tracing::error!(%problem, "the layer's key prefix is unusable");
+            cfg.rejections
+                .setup_logged
+                .log("the layer's key prefix is unusable", &problem);
             return Ok(reject(
                 &cfg.rejections,
                 Reason::Misconfigured,
@@ -389,7 +391,9 @@ pub(crate) fn refuse<B>(
         ),
         Error::InvalidKey { .. } => reject(rejections, Reason::InvalidKey, None, e.to_string()),
         Error::InvalidTtl { .. } | Error::InvalidDuration { .. } => {
-            tracing::error!(error = %e, "the layer's lease settings are out of range");
+            rejections
+                .setup_logged
+                .log("the layer's lease settings are out of range", e);
             reject(rejections, Reason::Misconfigured, None, e.to_string())
         }
         other => {

@@ -1,0 +1,104 @@
+//! A misconfigured layer answers every request 500, and says why in the log once, as an error,
+//! not once per request: a busy route would otherwise bury the log in one line repeated.
+//! A test binary of its own, since it installs the process's global subscriber.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::handler::HandlerWithoutStateExt;
+use http::StatusCode;
+use lock_tower::{DedupeLayer, KeyExtractor, LockLayer};
+use tower_layer::Layer;
+use tower_service::Service;
+use tracing_subscriber::fmt::MakeWriter;
+
+/// Collects what the subscriber writes.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("log buffer").extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Captured {
+        self.clone()
+    }
+}
+
+impl Captured {
+    /// The lines holding `what`, at `level`.
+    fn count(&self, level: &str, what: &str) -> usize {
+        String::from_utf8_lossy(&self.0.lock().expect("log buffer"))
+            .lines()
+            .filter(|l| l.contains(level) && l.contains(what))
+            .count()
+    }
+}
+
+async fn ok() -> &'static str {
+    "ok"
+}
+
+/// Sends `n` POSTs through `svc`, each expected to be refused with a 500.
+async fn refused<S, B>(svc: &mut S, n: usize)
+where
+    S: Service<http::Request<Body>, Response = http::Response<B>>,
+    S::Error: std::fmt::Debug,
+{
+    for i in 0..n {
+        let req = http::Request::post("/accounts/7/withdraw")
+            .header("idempotency-key", format!("\"delivery-{i}\""))
+            .body(Body::empty())
+            .expect("request");
+        let res = svc.call(req).await.expect("infallible");
+        assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_setup_problem_is_logged_once_per_layer() {
+    let log = Captured::default();
+    tracing_subscriber::fmt()
+        .with_writer(log.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::DEBUG)
+        .init();
+
+    let prefix = "the layer's key prefix is unusable";
+    let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::path_segment(1))
+        .key_prefix("tenant{a}:");
+    let mut svc = layer.layer(ok.into_service());
+    refused(&mut svc, 3).await;
+    // A second service from the same layer (as a router makes one per route) shares its log.
+    let mut again = layer.layer(ok.into_service());
+    refused(&mut again, 2).await;
+    assert_eq!(log.count("ERROR", prefix), 1);
+    assert_eq!(log.count("DEBUG", prefix), 4);
+
+    // Another setting out of range, on another layer: logged once again, for that layer.
+    let ttl = "the layer's lease settings are out of range";
+    let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::path_segment(1))
+        .ttl(Duration::from_micros(10));
+    let mut svc = layer.layer(ok.into_service());
+    refused(&mut svc, 3).await;
+    assert_eq!((log.count("ERROR", ttl), log.count("DEBUG", ttl)), (1, 2));
+
+    let retention = "the layer's settings are out of range";
+    let layer = DedupeLayer::new(lock_core::Locker::memory()).retention(Duration::ZERO);
+    let mut svc = layer.layer(ok.into_service());
+    refused(&mut svc, 3).await;
+    assert_eq!(
+        (log.count("ERROR", retention), log.count("DEBUG", retention)),
+        (1, 2)
+    );
+}
