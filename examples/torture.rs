@@ -523,12 +523,31 @@ async fn client(
             redis::cmd("GET").arg(&counter).query_async(&mut res).await;
         // Most holds are short; one in five lasts half the TTL to three TTLs, so the lease must
         // be renewed while held and a network fault can make it lapse under its holder.
-        let hold = if rng.range(0, 5) == 0 {
+        let long = rng.range(0, 5) == 0;
+        let hold = if long {
             rng.range(o.ttl_ms / 2, 3 * o.ttl_ms + 1)
         } else {
             rng.range(10, 60)
         };
-        tokio::time::sleep(Duration::from_millis(hold)).await;
+        if long && rng.range(0, 2) == 0 {
+            // Half the long holds also extend explicitly, midway, beside the renewal driver's
+            // own renewals, to a TTL from half the lease's to twice it: a shorter one must
+            // shorten the local deadline, and no answer may let that deadline pass the
+            // server's expiry (the double-grant check below would see a later grant while
+            // this holder still thought it held).
+            tokio::time::sleep(Duration::from_millis(hold / 2)).await;
+            let to = rng.range((o.ttl_ms / 2).max(10), 2 * o.ttl_ms + 1);
+            let extended = lease.extend(Duration::from_millis(to)).await;
+            emit(
+                json!({"ev": "extend", "c": id, "key": key, "fence": fence, "ttl_ms": to,
+                "ok": extended.is_ok(),
+                "lost": matches!(extended, Err(leasehold::Error::LeaseLost { .. })),
+                "t": now_us()}),
+            );
+            tokio::time::sleep(Duration::from_millis(hold - hold / 2)).await;
+        } else {
+            tokio::time::sleep(Duration::from_millis(hold)).await;
+        }
         // The fenced write. Deliberately made whether or not the lease is still held: the
         // fence, not the holder's own check, is what must stop a stale writer.
         let was_lost = lease.is_lost();
@@ -1552,6 +1571,8 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
     let mut by_id: HashMap<(String, u64), usize> = HashMap::new();
     let (mut acc, mut refused, mut acc_after_lost, mut refused_lost) = (0u64, 0u64, 0u64, 0u64);
     let (mut write_errs, mut acq_errs, mut torn) = (0u64, 0u64, 0u64);
+    // Explicit extends: granted, refused as lost, failed otherwise.
+    let mut extends = [0u64; 3];
     let mut incs: BTreeMap<String, u64> = BTreeMap::new();
     // Each `lost` event: holder, when it fired, the holder's last local deadline.
     let mut losts: Vec<(String, u64, u64)> = Vec::new();
@@ -1606,6 +1627,9 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
             }
             "inc" => *incs.entry(key).or_default() += 1,
             "write_err" => write_errs += 1,
+            "extend" if e["ok"].as_bool() == Some(true) => extends[0] += 1,
+            "extend" if e["lost"].as_bool() == Some(true) => extends[1] += 1,
+            "extend" => extends[2] += 1,
             "acq_err" => acq_errs += 1,
             "exit" => {
                 exits += 1;
@@ -2032,6 +2056,10 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
                 .filter(|f| f.child.is_some() && f.on_holder)
                 .count()
         ),
+    );
+    row(
+        "explicit extends: granted / lease lost / failed",
+        format!("{} / {} / {}", extends[0], extends[1], extends[2]),
     );
     row(
         "leases lost (lost() fired while held)",
