@@ -214,6 +214,39 @@ async fn corrupt_attempts(flavor: Flavor) {
     assert_eq!((got.id(), got.attempts()), (again, 1));
 }
 
+/// Job keys deleted from outside are dropped from the sets as they are met, and they cost no
+/// job its turn: a reap whose first batch met one still moves every expired job, and a claim
+/// that met a whole round of them still finds the job behind.
+async fn deleted_job_keys(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let q = Queue::redis(&server.url(), "dk").await.expect("connect");
+    let jk = |id: JobId| format!("{{leasehold:dk}}:job:{}", id.0);
+    // More expired leases than one reap batch (500), the first one's key deleted.
+    let payloads: Vec<Vec<u8>> = (0..501u32).map(|i| i.to_be_bytes().to_vec()).collect();
+    let ids = q.enqueue_many(&payloads).await.expect("enqueue");
+    for _ in &ids {
+        q.claim(ms(20)).await.expect("claim").expect("job");
+    }
+    let _: i64 = server.cmd(&["DEL", &jk(ids[0])]);
+    sleep(ms(100)).await;
+    let reaped = q.reap().await.expect("reap");
+    assert_eq!(reaped.len(), 500);
+    let c = q.counts().await.expect("counts");
+    assert_eq!((c.active, c.pending), (0, 500), "{c:?}");
+    // A whole claim round (100 ids) of deleted keys before a claimable job.
+    let _: i64 = server.cmd(&["DEL", "{leasehold:dk}:pending"]);
+    let ids = q.enqueue_many(&payloads[..101]).await.expect("enqueue");
+    for &id in &ids[..100] {
+        let _: i64 = server.cmd(&["DEL", &jk(id)]);
+    }
+    let got = q
+        .claim(ms(5_000))
+        .await
+        .expect("claim")
+        .expect("the job behind 100 deleted ones");
+    assert_eq!(got.id(), ids[100]);
+}
+
 /// Scenario from the issue: a restart with AOF loses no enqueued job, and leases survive too.
 async fn aof_restart_keeps_jobs(flavor: Flavor) {
     let mut server = Server::start_with(flavor, true);
@@ -733,6 +766,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn foreign_types() {
                 super::foreign_types($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn deleted_job_keys() {
+                super::deleted_job_keys($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn corrupt_attempts() {

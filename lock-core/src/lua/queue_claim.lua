@@ -1,5 +1,6 @@
--- ARGV[3] lease ms. Returns {1, id, attempts, deadline ms, payload, aside...} or {0, ms until
--- the next delayed job is due or -1, aside...}, where aside is {job key, what was found} for
+-- ARGV[3] lease ms. Returns {1, id, attempts, deadline ms, payload, aside...}, {0, ms until
+-- the next delayed job is due or -1, aside...}, or {2, aside...} when pending still holds jobs
+-- after 100 ids taken off it (deleted or set aside), where aside is {job key, what was found} for
 -- every job this claim set aside in the dead set: a job key of a foreign type, or a job hash
 -- whose attempts field is corrupt.
 local bad = check_keys()
@@ -35,9 +36,13 @@ for _, id in ipairs(due) do
     aside[#aside + 1] = t
   end
 end
+-- At most 100 ids a claim, for the same reason; a claim that set aside all 100 answers {2,
+-- aside...} and the client asks again, rather than report an empty queue with jobs pending.
+local taken = 0
 for _ = 1, 100 do
   local id = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
   if not id then break end
+  taken = taken + 1
   local jk = ARGV[1] .. id
   local t = redis.call('TYPE', jk).ok
   if t == 'hash' then
@@ -73,6 +78,9 @@ for _ = 1, 100 do
     aside[#aside + 1] = jk
     aside[#aside + 1] = t
   end
+end
+if taken == 100 and redis.call('EXISTS', KEYS[1]) == 1 then
+  return reply({2})
 end
 local nxt = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
 if nxt[2] then

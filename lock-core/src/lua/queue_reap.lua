@@ -1,12 +1,14 @@
--- ARGV[3] most jobs to move in one call. Returns {1, id, attempts, new state, ...} for every
--- active job whose deadline passed on the server clock; a job whose key holds a foreign type is
--- set aside in the dead set and listed as {id, -1, type}.
+-- ARGV[3] most jobs to move in one call. Returns {1, taken, id, attempts, new state, ...}:
+-- taken is how many expired ids left the active set (at most ARGV[3]; fewer means none are
+-- left), then one triple for every active job whose deadline passed on the server clock; a job
+-- whose key holds a foreign type is set aside in the dead set and listed as {id, -1, type}; an
+-- id whose key was deleted from outside is dropped, unlisted, but counts in taken.
 local bad = check_keys()
 if bad then return bad end
 local now = now_ms()
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. s(now), 'LIMIT', 0,
   tonumber(ARGV[3]))
-local out = {1}
+local out = {1, #expired}
 local woke = false
 for _, id in ipairs(expired) do
   local jk = ARGV[1] .. id

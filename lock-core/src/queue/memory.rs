@@ -327,7 +327,7 @@ impl MemoryQueue {
         }))
     }
 
-    pub(crate) async fn reap(&self, limit: usize) -> Result<Vec<Reaped>> {
+    pub(crate) async fn reap(&self, limit: usize) -> Result<(Vec<Reaped>, usize)> {
         let now = self.clock.now();
         let mut moved = Vec::new();
         {
@@ -365,7 +365,8 @@ impl MemoryQueue {
         if moved.iter().any(|r| r.to == JobState::Pending) {
             self.wake();
         }
-        Ok(moved)
+        let taken = moved.len();
+        Ok((moved, taken))
     }
 
     pub(crate) async fn purge_dead(&self, age_ms: u64, limit: usize) -> Result<u64> {

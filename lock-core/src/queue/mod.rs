@@ -573,6 +573,9 @@ pub(crate) enum ClaimReply {
     },
     /// Nothing pending; when the next delayed job becomes due, if any.
     Empty { next_due: Option<Duration> },
+    /// A whole round of pending ids was set aside unclaimable (foreign types, corrupt jobs):
+    /// more may be pending, so the claim asks again.
+    SetAside,
 }
 
 /// Why a step on a job was refused.
@@ -918,25 +921,28 @@ impl Queue {
     ) -> Result<std::result::Result<Claim, Option<Duration>>> {
         // The local deadline counts from before the request leaves, so a slow reply can only
         // shorten it.
-        let start = Instant::now();
-        match store!(self, s => s.claim(ms(ttl)).await)? {
-            ClaimReply::Claimed {
-                id,
-                attempts,
-                deadline_ms,
-                payload,
-            } => {
-                debug!(id, attempts, "claimed");
-                Ok(Ok(Claim {
-                    queue: self.clone(),
-                    id: JobId(id),
+        loop {
+            let start = Instant::now();
+            match store!(self, s => s.claim(ms(ttl)).await)? {
+                ClaimReply::Claimed {
+                    id,
                     attempts,
                     deadline_ms,
-                    local_deadline: start + ttl - drift(ttl),
                     payload,
-                }))
+                } => {
+                    debug!(id, attempts, "claimed");
+                    return Ok(Ok(Claim {
+                        queue: self.clone(),
+                        id: JobId(id),
+                        attempts,
+                        deadline_ms,
+                        local_deadline: start + ttl - drift(ttl),
+                        payload,
+                    }));
+                }
+                ClaimReply::Empty { next_due } => return Ok(Err(next_due)),
+                ClaimReply::SetAside => {}
             }
-            ClaimReply::Empty { next_due } => Ok(Err(next_due)),
         }
     }
 
@@ -1215,10 +1221,11 @@ impl Queue {
     pub async fn reap(&self) -> Result<Vec<Reaped>> {
         let mut all = Vec::new();
         loop {
-            let batch = store!(self, s => s.reap(REAP_BATCH).await)?;
-            let n = batch.len();
+            // Counted by the ids taken, not the jobs moved: on a server, an id whose key was
+            // deleted from outside is taken and dropped, so a full batch may move fewer.
+            let (batch, taken) = store!(self, s => s.reap(REAP_BATCH).await)?;
             all.extend(batch);
-            if n < REAP_BATCH {
+            if taken < REAP_BATCH {
                 break;
             }
         }

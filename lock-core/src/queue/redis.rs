@@ -216,6 +216,10 @@ impl RedisQueue {
                     next_due: uint(next).map(Duration::from_millis),
                 })
             }
+            (2, aside) => {
+                self.warn_set_aside(aside);
+                Ok(ClaimReply::SetAside)
+            }
             _ => Err(unexpected("claim", &reply)),
         }
     }
@@ -300,14 +304,20 @@ impl RedisQueue {
         }
     }
 
-    pub(crate) async fn reap(&self, limit: usize) -> Result<Vec<Reaped>> {
+    /// The jobs moved, and how many expired ids left the active set (fewer than `limit`: none
+    /// are left).
+    pub(crate) async fn reap(&self, limit: usize) -> Result<(Vec<Reaped>, usize)> {
         let reply = self
             .run("reap", &self.backend.scripts().reap, |inv| {
                 inv.arg(limit);
             })
             .await?;
-        let (_, rest) = status("reap", &reply)?;
-        rest.chunks(3)
+        let (_, [taken, rest @ ..]) = status("reap", &reply)? else {
+            return Err(unexpected("reap", &reply));
+        };
+        let taken = uint(taken).ok_or_else(|| unexpected("reap", &reply))?;
+        let moved = rest
+            .chunks(3)
             .map(|c| match c {
                 // A job key of a foreign type, set aside in the dead set.
                 [id, att, found] if int(att) == Some(-1) => {
@@ -332,7 +342,8 @@ impl RedisQueue {
                 _ => None,
             })
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| unexpected("reap", &reply))
+            .ok_or_else(|| unexpected("reap", &reply))?;
+        Ok((moved, usize::try_from(taken).unwrap_or(usize::MAX)))
     }
 
     pub(crate) async fn purge_dead(&self, age_ms: u64, limit: usize) -> Result<u64> {
