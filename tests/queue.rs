@@ -824,6 +824,62 @@ async fn a_handler_panicking_when_cancelled_keeps_the_slot(h: Harness) {
     assert_eq!(q.job(next).await.expect("job").state, JobState::Done);
 }
 
+/// A shutdown given up on (its future dropped, as an outer timeout does) still stops the
+/// worker: the handler is dropped, its renewal ends, and the reaper can return the job.
+async fn a_dropped_shutdown_still_stops_the_worker(h: Harness) {
+    let q = h.open(Queue::builder("dropped-shutdown")).await;
+    let id = q.enqueue(b"stuck").await.expect("enqueue");
+    let dropped = Arc::new(AtomicBool::new(false));
+    struct OnDrop(Arc<AtomicBool>);
+    impl Drop for OnDrop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let d = dropped.clone();
+    let w = Worker::new(q.clone())
+        .ttl(ms(300))
+        .reap_every(Duration::from_secs(3_600))
+        .start(move |_job| {
+            let d = d.clone();
+            async move {
+                let _guard = OnDrop(d);
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+        })
+        .expect("start");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            w.report().in_flight == 1
+        })
+        .await,
+        "the worker did not claim the job"
+    );
+    assert!(
+        tokio::time::timeout(ms(50), w.shutdown(Duration::from_secs(10)))
+            .await
+            .is_err(),
+        "the handler never ends, so the shutdown cannot finish in its grace"
+    );
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            dropped.load(Ordering::SeqCst)
+        })
+        .await,
+        "the handler still runs after its shutdown was dropped"
+    );
+    // No renewal keeps the lease any more: it lapses and the job comes back.
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            q.reap().await.expect("reap");
+            q.job(id).await.expect("job").state == JobState::Pending
+        })
+        .await,
+        "the job's lease was still renewed"
+    );
+}
+
 async fn claim_wait_wakes_on_enqueue(h: Harness) {
     let q = h.open(Queue::builder("wake")).await;
     let started = Instant::now();
@@ -1403,6 +1459,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_handler_panicking_when_cancelled_keeps_the_slot() {
                 super::a_handler_panicking_when_cancelled_keeps_the_slot(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_dropped_shutdown_still_stops_the_worker() {
+                super::a_dropped_shutdown_still_stops_the_worker(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_lease_cancels_handler() {

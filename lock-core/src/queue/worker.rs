@@ -314,13 +314,17 @@ impl WorkerHandle {
 
     /// Stops claiming, lets running handlers finish and settle for up to `grace`, then cuts off
     /// whatever still runs (those jobs stay active until the reaper returns them).
+    ///
+    /// Dropping this future before it finishes (an outer timeout, a second Ctrl-C) cuts the
+    /// handlers off at once, as [`abort`](WorkerHandle::abort) does: the handle is gone, and a
+    /// worker left running could no longer be stopped.
     pub async fn shutdown(self, grace: Duration) -> WorkerReport {
         self.stop.cancel();
-        let mut task = self.task;
-        if tokio::time::timeout(grace, &mut task).await.is_err() {
+        let mut task = AbortOnDrop(self.task);
+        if tokio::time::timeout(grace, &mut task.0).await.is_err() {
             warn!("handlers still running at the shutdown deadline; cutting them off");
-            task.abort();
-            let _ = task.await;
+            task.0.abort();
+            let _ = (&mut task.0).await;
         }
         self.stats.report()
     }
@@ -436,7 +440,7 @@ where
         // synchronous call) would otherwise stop its own lease's renewal, and the job would be
         // reaped and run by another worker while this one still runs it. The task ends with
         // the job (dropped, it is aborted).
-        let mut renewal = Renewal(tokio::spawn(keep_alive(
+        let mut renewal = AbortOnDrop(tokio::spawn(keep_alive(
             queue.clone(),
             id,
             attempts,
@@ -535,10 +539,11 @@ where
     op().await
 }
 
-/// A job's renewal task, aborted when dropped: the job ended (or its slot was aborted).
-struct Renewal(tokio::task::JoinHandle<Error>);
+/// A task aborted when its handle is dropped: a job's renewal task when the job ended (or its
+/// slot was aborted); the worker itself when a shutdown is given up on.
+struct AbortOnDrop<T>(JoinHandle<T>);
 
-impl Drop for Renewal {
+impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
     }
