@@ -247,6 +247,42 @@ async fn deleted_job_keys(flavor: Flavor) {
     assert_eq!(got.id(), ids[100]);
 }
 
+/// A server that loses its writes (a restart without persistence, a failover, a flush) hands
+/// the same job id out again, and the new job's first claim has the same attempt number as a
+/// claim made before the loss. The old claim's holder must not extend or settle the new job:
+/// a claim is told apart by a token of its own, not by (id, attempts) alone.
+async fn a_reissued_id_is_not_the_old_claims(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let q = Queue::redis(&server.url(), "ri").await.expect("connect");
+    q.enqueue(b"before the loss").await.expect("enqueue");
+    let mut old = q.claim(ms(30_000)).await.expect("claim").expect("job");
+    let _: () = server.cmd(&["FLUSHALL"]);
+    q.enqueue(b"after the loss").await.expect("enqueue");
+    let new = q.claim(ms(30_000)).await.expect("claim").expect("job");
+    assert_eq!((new.id(), new.attempts()), (old.id(), old.attempts()));
+    assert_eq!(new.payload(), b"after the loss");
+    assert!(
+        matches!(old.extend(ms(30_000)).await, Err(Error::LeaseLost { .. })),
+        "the old claim extended the new job"
+    );
+    let stale = q.claim(ms(30_000)).await.expect("claim");
+    assert!(stale.is_none());
+    assert!(
+        matches!(old.complete().await, Err(Error::LeaseLost { .. })),
+        "the old claim completed the new job"
+    );
+    assert_eq!(q.job(new.id()).await.expect("job").state, JobState::Active);
+    // The new claim's own steps still work, and a complete repeated by it (its reply lost)
+    // still succeeds on the done marker, which keeps the holder.
+    let (id, attempts) = (new.id(), new.attempts());
+    new.complete().await.expect("complete");
+    assert_eq!(q.job(id).await.expect("job").state, JobState::Done);
+    // By id and attempt alone (an operator's call), the step is not told apart.
+    q.complete(id, attempts)
+        .await
+        .expect("a repeated complete by id");
+}
+
 /// Scenario from the issue: a restart with AOF loses no enqueued job, and leases survive too.
 async fn aof_restart_keeps_jobs(flavor: Flavor) {
     let mut server = Server::start_with(flavor, true);
@@ -770,6 +806,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn deleted_job_keys() {
                 super::deleted_job_keys($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_reissued_id_is_not_the_old_claims() {
+                super::a_reissued_id_is_not_the_old_claims($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn corrupt_attempts() {

@@ -1,4 +1,4 @@
--- ARGV[3] lease ms. Returns {1, id, attempts, deadline ms, payload, aside...}, {0, ms until
+-- ARGV[3] lease ms, ARGV[4] the claim's token (its holder). Returns {1, id, attempts, deadline ms, payload, aside...}, {0, ms until
 -- the next delayed job is due or -1, aside...}, or {2, aside...} when pending still holds jobs
 -- after 100 ids taken off it (deleted or set aside), where aside is {job key, what was found} for
 -- every job this claim set aside in the dead set: a job key of a foreign type, or a job hash
@@ -63,7 +63,7 @@ for _ = 1, 100 do
       aside[#aside + 1] = jk
       aside[#aside + 1] = 'hash with a corrupt attempts field'
     else
-      redis.call('HSET', jk, 'state', 'active')
+      redis.call('HSET', jk, 'state', 'active', 'holder', ARGV[4])
       -- The deadline is the server's clock plus the lease, never the worker's clock.
       local deadline = now + tonumber(ARGV[3])
       redis.call('ZADD', KEYS[2], deadline, id)

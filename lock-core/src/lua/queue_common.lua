@@ -50,15 +50,20 @@ end
 
 -- nil when the caller, at attempt `want`, still holds the job's lease; otherwise the refusal.
 -- A lease that passed its deadline but was not reaped yet still holds: nobody else has the job.
-local function guard(jk, want, done_ok)
+-- `holder` is the claim's own token ('' when the caller named the job by id and attempt only):
+-- a server that lost its writes hands a job id out again, and that job's claims count their
+-- attempts from 1 again, so only the token tells an old claim from the new one. A job claimed
+-- without a holder field (by an older version) is not checked.
+local function guard(jk, want, done_ok, holder)
   local t = redis.call('TYPE', jk).ok
   if t == 'none' then return {-2} end
   if t ~= 'hash' then return {-1, jk, t} end
-  local h = redis.call('HMGET', jk, 'state', 'attempts')
+  local h = redis.call('HMGET', jk, 'state', 'attempts', 'holder')
   local att = tonumber(h[2]) or 0
   -- Higher than the latest attempt: nothing superseded it, so it is not stale.
   if want > att then return {-5, att} end
   if att ~= want then return {-3, att} end
+  if holder ~= '' and h[3] and h[3] ~= holder then return {-4, 'held by another claim'} end
   if done_ok and h[1] == 'done' then return {1, 'done'} end
   if h[1] ~= 'active' then return {-4, h[1] or ''} end
   return nil

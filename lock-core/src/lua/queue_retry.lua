@@ -1,9 +1,10 @@
--- ARGV[3] id, ARGV[4] attempts, ARGV[5] delay ms, ARGV[6] error ('' for none).
+-- ARGV[3] id, ARGV[4] attempts, ARGV[5] delay ms, ARGV[6] error ('' for none), ARGV[7] holder
+-- ('' for none).
 local bad = check_keys()
 if bad then return bad end
 local id = ARGV[3]
 local jk = ARGV[1] .. id
-local refused = guard(jk, tonumber(ARGV[4]), false)
+local refused = guard(jk, tonumber(ARGV[4]), false, ARGV[7])
 if refused then return refused end
 local now = now_ms()
 redis.call('ZREM', KEYS[2], id)

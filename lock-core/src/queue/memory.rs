@@ -186,7 +186,9 @@ impl MemoryQueue {
         Ok(ids)
     }
 
-    pub(crate) async fn claim(&self, lease_ms: u64) -> Result<ClaimReply> {
+    /// `_holder`, the claim's token, is not kept: this store never hands an id out twice, so
+    /// (id, attempts) names one claim (a server that loses its writes can reuse ids).
+    pub(crate) async fn claim(&self, lease_ms: u64, _holder: &str) -> Result<ClaimReply> {
         let now = self.clock.now();
         let mut st = self.state();
         st.promote_due(now);
@@ -219,6 +221,7 @@ impl MemoryQueue {
         &self,
         id: u64,
         attempts: u64,
+        _holder: &str,
         op: &Op<'_>,
     ) -> Result<std::result::Result<Settled, Refusal>> {
         let now = self.clock.now();

@@ -49,6 +49,11 @@
 //!   gets one shard's throughput; spread load over several queues.
 //! - On a single Redis primary with asynchronous replicas, a failover can lose the latest
 //!   claims and completions, as it can any write: a job may then run again.
+//! - A server that loses writes (a failover, a restart without persistence, a flush) can hand
+//!   a job id out again, and the new job's claims count their attempts from 1 again. A
+//!   [`Claim`]'s own steps, and a [`Worker`]'s, carry the claim's token and are refused on the
+//!   new job ([`Error::LeaseLost`]); the steps that name a job by id and attempt alone
+//!   ([`Queue::complete`] and the rest) cannot tell the two apart.
 //!
 //! ```
 //! use lock_core::queue::Queue;
@@ -78,7 +83,7 @@ use tracing::{debug, instrument};
 use crate::backend::{ClusterBackend, RedisBackend};
 use crate::error::{Error, Result};
 use crate::locker::DEFAULT_PREFIX;
-use crate::types::{Fence, drift, validate_key, validate_scope, validate_ttl};
+use crate::types::{Fence, Token, drift, validate_key, validate_scope, validate_ttl};
 use crate::wake::Watch;
 
 pub use worker::{Job, JobError, Worker, WorkerHandle, WorkerReport};
@@ -921,9 +926,12 @@ impl Queue {
     ) -> Result<std::result::Result<Claim, Option<Duration>>> {
         // The local deadline counts from before the request leaves, so a slow reply can only
         // shorten it.
+        // The claim's own token: a server that lost its writes can hand the same id out again,
+        // with attempts counting from 1 again, and only this tells the two claims apart.
+        let holder = Token::generate();
         loop {
             let start = Instant::now();
-            match store!(self, s => s.claim(ms(ttl)).await)? {
+            match store!(self, s => s.claim(ms(ttl), holder.as_str()).await)? {
                 ClaimReply::Claimed {
                     id,
                     attempts,
@@ -934,6 +942,7 @@ impl Queue {
                     return Ok(Ok(Claim {
                         queue: self.clone(),
                         id: JobId(id),
+                        holder,
                         attempts,
                         deadline_ms,
                         local_deadline: start + ttl - drift(ttl),
@@ -1009,9 +1018,9 @@ impl Queue {
         }
     }
 
-    async fn settle(&self, id: JobId, attempts: u64, op: Op<'_>) -> Result<Settled> {
+    async fn settle(&self, id: JobId, attempts: u64, holder: &str, op: Op<'_>) -> Result<Settled> {
         let name = op.name();
-        let reply = store!(self, s => s.settle(id.0, attempts, &op).await)?;
+        let reply = store!(self, s => s.settle(id.0, attempts, holder, &op).await)?;
         match reply {
             Ok(done) => {
                 debug!(op = name, id = id.0, attempts, state = %done.state, "settled");
@@ -1068,6 +1077,9 @@ impl Queue {
     /// with `keep_done` zero, or once the marker has expired, the repeat finds no job
     /// ([`Error::UnknownJob`]) and cannot tell a completion that landed from one that did not.
     ///
+    /// By id and attempt alone this step cannot tell a job from one that reuses its id after
+    /// the server lost writes (see the module's limits); [`Claim::complete`] can.
+    ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
     /// use lock_core::queue::Queue;
@@ -1085,10 +1097,15 @@ impl Queue {
     /// queue.complete(id, second.attempts()).await?;
     /// # Ok(()) }
     /// ```
-    #[instrument(level = "debug", skip(self), fields(queue = %self.inner.name))]
     pub async fn complete(&self, id: JobId, attempts: u64) -> Result<()> {
+        self.complete_as(id, attempts, "").await
+    }
+
+    /// [`Queue::complete`] by the claim whose token is `holder` ('' for any).
+    #[instrument(level = "debug", skip(self, holder), fields(queue = %self.inner.name))]
+    pub(crate) async fn complete_as(&self, id: JobId, attempts: u64, holder: &str) -> Result<()> {
         let keep_done_ms = ms(self.inner.keep_done);
-        self.settle(id, attempts, Op::Complete { keep_done_ms })
+        self.settle(id, attempts, holder, Op::Complete { keep_done_ms })
             .await
             .map(|_| ())
     }
@@ -1132,11 +1149,23 @@ impl Queue {
     /// assert_eq!(queue.job(id).await?.error.as_deref(), Some("rate limited"));
     /// # Ok(()) }
     /// ```
-    #[instrument(level = "debug", skip(self, error), fields(queue = %self.inner.name))]
     pub async fn retry_because(
         &self,
         id: JobId,
         attempts: u64,
+        delay: Duration,
+        error: &str,
+    ) -> Result<JobState> {
+        self.retry_as(id, attempts, "", delay, error).await
+    }
+
+    /// [`Queue::retry_because`] by the claim whose token is `holder` ('' for any).
+    #[instrument(level = "debug", skip(self, holder, error), fields(queue = %self.inner.name))]
+    pub(crate) async fn retry_as(
+        &self,
+        id: JobId,
+        attempts: u64,
+        holder: &str,
         delay: Duration,
         error: &str,
     ) -> Result<JobState> {
@@ -1145,7 +1174,7 @@ impl Queue {
             delay_ms: ms(delay),
             error: clip(error),
         };
-        Ok(self.settle(id, attempts, op).await?.state)
+        Ok(self.settle(id, attempts, holder, op).await?.state)
     }
 
     /// Sends the job to the dead set now, with `reason` (cut to [`MAX_ERROR_LEN`]) as its last
@@ -1164,12 +1193,23 @@ impl Queue {
     /// assert_eq!(queue.counts().await?.dead, 1);
     /// # Ok(()) }
     /// ```
-    #[instrument(level = "debug", skip(self, reason), fields(queue = %self.inner.name))]
     pub async fn fail(&self, id: JobId, attempts: u64, reason: &str) -> Result<()> {
+        self.fail_as(id, attempts, "", reason).await
+    }
+
+    /// [`Queue::fail`] by the claim whose token is `holder` ('' for any).
+    #[instrument(level = "debug", skip(self, holder, reason), fields(queue = %self.inner.name))]
+    pub(crate) async fn fail_as(
+        &self,
+        id: JobId,
+        attempts: u64,
+        holder: &str,
+        reason: &str,
+    ) -> Result<()> {
         let op = Op::Fail {
             reason: clip(reason),
         };
-        self.settle(id, attempts, op).await.map(|_| ())
+        self.settle(id, attempts, holder, op).await.map(|_| ())
     }
 
     /// Moves the job's deadline to the store's clock plus `ttl`. Returns the new deadline in
@@ -1187,11 +1227,22 @@ impl Queue {
     /// assert!(deadline > claim.deadline_ms());
     /// # Ok(()) }
     /// ```
-    #[instrument(level = "debug", skip(self), fields(queue = %self.inner.name))]
     pub async fn extend(&self, id: JobId, attempts: u64, ttl: Duration) -> Result<u64> {
+        self.extend_as(id, attempts, "", ttl).await
+    }
+
+    /// [`Queue::extend`] by the claim whose token is `holder` ('' for any).
+    #[instrument(level = "debug", skip(self, holder), fields(queue = %self.inner.name))]
+    pub(crate) async fn extend_as(
+        &self,
+        id: JobId,
+        attempts: u64,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<u64> {
         validate_ttl(ttl)?;
         let op = Op::Extend { lease_ms: ms(ttl) };
-        let done = self.settle(id, attempts, op).await?;
+        let done = self.settle(id, attempts, holder, op).await?;
         Ok(done.at_ms.unwrap_or_default())
     }
 
@@ -1338,6 +1389,8 @@ impl Queue {
 pub struct Claim {
     queue: Queue,
     id: JobId,
+    /// This claim's token, checked by its steps on a server (see `claim_once`).
+    holder: Token,
     attempts: u64,
     deadline_ms: u64,
     local_deadline: Instant,
@@ -1499,10 +1552,11 @@ impl Claim {
         &self.queue
     }
 
-    pub(crate) fn into_parts(self) -> (Queue, JobId, u64, u64, Instant, Vec<u8>) {
+    pub(crate) fn into_parts(self) -> (Queue, JobId, Token, u64, u64, Instant, Vec<u8>) {
         (
             self.queue,
             self.id,
+            self.holder,
             self.attempts,
             self.deadline_ms,
             self.local_deadline,
@@ -1525,7 +1579,10 @@ impl Claim {
     /// ```
     pub async fn extend(&mut self, ttl: Duration) -> Result<()> {
         let start = Instant::now();
-        self.deadline_ms = self.queue.extend(self.id, self.attempts, ttl).await?;
+        self.deadline_ms = self
+            .queue
+            .extend_as(self.id, self.attempts, self.holder.as_str(), ttl)
+            .await?;
         self.local_deadline = start + ttl - drift(ttl);
         Ok(())
     }
@@ -1544,7 +1601,8 @@ impl Claim {
     /// # Ok(()) }
     /// ```
     pub async fn complete(self) -> Result<()> {
-        self.queue.complete(self.id, self.attempts).await
+        let holder = self.holder.as_str();
+        self.queue.complete_as(self.id, self.attempts, holder).await
     }
 
     /// Gives the job back after `delay` (see [`Queue::retry`]).
@@ -1561,7 +1619,7 @@ impl Claim {
     /// # Ok(()) }
     /// ```
     pub async fn retry(self, delay: Duration) -> Result<JobState> {
-        self.queue.retry(self.id, self.attempts, delay).await
+        self.retry_because(delay, "").await
     }
 
     /// Gives the job back after `delay`, recording `error` (see [`Queue::retry_because`]).
@@ -1578,8 +1636,9 @@ impl Claim {
     /// # Ok(()) }
     /// ```
     pub async fn retry_because(self, delay: Duration, error: &str) -> Result<JobState> {
+        let holder = self.holder.as_str();
         self.queue
-            .retry_because(self.id, self.attempts, delay, error)
+            .retry_as(self.id, self.attempts, holder, delay, error)
             .await
     }
 
@@ -1597,7 +1656,10 @@ impl Claim {
     /// # Ok(()) }
     /// ```
     pub async fn fail(self, reason: &str) -> Result<()> {
-        self.queue.fail(self.id, self.attempts, reason).await
+        let holder = self.holder.as_str();
+        self.queue
+            .fail_as(self.id, self.attempts, holder, reason)
+            .await
     }
 }
 

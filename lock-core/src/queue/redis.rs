@@ -194,10 +194,10 @@ impl RedisQueue {
         }
     }
 
-    pub(crate) async fn claim(&self, lease_ms: u64) -> Result<ClaimReply> {
+    pub(crate) async fn claim(&self, lease_ms: u64, holder: &str) -> Result<ClaimReply> {
         let reply = self
             .run("claim", &self.backend.scripts().claim, |inv| {
-                inv.arg(lease_ms);
+                inv.arg(lease_ms).arg(holder);
             })
             .await?;
         match status("claim", &reply)? {
@@ -242,6 +242,7 @@ impl RedisQueue {
         &self,
         id: u64,
         attempts: u64,
+        holder: &str,
         op: &Op<'_>,
     ) -> Result<std::result::Result<Settled, Refusal>> {
         let name = op.name();
@@ -269,6 +270,7 @@ impl RedisQueue {
                 for a in &extra {
                     inv.arg(a.as_slice());
                 }
+                inv.arg(holder);
             })
             .await?;
         let (code, rest) = status(name, &reply)?;

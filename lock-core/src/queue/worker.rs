@@ -15,7 +15,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::{JobId, JobState, MAX_RETRY_DELAY, Queue};
 use crate::error::{Error, Result};
-use crate::types::{Fence, drift, validate_ttl, warn_ahead};
+use crate::types::{Fence, Token, drift, validate_ttl, warn_ahead};
 
 /// A claimed job as a handler sees it. The worker owns the lease; the handler only does the
 /// work.
@@ -421,7 +421,7 @@ where
     F: Fn(Job) -> Fut,
     Fut: Future<Output = std::result::Result<(), JobError>>,
 {
-    let (queue, id, attempts, deadline_ms, local_deadline, payload) = claim.into_parts();
+    let (queue, id, holder, attempts, deadline_ms, local_deadline, payload) = claim.into_parts();
     let span = info_span!("job", queue = queue.name(), id = id.0, attempts);
     async {
         let job = Job {
@@ -443,6 +443,7 @@ where
         let mut renewal = AbortOnDrop(tokio::spawn(keep_alive(
             queue.clone(),
             id,
+            holder.clone(),
             attempts,
             worker.ttl,
             local_deadline,
@@ -470,19 +471,23 @@ where
         };
         drop(renewal);
         let settled = match &outcome {
-            Ok(()) => with_retries(|| queue.complete(id, attempts))
+            Ok(()) => with_retries(|| queue.complete_as(id, attempts, holder.as_str()))
                 .await
                 .map(|_| {
                     bump(&stats.completed);
                 }),
-            Err(e) if e.is_permanent() => with_retries(|| queue.fail(id, attempts, &e.message))
+            Err(e) if e.is_permanent() => with_retries(|| {
+                queue.fail_as(id, attempts, holder.as_str(), &e.message)
+            })
                 .await
                 .map(|_| {
                     bump(&stats.failed);
                 }),
             Err(e) => {
                 let delay = worker.delay_for(attempts);
-                with_retries(|| queue.retry_because(id, attempts, delay, &e.message))
+                with_retries(|| {
+                    queue.retry_as(id, attempts, holder.as_str(), delay, &e.message)
+                })
                     .await
                     .map(|to| {
                         debug!(to = %to, ?delay, error = %e, "retrying");
@@ -554,6 +559,7 @@ impl<T> Drop for AbortOnDrop<T> {
 async fn keep_alive(
     queue: Queue,
     id: JobId,
+    holder: Token,
     attempts: u64,
     ttl: Duration,
     mut local_deadline: Instant,
@@ -584,7 +590,7 @@ async fn keep_alive(
         let extended = tokio::select! {
             biased;
             () = sleep_until(alarm(local_deadline)) => return lost(),
-            extended = queue.extend(id, attempts, ttl) => extended,
+            extended = queue.extend_as(id, attempts, holder.as_str(), ttl) => extended,
         };
         match extended {
             Ok(_) => {
