@@ -48,6 +48,7 @@ on_every_backend!(
     a_panicking_handler_frees_the_claim,
     an_unkeyed_request_is_answered_unread,
     a_body_that_lingers_past_its_length_is_stored,
+    two_layers_on_one_locker_share_results,
 );
 
 /// A webhook endpoint that counts its runs and answers something unique per run.
@@ -763,6 +764,32 @@ async fn survives_a_service_restart_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn survives_a_service_restart_on_valkey() {
     survives_a_service_restart(Harness::valkey()).await
+}
+
+/// Two layers built over one locker (an app built twice, or two routers) share their claims,
+/// and so their results too: a delivery handled through one is replayed through the other, on
+/// the memory backend as on a server.
+async fn two_layers_on_one_locker_share_results(h: Harness) {
+    let locker = h.locker().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let a = serve(counting(
+        DedupeLayer::new(locker.clone()),
+        runs.clone(),
+        Duration::ZERO,
+    ))
+    .await;
+    let b = serve(counting(
+        DedupeLayer::new(locker),
+        runs.clone(),
+        Duration::ZERO,
+    ))
+    .await;
+    let original = deliver(a, r#""shared-1""#, "{}").await;
+    assert_eq!(original.status, StatusCode::CREATED);
+    let replay = deliver(b, r#""shared-1""#, "{}").await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.body, original.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
 /// The handler finishes after its claim was deleted and taken by another holder (before renewal

@@ -1,5 +1,6 @@
 //! The in-process backend: the embedded default, with the same semantics as the Redis scripts.
 
+use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -36,6 +37,8 @@ pub struct MemoryBackend {
 struct Inner {
     state: Mutex<State>,
     wakeups: Arc<Wakeups>,
+    /// State other layers keep with this store, one value per type (see `shared`).
+    shared: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
 }
 
 #[derive(Default)]
@@ -72,6 +75,46 @@ impl MemoryBackend {
     /// ```
     pub fn new() -> MemoryBackend {
         MemoryBackend::default()
+    }
+
+    /// A value of type `T` kept with this store and shared by everyone using it (its clones,
+    /// every `Locker` over it), made with `T::default()` the first time it is asked for.
+    ///
+    /// For layers built on lock-core that keep data beside the locks: on a server that data
+    /// lives next to the keys, so two users of one server see the same; here it lives with the
+    /// store, so two users of one store do too (lock-tower's `DedupeLayer` keeps its results
+    /// so). Use a type of your own, so that nobody else's value shares the slot.
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    /// use lock_core::MemoryBackend;
+    ///
+    /// #[derive(Default)]
+    /// struct Deliveries(AtomicU64);
+    ///
+    /// let store = MemoryBackend::new();
+    /// store.clone().shared::<Deliveries>().0.fetch_add(1, Ordering::Relaxed);
+    /// assert_eq!(store.shared::<Deliveries>().0.load(Ordering::Relaxed), 1);
+    /// assert_eq!(MemoryBackend::new().shared::<Deliveries>().0.load(Ordering::Relaxed), 0);
+    /// ```
+    pub fn shared<T: Any + Send + Sync + Default>(&self) -> Arc<T> {
+        let mut map = self
+            .inner
+            .shared
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let slot = map
+            .entry(TypeId::of::<T>())
+            .or_insert_with(|| Arc::new(T::default()));
+        match Arc::clone(slot).downcast::<T>() {
+            Ok(value) => value,
+            // Unreachable: the slot is keyed by `T`'s own type id.
+            Err(_) => {
+                let value = Arc::new(T::default());
+                *slot = value.clone();
+                value
+            }
+        }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {

@@ -154,7 +154,8 @@ impl DedupeConfig {
 /// hold a delivery's claim. Results are kept for 24 h by default. On Redis they live beside the
 /// claim (`{prefix:\x1Fdedupe:<hash>}:result` beside `{prefix:\x1Fdedupe:<hash>}:lock`, one
 /// hash tag, where `\x1F` is the unit separator no key or prefix may contain) and survive a
-/// restart of the service; on the memory backend they live in this layer (clones share them).
+/// restart of the service; on the memory backend they live with the memory store, so every
+/// layer over one store shares them, as every layer over one server does.
 ///
 /// ```
 /// use axum::{Router, routing::post};

@@ -67,7 +67,10 @@ pub(crate) struct MemStore {
 impl Store {
     pub(crate) fn for_locker(locker: &Locker) -> Store {
         match locker.backend() {
-            AnyBackend::Memory(_) => Store::Memory(Arc::default()),
+            // Kept with the backend, as Redis keeps results beside the claims: two layers over
+            // one store share the claims, so they must share the results too, or a delivery
+            // handled through one runs again through the other.
+            AnyBackend::Memory(m) => Store::Memory(m.shared::<MemStore>()),
             AnyBackend::Redis(r) => Store::Redis {
                 conn: r.connection(),
                 script: store_script(),
