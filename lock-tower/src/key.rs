@@ -195,7 +195,8 @@ impl KeyExtractor {
     }
 
     /// The `Idempotency-Key` header of the IETF httpapi draft. Its value is a structured-field
-    /// string, so it arrives quoted (`"abc"`); the quotes and escapes are removed. A bare value
+    /// string, so it arrives quoted (`"abc"`); the quotes and escapes are removed, and
+    /// parameters after it (`"abc";v=1`) are checked and left out of the key. A bare value
     /// without quotes (as some senders use) is accepted as it is. Keys longer than
     /// [`MAX_IDEMPOTENCY_KEY_LEN`] are refused.
     ///
@@ -532,11 +533,20 @@ fn header_text(parts: &Parts, name: &HeaderName) -> Result<Option<String>, KeyPr
     }
 }
 
-/// An RFC 8941 string (`"..."` with `\"` and `\\` escapes, printable ASCII), or a bare value.
+/// An RFC 8941 string item (`"..."` with `\"` and `\\` escapes, printable ASCII), or a bare
+/// value. An item may carry parameters (`"abc";v=1`): they are checked and left out of the key,
+/// which is the string alone.
 fn parse_sf_string(raw: &str) -> Result<String, String> {
     let Some(rest) = raw.strip_prefix('"') else {
         return Ok(raw.to_owned());
     };
+    let (key, rest) = sf_quoted(rest)?;
+    sf_parameters(rest)?;
+    Ok(key)
+}
+
+/// The string whose opening quote was just read, and what follows its closing quote.
+fn sf_quoted(rest: &str) -> Result<(String, &str), String> {
     let mut out = String::with_capacity(rest.len());
     let mut chars = rest.chars();
     while let Some(c) = chars.next() {
@@ -545,18 +555,45 @@ fn parse_sf_string(raw: &str) -> Result<String, String> {
                 Some(e @ ('"' | '\\')) => out.push(e),
                 _ => return Err("bad escape in the structured string".to_owned()),
             },
-            '"' => {
-                return if chars.as_str().is_empty() {
-                    Ok(out)
-                } else {
-                    Err("text after the closing quote".to_owned())
-                };
-            }
+            '"' => return Ok((out, chars.as_str())),
             ' '..='~' => out.push(c),
             _ => return Err("a character outside printable ASCII".to_owned()),
         }
     }
     Err("the structured string has no closing quote".to_owned())
+}
+
+/// RFC 8941 parameters after an item: `*( ";" *SP key [ "=" bare-item ] )`. A value is a
+/// string or a run of the characters tokens, numbers, byte sequences and booleans use.
+fn sf_parameters(mut rest: &str) -> Result<(), String> {
+    let bad = || Err("text after the closing quote that is not `;key=value` parameters".to_owned());
+    while !rest.is_empty() {
+        let Some(after) = rest.strip_prefix(';') else {
+            return bad();
+        };
+        let after = after.trim_start_matches(' ');
+        let key_len = after
+            .find(|c: char| !matches!(c, 'a'..='z' | '0'..='9' | '_' | '-' | '.' | '*'))
+            .unwrap_or(after.len());
+        if !after.starts_with(|c: char| c.is_ascii_lowercase() || c == '*') {
+            return bad();
+        }
+        rest = &after[key_len..];
+        if let Some(value) = rest.strip_prefix('=') {
+            rest = if let Some(quoted) = value.strip_prefix('"') {
+                sf_quoted(quoted)?.1
+            } else {
+                let len = value
+                    .find(|c: char| c == ';' || !c.is_ascii_graphic() || c == '"')
+                    .unwrap_or(value.len());
+                if len == 0 {
+                    return bad();
+                }
+                &value[len..]
+            };
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -613,6 +650,17 @@ mod tests {
         assert_eq!(parse_sf_string("bare-key").as_deref(), Ok("bare-key"));
         assert!(parse_sf_string(r#""open"#).is_err());
         assert!(parse_sf_string(r#""a"b"#).is_err());
+        // Parameters are checked and left out of the key.
+        assert_eq!(parse_sf_string(r#""abc";v=1"#).as_deref(), Ok("abc"));
+        assert_eq!(
+            parse_sf_string(r#""abc"; v=1;flag;n="x;y";t=*tok"#).as_deref(),
+            Ok("abc")
+        );
+        assert!(parse_sf_string(r#""abc";"#).is_err());
+        assert!(parse_sf_string(r#""abc";V=1"#).is_err());
+        assert!(parse_sf_string(r#""abc";v="#).is_err());
+        assert!(parse_sf_string(r#""abc";v="open"#).is_err());
+        assert!(parse_sf_string(r#""abc" ;v=1"#).is_err());
         assert!(parse_sf_string(r#""a\x""#).is_err());
     }
 }
