@@ -2032,11 +2032,53 @@ async fn settings_out_of_range_are_a_500() {
         assert!(
             problem["detail"]
                 .as_str()
-                .is_some_and(|d| d.contains(named)),
+                .is_some_and(|d| d.to_lowercase().contains(named)),
             "{problem}"
         );
         assert_eq!(ran.load(Ordering::SeqCst), 0, "the handler ran");
     }
+}
+
+/// A setting under which no delivery can be deduplicated is answered 500 for every request
+/// the layer dedupes, and only for those: an unkeyed request the layer was told to pass on
+/// still passes, and the answer does not hang on whether the store is reachable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_out_of_range_spare_unkeyed_requests_and_need_no_store() {
+    let layers = [
+        DedupeLayer::new(lock_core::Locker::memory()).retention(Duration::ZERO),
+        DedupeLayer::new(lock_core::Locker::memory()).claim_ttl(Duration::from_micros(500)),
+    ];
+    for layer in layers {
+        let ran = Arc::new(AtomicUsize::new(0));
+        let addr = serve(counting(
+            layer.pass_through_without_key(),
+            ran.clone(),
+            Duration::ZERO,
+        ))
+        .await;
+        let res = send(addr, Method::POST, "/hooks/a", &[], "{}").await;
+        assert_eq!(res.status, StatusCode::CREATED, "{}", res.text());
+        assert_eq!(ran.load(Ordering::SeqCst), 1);
+    }
+    // A claim TTL out of range on a store that has gone away: still the layer's 500 (no
+    // `Retry-After`), not the store's 503.
+    let mut server = support::Server::start(support::Flavor::Redis);
+    let locker = lock_core::Locker::redis(&server.url())
+        .await
+        .expect("connect");
+    server.kill();
+    let ran = Arc::new(AtomicUsize::new(0));
+    let layer = DedupeLayer::new(locker).claim_ttl(Duration::MAX);
+    let addr = serve(counting(layer, ran.clone(), Duration::ZERO)).await;
+    let res = deliver(addr, r#""gone""#, "{}").await;
+    assert_eq!(
+        res.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{}",
+        res.text()
+    );
+    assert_eq!(res.header("retry-after"), None);
+    assert_eq!(ran.load(Ordering::SeqCst), 0, "the handler ran");
 }
 
 /// The claim name as the layer spelled it before its claims had a namespace of their own: a

@@ -101,6 +101,41 @@ fn hex(digest: &[u8]) -> String {
     s
 }
 
+/// A 500 for settings under which no delivery can be deduplicated: its result could not be
+/// stored (retention out of range, a backend with no result store) or its claim not taken (a
+/// claim TTL out of range). A setup problem no retry can cure: a 503 with `Retry-After` would
+/// have every sender retry for ever, and running the handler undeduplicated would break the
+/// layer's promise.
+fn settings_problem<B>(cfg: &DedupeConfig) -> Option<Response<LockBody<B>>> {
+    let rejections = &cfg.rejections;
+    let ttl = cfg.claim.ttl_value();
+    let (problem, detail) = if cfg.retention < super::layer::MIN_RETENTION
+        || cfg.retention > super::layer::MAX_RETENTION
+    {
+        (
+            "the layer's settings are out of range",
+            format!(
+                "the retention {:?} is out of range (1 ms to a year)",
+                cfg.retention
+            ),
+        )
+    } else if !(lock_core::MIN_TTL..=lock_core::MAX_TTL).contains(&ttl) {
+        (
+            "the layer's settings are out of range",
+            format!("the claim TTL {ttl:?} is out of range (10 ms to 24 h)"),
+        )
+    } else if matches!(cfg.store, Store::Unsupported) {
+        (
+            "the layer's backend cannot keep results",
+            StoreError::Unsupported.to_string(),
+        )
+    } else {
+        return None;
+    };
+    rejections.setup_logged.log(problem, &detail);
+    Some(reject(rejections, Reason::Misconfigured, None, detail))
+}
+
 /// A request without a usable key: through without dedupe where the layer was told so, else
 /// refused.
 async fn unkeyed<S, ReqBody, ResBody>(
@@ -152,26 +187,6 @@ where
         return Ok(res.map(LockBody::pass));
     }
     let rejections = &cfg.rejections;
-    if cfg.retention < super::layer::MIN_RETENTION || cfg.retention > super::layer::MAX_RETENTION {
-        // Checked before the handler runs: its result could not be stored.
-        let detail = format!(
-            "the retention {:?} is out of range (1 ms to a year)",
-            cfg.retention
-        );
-        rejections
-            .setup_logged
-            .log("the layer's settings are out of range", &detail);
-        return Ok(reject(rejections, Reason::Misconfigured, None, detail));
-    }
-    if matches!(cfg.store, Store::Unsupported) {
-        // A setup problem no retry can cure: a 503 with `Retry-After` would have every sender
-        // retry for ever, and running the handler undeduplicated would break the layer's promise.
-        let detail = StoreError::Unsupported.to_string();
-        rejections
-            .setup_logged
-            .log("the layer's backend cannot keep results", &detail);
-        return Ok(reject(rejections, Reason::Misconfigured, None, detail));
-    }
     let (mut parts, body) = req.into_parts();
     // A key in the request's head is looked for before the body is read: the body is read only
     // for a keyed request's fingerprint, so a request without a key passes on with its body
@@ -200,6 +215,12 @@ where
             }
         },
     };
+    // Only now, for a request the layer dedupes (an unkeyed one it passes on is none of its
+    // business), and before any store look-up, so the answer does not depend on whether the
+    // store is reachable.
+    if let Some(res) = settings_problem(&cfg) {
+        return Ok(res);
+    }
     // Hashed, so a hostile key can neither collide with another scope's keys nor spell a
     // storage key of its choosing; the claims' own namespace (see `DedupeConfig::claims`) keeps
     // other lockers' keys away from them.
