@@ -135,9 +135,10 @@ impl KeyExtractor {
 
     /// A parameter of the matched axum route (`/accounts/{id}/withdraw` → `id`),
     /// percent-decoded; a parameter that is not UTF-8 once decoded is an invalid key (400, also
-    /// with `pass_through_without_key`). axum only knows the parameters after routing, so add the layer with
-    /// `route_layer` (or to the `MethodRouter`), not with `Router::layer`: there every request
-    /// would miss its key.
+    /// with `pass_through_without_key`). Add the layer with `route_layer` (or to the
+    /// `MethodRouter`): `Router::layer` also wraps the router's fallback, where no route
+    /// matched and there is no parameter, so an unknown path would get the layer's 400 instead
+    /// of axum's 404.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};

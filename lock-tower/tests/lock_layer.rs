@@ -1032,3 +1032,38 @@ async fn held_lease_without_a_layer_is_a_500() {
     assert!(detail.contains("`HeldLease`"), "{problem}");
     assert!(detail.contains("without LockLayer"), "{problem}");
 }
+
+/// What the docs say of `Router::layer` with a route parameter: the matched routes get their
+/// parameter and are locked, but the layer also wraps the fallback, so an unknown path gets the
+/// layer's 400 instead of axum's 404; with `route_layer` it keeps its 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_layer_also_wraps_the_fallback() {
+    let locker = lock_core::Locker::memory();
+    let routes = || Router::new().route("/accounts/{id}/withdraw", post(|| async { "ok" }));
+    let layer = || LockLayer::new(locker.clone(), KeyExtractor::route_param("id"));
+    let wrapped = serve(routes().layer(layer())).await;
+    let routed = serve(routes().route_layer(layer())).await;
+    let held = locker
+        .try_acquire("7", &lock_core::LockOptions::new())
+        .await
+        .expect("hold");
+    for addr in [wrapped, routed] {
+        assert_eq!(
+            post_to(addr, "/accounts/7/withdraw").await.status,
+            StatusCode::CONFLICT
+        );
+        assert_eq!(
+            post_to(addr, "/accounts/8/withdraw").await.status,
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        post_to(wrapped, "/nowhere").await.status,
+        StatusCode::BAD_REQUEST
+    );
+    assert_eq!(
+        post_to(routed, "/nowhere").await.status,
+        StatusCode::NOT_FOUND
+    );
+    held.release().await.expect("release");
+}
