@@ -880,6 +880,39 @@ async fn a_dropped_shutdown_still_stops_the_worker(h: Harness) {
     );
 }
 
+/// More dead jobs than one purge batch (500): one call removes them all; and purged by three
+/// callers at once, every job is removed, each by exactly one of them.
+async fn purge_dead_in_batches_from_many_purgers(h: Harness) {
+    let q = h.open(Queue::builder("purge-many")).await;
+    let kill = |n: u32| {
+        let q = q.clone();
+        async move {
+            let payloads: Vec<Vec<u8>> = (0..n).map(|i| i.to_be_bytes().to_vec()).collect();
+            q.enqueue_many(&payloads).await.expect("enqueue");
+            while let Some(c) = q.claim(ms(30_000)).await.expect("claim") {
+                c.fail("dead").await.expect("fail");
+            }
+            assert_eq!(q.counts().await.expect("counts").dead, u64::from(n));
+        }
+    };
+    kill(1_100).await;
+    assert_eq!(q.purge_dead(Duration::ZERO).await.expect("purge"), 1_100);
+    assert_eq!(q.counts().await.expect("counts").dead, 0);
+    kill(1_100).await;
+    let purgers: Vec<_> = (0..3)
+        .map(|_| {
+            let q = q.clone();
+            tokio::spawn(async move { q.purge_dead(Duration::ZERO).await.expect("purge") })
+        })
+        .collect();
+    let mut removed = 0;
+    for p in purgers {
+        removed += p.await.expect("purger");
+    }
+    assert_eq!(removed, 1_100);
+    assert_eq!(q.counts().await.expect("counts").dead, 0);
+}
+
 async fn claim_wait_wakes_on_enqueue(h: Harness) {
     let q = h.open(Queue::builder("wake")).await;
     let started = Instant::now();
@@ -1443,6 +1476,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn handler_panic_is_retried() {
                 super::handler_panic_is_retried(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn purge_dead_in_batches_from_many_purgers() {
+                super::purge_dead_in_batches_from_many_purgers(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn purge_dead_removes_old_dead_jobs() {

@@ -873,6 +873,22 @@ mod redis_cluster {
     async fn survives_a_service_restart() {
         common::bounded(super::survives_a_service_restart(Harness::redis_cluster())).await
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiting_duplicates_all_get_the_replay() {
+        common::bounded(super::waiting_duplicates_all_get_the_replay(
+            Harness::redis_cluster(),
+        ))
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn same_key_different_request_is_422() {
+        common::bounded(super::same_key_different_request_is_422(
+            Harness::redis_cluster(),
+        ))
+        .await
+    }
 }
 
 /// Writes a keyed delivery on a raw connection and returns the connection, for tests that
@@ -2037,6 +2053,48 @@ async fn settings_out_of_range_are_a_500() {
         );
         assert_eq!(ran.load(Ordering::SeqCst), 0, "the handler ran");
     }
+}
+
+/// The retention's bounds themselves are in range: 1 ms and a year are accepted, a delivery
+/// runs and its duplicate is replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_at_its_bounds_is_accepted() {
+    for retention in [
+        Duration::from_millis(1_000),
+        lock_tower::dedupe::MAX_RETENTION,
+    ] {
+        let ran = Arc::new(AtomicUsize::new(0));
+        let layer = DedupeLayer::new(lock_core::Locker::memory()).retention(retention);
+        let addr = serve(counting(layer, ran.clone(), Duration::ZERO)).await;
+        let first = deliver(addr, r#""bounds""#, "{}").await;
+        assert_eq!(
+            first.status,
+            StatusCode::CREATED,
+            "{retention:?}: {}",
+            first.text()
+        );
+        let again = deliver(addr, r#""bounds""#, "{}").await;
+        assert_eq!(
+            again.header("idempotent-replayed"),
+            Some("true"),
+            "{retention:?}"
+        );
+        assert_eq!(ran.load(Ordering::SeqCst), 1);
+    }
+    // At the lower bound the result is kept 1 ms: the delivery runs, and a duplicate soon
+    // after runs again.
+    let ran = Arc::new(AtomicUsize::new(0));
+    let layer = DedupeLayer::new(lock_core::Locker::memory()).retention(Duration::from_millis(1));
+    let addr = serve(counting(layer, ran.clone(), Duration::ZERO)).await;
+    let first = deliver(addr, r#""brief""#, "{}").await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let again = deliver(addr, r#""brief""#, "{}").await;
+    assert_eq!(
+        (again.status, again.header("idempotent-replayed")),
+        (StatusCode::CREATED, None)
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
 }
 
 /// A setting under which no delivery can be deduplicated is answered 500 for every request

@@ -1067,3 +1067,55 @@ async fn router_layer_also_wraps_the_fallback() {
     );
     held.release().await.expect("release");
 }
+
+/// Under `pass_through_without_key`, only a missing key passes unlocked: a key that is there but
+/// unusable, from a header (braces, too long) or a JSON field (too long), is still a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_key_is_refused_even_when_passing_through() {
+    let ran = Arc::new(AtomicUsize::new(0));
+    let handler = |ran: Arc<AtomicUsize>| {
+        post(move || {
+            ran.fetch_add(1, Ordering::SeqCst);
+            async { "ran" }
+        })
+    };
+    let app = Router::new()
+        .route(
+            "/by-header",
+            handler(ran.clone()).route_layer(
+                LockLayer::new(
+                    lock_core::Locker::memory(),
+                    KeyExtractor::header(http::HeaderName::from_static("x-job")),
+                )
+                .pass_through_without_key(),
+            ),
+        )
+        .route(
+            "/by-json",
+            handler(ran.clone()).route_layer(
+                LockLayer::new(lock_core::Locker::memory(), KeyExtractor::json_field("/id"))
+                    .pass_through_without_key(),
+            ),
+        );
+    let addr = serve(app).await;
+    let long = "k".repeat(lock_core::MAX_KEY_LEN + 1);
+    for value in ["a{b", long.as_str()] {
+        let res = send(addr, Method::POST, "/by-header", &[("x-job", value)], "").await;
+        assert_eq!(
+            res.status,
+            StatusCode::BAD_REQUEST,
+            "{value:?}: {}",
+            res.text()
+        );
+    }
+    let body = format!(r#"{{"id": "{long}"}}"#);
+    let res = send(addr, Method::POST, "/by-json", &[], body).await;
+    assert_eq!(res.status, StatusCode::BAD_REQUEST, "{}", res.text());
+    assert_eq!(ran.load(Ordering::SeqCst), 0, "a handler ran unlocked");
+    // Without a key at all, both pass.
+    let res = send(addr, Method::POST, "/by-header", &[], "").await;
+    assert_eq!(res.status, StatusCode::OK, "{}", res.text());
+    let res = send(addr, Method::POST, "/by-json", &[], "{}").await;
+    assert_eq!(res.status, StatusCode::OK, "{}", res.text());
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
+}
