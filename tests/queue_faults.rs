@@ -283,6 +283,50 @@ async fn a_reissued_id_is_not_the_old_claims(flavor: Flavor) {
         .expect("a repeated complete by id");
 }
 
+/// The same for a `Worker`: after the server lost its writes and another worker claimed the
+/// new job under the old id and attempt, the first worker's renewal is refused, its handler is
+/// cancelled, and it does not complete the new job.
+async fn a_worker_does_not_renew_a_reissued_id(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let q = Queue::redis(&server.url(), "rw").await.expect("connect");
+    q.enqueue(b"before the loss").await.expect("enqueue");
+    let w = Worker::new(q.clone())
+        .ttl(ms(600))
+        .reap_every(Duration::from_secs(3_600))
+        .start(|_job| async move {
+            sleep(Duration::from_secs(60)).await;
+            Ok(())
+        })
+        .expect("start");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while w.report().in_flight == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the worker did not claim the job"
+        );
+        sleep(ms(20)).await;
+    }
+    let _: () = server.cmd(&["FLUSHALL"]);
+    q.enqueue(b"after the loss").await.expect("enqueue");
+    let new = q.claim(ms(30_000)).await.expect("claim").expect("job");
+    assert_eq!((new.id(), new.attempts()), (JobId(1), 1));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while w.report().lost == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the worker kept renewing the new job: {:?}",
+            w.report()
+        );
+        sleep(ms(20)).await;
+    }
+    let r = w.shutdown(Duration::from_secs(5)).await;
+    assert_eq!((r.lost, r.completed), (1, 0), "{r:?}");
+    assert_eq!(q.job(new.id()).await.expect("job").state, JobState::Active);
+    new.complete()
+        .await
+        .expect("the new claim completes its job");
+}
+
 /// Scenario from the issue: a restart with AOF loses no enqueued job, and leases survive too.
 async fn aof_restart_keeps_jobs(flavor: Flavor) {
     let mut server = Server::start_with(flavor, true);
@@ -810,6 +854,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_reissued_id_is_not_the_old_claims() {
                 super::a_reissued_id_is_not_the_old_claims($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_worker_does_not_renew_a_reissued_id() {
+                super::a_worker_does_not_renew_a_reissued_id($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn corrupt_attempts() {
