@@ -531,12 +531,13 @@ async fn client(
         };
         if long && rng.range(0, 2) == 0 {
             // Half the long holds also extend explicitly, midway, beside the renewal driver's
-            // own renewals, to a TTL from half the lease's to twice it: a shorter one must
+            // own renewals, to a TTL from half the lease's to all of it: a shorter one must
             // shorten the local deadline, and no answer may let that deadline pass the
             // server's expiry (the double-grant check below would see a later grant while
-            // this holder still thought it held).
+            // this holder still thought it held). Not longer than the lease's TTL: the checker
+            // explains overlaps after a failover by a lease lasting at most one TTL.
             tokio::time::sleep(Duration::from_millis(hold / 2)).await;
-            let to = rng.range((o.ttl_ms / 2).max(10), 2 * o.ttl_ms + 1);
+            let to = rng.range((o.ttl_ms / 2).max(10), o.ttl_ms + 1);
             let extended = lease.extend(Duration::from_millis(to)).await;
             emit(
                 json!({"ev": "extend", "c": id, "key": key, "fence": fence, "ttl_ms": to,

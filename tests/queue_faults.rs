@@ -254,33 +254,54 @@ async fn deleted_job_keys(flavor: Flavor) {
 async fn a_reissued_id_is_not_the_old_claims(flavor: Flavor) {
     let server = Server::start(flavor);
     let q = Queue::redis(&server.url(), "ri").await.expect("connect");
-    q.enqueue(b"before the loss").await.expect("enqueue");
-    let mut old = q.claim(ms(30_000)).await.expect("claim").expect("job");
+    q.enqueue_many(["one", "two", "three"])
+        .await
+        .expect("enqueue");
+    let claim = || async { q.claim(ms(30_000)).await.expect("claim").expect("job") };
+    let (mut old1, old2, old3) = (claim().await, claim().await, claim().await);
     let _: () = server.cmd(&["FLUSHALL"]);
-    q.enqueue(b"after the loss").await.expect("enqueue");
-    let new = q.claim(ms(30_000)).await.expect("claim").expect("job");
-    assert_eq!((new.id(), new.attempts()), (old.id(), old.attempts()));
-    assert_eq!(new.payload(), b"after the loss");
+    q.enqueue_many(["one again", "two again", "three again"])
+        .await
+        .expect("enqueue");
+    let (new1, new2, new3) = (claim().await, claim().await, claim().await);
+    for (old, new) in [(&old1, &new1), (&old2, &new2), (&old3, &new3)] {
+        assert_eq!((new.id(), new.attempts()), (old.id(), old.attempts()));
+    }
+    let r = old1.extend(ms(30_000)).await;
     assert!(
-        matches!(old.extend(ms(30_000)).await, Err(Error::LeaseLost { .. })),
-        "the old claim extended the new job"
+        matches!(r, Err(Error::LeaseLost { .. })),
+        "the old claim extended the new job: {r:?}"
     );
-    let stale = q.claim(ms(30_000)).await.expect("claim");
-    assert!(stale.is_none());
+    let r = old2.retry(Duration::ZERO).await;
     assert!(
-        matches!(old.complete().await, Err(Error::LeaseLost { .. })),
-        "the old claim completed the new job"
+        matches!(r, Err(Error::LeaseLost { .. })),
+        "the old claim retried the new job: {r:?}"
     );
-    assert_eq!(q.job(new.id()).await.expect("job").state, JobState::Active);
-    // The new claim's own steps still work, and a complete repeated by it (its reply lost)
-    // still succeeds on the done marker, which keeps the holder.
-    let (id, attempts) = (new.id(), new.attempts());
-    new.complete().await.expect("complete");
+    let r = old3.fail("stale").await;
+    assert!(
+        matches!(r, Err(Error::LeaseLost { .. })),
+        "the old claim failed the new job: {r:?}"
+    );
+    for new in [&new1, &new2, &new3] {
+        assert_eq!(q.job(new.id()).await.expect("job").state, JobState::Active);
+    }
+    // Once the new claim has completed, its done marker keeps its holder: the old claim's
+    // complete is still refused, not taken for a repeat of the new claim's.
+    let (id, attempts) = (new1.id(), new1.attempts());
+    new1.complete().await.expect("complete");
     assert_eq!(q.job(id).await.expect("job").state, JobState::Done);
-    // By id and attempt alone (an operator's call), the step is not told apart.
+    let r = old1.complete().await;
+    assert!(
+        matches!(r, Err(Error::LeaseLost { .. })),
+        "the old claim completed the new job: {r:?}"
+    );
+    // By id and attempt alone (an operator's call), the step is not told apart: a repeated
+    // complete succeeds on the marker.
     q.complete(id, attempts)
         .await
         .expect("a repeated complete by id");
+    new2.complete().await.expect("complete");
+    new3.complete().await.expect("complete");
 }
 
 /// The same for a `Worker`: after the server lost its writes and another worker claimed the

@@ -98,22 +98,26 @@ impl MemoryBackend {
     /// assert_eq!(MemoryBackend::new().shared::<Deliveries>().0.load(Ordering::Relaxed), 0);
     /// ```
     pub fn shared<T: Any + Send + Sync + Default>(&self) -> Arc<T> {
-        let mut map = self
-            .inner
-            .shared
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let slot = map
-            .entry(TypeId::of::<T>())
-            .or_insert_with(|| Arc::new(T::default()));
-        match Arc::clone(slot).downcast::<T>() {
+        let slots = || {
+            self.inner
+                .shared
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+        };
+        let found = slots().get(&TypeId::of::<T>()).cloned();
+        if let Some(value) = found
+            && let Ok(value) = value.downcast::<T>()
+        {
+            return value;
+        }
+        // Made without the lock held: a `Default` may itself ask this store for a value. Two
+        // callers racing here each make one, and the first to insert wins for both.
+        let made: Arc<dyn Any + Send + Sync> = Arc::new(T::default());
+        let value = slots().entry(TypeId::of::<T>()).or_insert(made).clone();
+        match value.downcast::<T>() {
             Ok(value) => value,
             // Unreachable: the slot is keyed by `T`'s own type id.
-            Err(_) => {
-                let value = Arc::new(T::default());
-                *slot = value.clone();
-                value
-            }
+            Err(_) => Arc::new(T::default()),
         }
     }
 
@@ -267,5 +271,39 @@ impl Backend for MemoryBackend {
     // An acquire completes on its first poll: it cannot be dropped in flight.
     fn undoes_abandoned_grants(&self) -> bool {
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    thread_local! {
+        static STORE: std::cell::RefCell<Option<MemoryBackend>> = const { std::cell::RefCell::new(None) };
+    }
+
+    #[derive(Default)]
+    struct Part(u8);
+
+    /// Made from another shared value of the same store.
+    struct Outer(Arc<Part>);
+
+    impl Default for Outer {
+        fn default() -> Self {
+            let store = STORE.with_borrow(|s| s.clone()).expect("store set");
+            Outer(store.shared::<Part>())
+        }
+    }
+
+    /// A `Default` that asks the same store for another value does not deadlock, and the
+    /// values are shared by the store's clones.
+    #[test]
+    fn shared_values_may_be_made_from_shared_values() {
+        let store = MemoryBackend::new();
+        STORE.with_borrow_mut(|s| *s = Some(store.clone()));
+        let outer = store.clone().shared::<Outer>();
+        assert!(Arc::ptr_eq(&outer.0, &store.shared::<Part>()));
+        assert!(Arc::ptr_eq(&outer, &store.shared::<Outer>()));
+        assert_eq!(outer.0.0, 0);
     }
 }

@@ -17,6 +17,12 @@ local function reply(out)
   end
   return out
 end
+-- Sets job `id` aside in the dead set and lists it for the reply, with what was found there.
+local function put_aside(id, jk, found)
+  set_aside(id, now)
+  aside[#aside + 1] = jk
+  aside[#aside + 1] = found
+end
 -- Delayed retries that are due join pending at their original place (their id).
 -- At most 100 a claim, the earliest due first (the memory queue's PROMOTE_PER_CLAIM): a claim's
 -- script must stay short.
@@ -31,9 +37,7 @@ for _, id in ipairs(due) do
     redis.call('ZADD', KEYS[1], id, id)
     redis.call('HSET', jk, 'state', 'pending')
   elseif t ~= 'none' then
-    set_aside(id, now)
-    aside[#aside + 1] = jk
-    aside[#aside + 1] = t
+    put_aside(id, jk, t)
   end
 end
 -- At most 100 ids a claim, for the same reason; a claim that set aside all 100 answers {2,
@@ -59,9 +63,7 @@ for _ = 1, 100 do
       -- fence to hand out, and a claim refused for it would stall every job behind it: the
       -- job dies with the reason, the field kept as it was found.
       redis.call('HSET', jk, 'state', 'dead', 'error', 'corrupt attempts field: ' .. att.err)
-      set_aside(id, now)
-      aside[#aside + 1] = jk
-      aside[#aside + 1] = 'hash with a corrupt attempts field'
+      put_aside(id, jk, 'hash with a corrupt attempts field')
     else
       redis.call('HSET', jk, 'state', 'active', 'holder', ARGV[4])
       -- The deadline is the server's clock plus the lease, never the worker's clock.
@@ -74,9 +76,7 @@ for _ = 1, 100 do
     redis.call('ZREM', KEYS[1], id)
   else
     redis.call('ZREM', KEYS[1], id)
-    set_aside(id, now)
-    aside[#aside + 1] = jk
-    aside[#aside + 1] = t
+    put_aside(id, jk, t)
   end
 end
 if taken == 100 and redis.call('EXISTS', KEYS[1]) == 1 then

@@ -52,8 +52,10 @@
 //! - A server that loses writes (a failover, a restart without persistence, a flush) can hand
 //!   a job id out again, and the new job's claims count their attempts from 1 again. A
 //!   [`Claim`]'s own steps, and a [`Worker`]'s, carry the claim's token and are refused on the
-//!   new job ([`Error::LeaseLost`]); the steps that name a job by id and attempt alone
-//!   ([`Queue::complete`] and the rest) cannot tell the two apart.
+//!   new job ([`Error::LeaseLost`] at the same attempt, [`Error::Stale`] once the new job has
+//!   had more); the steps that name a job by id and attempt alone ([`Queue::complete`] and the
+//!   rest) cannot tell the two apart, and neither can any step on a job claimed by a version
+//!   of leasehold from before the token (during a rolling upgrade).
 //!
 //! ```
 //! use lock_core::queue::Queue;

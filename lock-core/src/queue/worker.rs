@@ -435,7 +435,8 @@ where
         // may panic before it returns one, and so is the drop of a handler that finished.
         // Boxed, so that a handler cancelled on a lost lease is dropped where its panic can be
         // caught too (a guard's `Drop` may fail).
-        let mut work = Box::pin(std::panic::AssertUnwindSafe(async { handler(job).await }).catch_unwind());
+        let work = std::panic::AssertUnwindSafe(async { handler(job).await });
+        let mut work = Box::pin(work.catch_unwind());
         // Renewal on a task of its own: a handler that blocks its thread (CPU work, a
         // synchronous call) would otherwise stop its own lease's renewal, and the job would be
         // reaped and run by another worker while this one still runs it. The task ends with
@@ -460,8 +461,10 @@ where
                     .map_or_else(|e| format!("renewal task failed: {e}"), |e| e.to_string());
                 warn!(%reason, "lease lost; handler cancelled");
                 bump(&stats.lost);
-                if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(work))) {
-                    warn!(panic = panic_text(&*panic), "the cancelled handler panicked as it was dropped");
+                let dropped = std::panic::AssertUnwindSafe(|| drop(work));
+                if let Err(panic) = std::panic::catch_unwind(dropped) {
+                    let panic = panic_text(&*panic);
+                    warn!(panic, "the cancelled handler panicked as it was dropped");
                 }
                 return;
             }
@@ -476,18 +479,16 @@ where
                 .map(|_| {
                     bump(&stats.completed);
                 }),
-            Err(e) if e.is_permanent() => with_retries(|| {
-                queue.fail_as(id, attempts, holder.as_str(), &e.message)
-            })
-                .await
-                .map(|_| {
-                    bump(&stats.failed);
-                }),
+            Err(e) if e.is_permanent() => {
+                with_retries(|| queue.fail_as(id, attempts, holder.as_str(), &e.message))
+                    .await
+                    .map(|_| {
+                        bump(&stats.failed);
+                    })
+            }
             Err(e) => {
                 let delay = worker.delay_for(attempts);
-                with_retries(|| {
-                    queue.retry_as(id, attempts, holder.as_str(), delay, &e.message)
-                })
+                with_retries(|| queue.retry_as(id, attempts, holder.as_str(), delay, &e.message))
                     .await
                     .map(|to| {
                         debug!(to = %to, ?delay, error = %e, "retrying");

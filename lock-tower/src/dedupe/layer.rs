@@ -303,9 +303,10 @@ impl DedupeLayer {
     }
 
     /// How long a completed result is replayed (default 24 h). Standard Webhooks suggests at
-    /// least 5 minutes. From 1 ms to [`MAX_RETENTION`]; out of that range every request the
-    /// layer would dedupe (see [`methods`](Self::methods)) is answered 500
-    /// ([`Reason::Misconfigured`]) before the handler runs.
+    /// least 5 minutes. From 1 ms to [`MAX_RETENTION`]; out of that range every keyed request
+    /// the layer would dedupe (see [`methods`](Self::methods)) is answered 500
+    /// ([`Reason::Misconfigured`]) before the handler runs (a request without a key is answered
+    /// as usual: 400, or passed on where the layer lets it).
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};
