@@ -311,6 +311,36 @@ async fn renewal_without_a_majority_is_lost(flavor: Flavor) {
     assert_eq!(lease.remaining(), Duration::ZERO);
 }
 
+/// Leases renewed in one batch are decided each on its own: one whose answer hangs on a
+/// member that is down (its key gone from one member, a second member down) is retried until
+/// its deadline, while a lease that the other two members renew is kept.
+async fn one_undecided_lease_does_not_cost_the_others(flavor: Flavor) {
+    let mut servers = start(flavor, 3);
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let ttl = Duration::from_millis(600);
+    // Back to back, so that their renewals go out in one batch.
+    let o = opts(600);
+    let (healthy, victim) = tokio::join!(
+        locker.try_acquire("healthy", &o),
+        locker.try_acquire("victim", &o),
+    );
+    let (healthy, victim) = (healthy.expect("healthy"), victim.expect("victim"));
+    let k = locker.lock_key("victim").expect("key");
+    let _: i64 = servers[1].cmd(&["DEL", k.lock_key()]);
+    servers[2].kill();
+    // The victim is held on one member, not on another, and the third is silent: it may still
+    // hold a quorum, or may not, so it is lost at its deadline.
+    tokio::time::timeout(ttl * 2, victim.lost())
+        .await
+        .expect("the undecided lease was not reported lost by its deadline");
+    sleep(ttl * 2).await;
+    assert!(
+        !healthy.is_lost(),
+        "lost with two of three members renewing it, beside an undecided lease"
+    );
+    healthy.release().await.expect("release");
+}
+
 /// A member restarted empty in the middle of a held, renewing lease: the lease survives on the
 /// rest of the quorum, scripts are reloaded on the restarted member, and fences keep rising.
 async fn restart_empty_mid_run(flavor: Flavor) {
@@ -789,6 +819,17 @@ async fn bad_member_lists_are_refused() {
         Locker::redlock(&[u[0].as_str(), u[1].as_str(), "not a url"]).await,
         Err(Error::Unavailable(_))
     ));
+    // One server named twice under two database numbers is still one server: alone it would
+    // be two of three votes.
+    let other_db = format!("{}1", u[0].trim_end_matches('/').to_owned() + "/");
+    assert!(
+        matches!(
+            Locker::redlock(&[u[0].as_str(), other_db.as_str(), u[1].as_str()]).await,
+            Err(Error::InvalidQuorum { .. })
+        ),
+        "{other_db} accepted beside {}",
+        u[0]
+    );
 }
 
 /// Starting while a minority is down works, and the missing member joins when it comes up.
@@ -1004,6 +1045,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn contention_one_winner() {
                 super::contention_one_winner($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn one_undecided_lease_does_not_cost_the_others() {
+                super::one_undecided_lease_does_not_cost_the_others($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn renewal_without_a_majority_is_lost() {

@@ -52,8 +52,9 @@
 //!   data safe.
 //! - **Timeouts.** A member that timed out may still have granted; the failure path releases it
 //!   (token-checked), and a release that does not arrive leaves the key to expire with its TTL.
-//! - **Members are distinct servers.** The same address listed twice is refused, but two names
-//!   for one server (a host name and its IP) cannot be told apart and would count twice.
+//! - **Members are distinct servers.** The same address listed twice is refused (under two
+//!   database numbers too), but two names for one server (a host name and its IP) cannot be
+//!   told apart and would count twice.
 //!
 //! # Wake-ups
 //!
@@ -271,7 +272,9 @@ impl QuorumBackend {
         for url in urls {
             let client = redis::Client::open(*url).map_err(Error::Unavailable)?;
             let info = client.get_connection_info();
-            let id = (info.addr().to_string(), info.redis_settings().db());
+            // The address alone: two database numbers of one server are still one server,
+            // which would vote twice and fail (or restart empty) as two members at once.
+            let id = info.addr().to_string();
             if seen.contains(&id) {
                 return Err(Error::InvalidQuorum {
                     reason: "a server is listed twice; it would vote twice",
@@ -356,6 +359,80 @@ impl QuorumBackend {
             .config
             .member_timeout
             .min(valid_until.saturating_duration_since(Instant::now()))
+    }
+
+    /// How many members renewed each lease, and how many members did not answer (they may
+    /// have renewed too); an error when the round outlasted the validity.
+    async fn extend_counts(
+        &self,
+        items: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> Result<(Vec<usize>, usize)> {
+        crate::types::validate_ttl(ttl)?;
+        let started = Instant::now();
+        let limit = ttl.saturating_sub(drift(ttl));
+        let batch_key = items.first().map_or("(batch)", |(k, _)| k.user());
+        let shared: Arc<[(LockKey, Token)]> = items.into();
+        let mut calls = futures_util::stream::FuturesUnordered::new();
+        for (i, slot) in self.inner.members.iter().enumerate() {
+            let Some(member) = slot.get().cloned() else {
+                continue;
+            };
+            let items = shared.clone();
+            // Each member's renewal runs as a task of its own, so that one still under way when
+            // the batch is decided completes anyway: a call dropped between `NOSCRIPT` and its
+            // retry would leave that member without the script, always the slowest, and never
+            // renewing again.
+            let task = tokio::spawn(async move {
+                tokio::time::timeout(limit, member.extend(&items, ttl)).await
+            });
+            calls.push(async move { (i, task.await) });
+        }
+        let quorum = self.inner.quorum;
+        let mut counts = vec![0usize; items.len()];
+        // Members that have not answered yet, or failed: either may still have renewed.
+        let mut unknown = self.members();
+        let mut outstanding = calls.len();
+        while let Some((i, answer)) = calls.next().await {
+            outstanding -= 1;
+            let answer = match answer {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(_)) => Err(member_error("quorum member did not answer in time")),
+                Err(_) => Err(member_error("quorum member's renewal task failed")),
+            };
+            match answer {
+                Ok(held) if held.len() == items.len() => {
+                    unknown -= 1;
+                    for (c, h) in counts.iter_mut().zip(held) {
+                        *c += usize::from(h);
+                    }
+                }
+                Ok(_) => warn!(member = i, "extend answered for a different batch size"),
+                Err(e) => debug!(member = i, error = %e, "quorum extend failed"),
+            }
+            if counts
+                .iter()
+                .all(|&c| c >= quorum || c + outstanding < quorum)
+            {
+                break;
+            }
+        }
+        if started.elapsed() >= limit {
+            return Err(self.no_quorum("extend", batch_key, 0));
+        }
+        Ok((counts, unknown))
+    }
+
+    /// Whether a lease `renewed` members renewed is held, with `unknown` members silent: held
+    /// on a quorum, or certainly not; `None` when it depends on the silent members.
+    fn renewed(&self, renewed: usize, unknown: usize) -> Option<bool> {
+        if renewed >= self.inner.quorum {
+            Some(true)
+        } else if renewed + unknown < self.inner.quorum {
+            Some(false)
+        } else {
+            None
+        }
     }
 
     fn no_quorum(&self, op: &'static str, key: &str, agreed: usize) -> Error {
@@ -686,72 +763,38 @@ impl Backend for QuorumBackend {
     }
 
     /// A lease is renewed when a quorum renewed it within the validity. When too few members
-    /// answered to tell either way, the whole batch is an [`Error::NoQuorum`], which the renewal
-    /// driver retries until the lease's deadline.
+    /// answered to tell either way for some lease of the batch, the whole batch is an
+    /// [`Error::NoQuorum`] (the renewal driver asks [`extend_each`](Backend::extend_each)
+    /// instead, which retries only that lease).
     ///
     /// It returns as soon as every lease of the batch is decided, so a slow or hung member costs
-    /// nothing while the others agree (its renewal still runs to completion in the background). When the answer depends on slow members it waits for them
-    /// up to the validity (ttl less drift), as a single server's renewal would: a large batch on
-    /// a busy server takes a while, and giving up early would only send the same work again.
+    /// nothing while the others agree (its renewal still runs to completion in the background).
+    /// When the answer depends on slow members it waits for them up to the validity (ttl less
+    /// drift), as a single server's renewal would: a large batch on a busy server takes a while,
+    /// and giving up early would only send the same work again.
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
-        crate::types::validate_ttl(ttl)?;
-        let started = Instant::now();
-        let limit = ttl.saturating_sub(drift(ttl));
-        let batch_key = items.first().map_or("(batch)", |(k, _)| k.user());
-        let shared: Arc<[(LockKey, Token)]> = items.into();
-        let mut calls = futures_util::stream::FuturesUnordered::new();
-        for (i, slot) in self.inner.members.iter().enumerate() {
-            let Some(member) = slot.get().cloned() else {
-                continue;
-            };
-            let items = shared.clone();
-            // Each member's renewal runs as a task of its own, so that one still under way when
-            // the batch is decided completes anyway: a call dropped between `NOSCRIPT` and its
-            // retry would leave that member without the script, always the slowest, and never
-            // renewing again.
-            let task = tokio::spawn(async move {
-                tokio::time::timeout(limit, member.extend(&items, ttl)).await
-            });
-            calls.push(async move { (i, task.await) });
-        }
-        let quorum = self.inner.quorum;
-        let mut counts = vec![0usize; items.len()];
-        // Members that have not answered yet, or failed: either may still have renewed.
-        let mut unknown = self.members();
-        let mut outstanding = calls.len();
-        while let Some((i, answer)) = calls.next().await {
-            outstanding -= 1;
-            let answer = match answer {
-                Ok(Ok(answer)) => answer,
-                Ok(Err(_)) => Err(member_error("quorum member did not answer in time")),
-                Err(_) => Err(member_error("quorum member's renewal task failed")),
-            };
-            match answer {
-                Ok(held) if held.len() == items.len() => {
-                    unknown -= 1;
-                    for (c, h) in counts.iter_mut().zip(held) {
-                        *c += usize::from(h);
-                    }
-                }
-                Ok(_) => warn!(member = i, "extend answered for a different batch size"),
-                Err(e) => debug!(member = i, error = %e, "quorum extend failed"),
-            }
-            if counts
-                .iter()
-                .all(|&c| c >= quorum || c + outstanding < quorum)
-            {
-                break;
-            }
-        }
-        if started.elapsed() >= ttl.saturating_sub(drift(ttl)) {
-            return Err(self.no_quorum("extend", batch_key, 0));
-        }
-        // Held on a quorum, or certainly not: anything in between depends on the silent members.
-        if counts.iter().any(|&c| c < quorum && c + unknown >= quorum) {
+        let (counts, unknown) = self.extend_counts(items, ttl).await?;
+        let decided: Option<Vec<bool>> = counts.iter().map(|&c| self.renewed(c, unknown)).collect();
+        decided.ok_or_else(|| {
+            let batch_key = items.first().map_or("(batch)", |(k, _)| k.user());
             let agreed = counts.iter().copied().min().unwrap_or(0);
-            return Err(self.no_quorum("extend", batch_key, agreed));
-        }
-        Ok(counts.into_iter().map(|c| c >= quorum).collect())
+            self.no_quorum("extend", batch_key, agreed)
+        })
+    }
+
+    /// As [`extend`](Backend::extend), one answer per lease: `None` for a lease whose answer
+    /// depends on members that did not answer, so that one undecided lease does not count the
+    /// leases a quorum did renew (or certainly did not) as unknown too.
+    async fn extend_each(
+        &self,
+        items: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> Result<Vec<Option<bool>>> {
+        let (counts, unknown) = self.extend_counts(items, ttl).await?;
+        Ok(counts
+            .into_iter()
+            .map(|c| self.renewed(c, unknown))
+            .collect())
     }
 
     /// Admitted when a quorum admits `fence` and no member has seen a higher one.
