@@ -451,6 +451,39 @@ async fn a_slow_subscription_keeps_the_wait_deadline(flavor: Flavor) {
     );
 }
 
+/// Acquires that queue behind one another go out as one batch; callers that stop waiting
+/// after their grants came back but before reading them (their futures dropped unpolled, as a
+/// lost `select!` branch drops one) leave no key held: the grants are released.
+async fn grants_answered_to_callers_who_left_are_released(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let o = LockOptions::new().ttl(Duration::from_secs(30)).renew(false);
+    let keys: Vec<String> = (0..16).map(|i| format!("left-{i}")).collect();
+    let mut calls: Vec<_> = keys
+        .iter()
+        .map(|k| Box::pin(locker.try_acquire(k, &o)))
+        .collect();
+    std::future::poll_fn(|cx| {
+        for c in &mut calls {
+            assert!(c.as_mut().poll(cx).is_pending());
+        }
+        std::task::Poll::Ready(())
+    })
+    .await;
+    // The batch is answered into the callers' channels meanwhile; nobody reads them.
+    sleep(Duration::from_millis(500)).await;
+    drop(calls);
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left: Vec<String> = server.cmd(&["KEYS", "*left-*:lock"]);
+        if left.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < give_up, "held by nobody: {left:?}");
+        sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A wait of zero on a held key ends at once, without subscribing for wake-ups it cannot use
 /// (nor unsubscribing after), as `try_acquire` would.
 async fn a_zero_wait_does_not_subscribe(flavor: Flavor) {
@@ -635,6 +668,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_slow_subscription_keeps_the_wait_deadline() {
                 super::a_slow_subscription_keeps_the_wait_deadline($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn grants_answered_to_callers_who_left_are_released() {
+                super::grants_answered_to_callers_who_left_are_released($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_zero_wait_does_not_subscribe() {

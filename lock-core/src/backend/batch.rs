@@ -50,8 +50,12 @@ struct State<F: Flush> {
     scheduled: bool,
     items: Vec<F::Item>,
     /// Where each queued item's answer goes, in the same order.
-    replies: Vec<oneshot::Sender<Result<F::Reply>>>,
+    replies: Vec<Reply<F>>,
 }
+
+/// A queued item's answer, sent back with the item: a caller who left after it was sent but
+/// before it read it hands both to [`Flush::unclaimed`].
+type Reply<F> = oneshot::Sender<(<F as Flush>::Item, Result<<F as Flush>::Reply>)>;
 
 /// Sends one kind of script call, coalescing the calls that arrive while others are in flight.
 pub(super) struct Batcher<F: Flush> {
@@ -108,7 +112,13 @@ impl<F: Flush> Batcher<F> {
                 unanswered.item = None;
                 answer
             }
-            Err(rx) => rx.await.ok(),
+            Err(rx) => {
+                let mut waiting = Waiting {
+                    flush: &self.flush,
+                    rx,
+                };
+                (&mut waiting.rx).await.ok().map(|(_, answer)| answer)
+            }
         }
     }
 
@@ -139,11 +149,7 @@ impl<F: Flush> Batcher<F> {
         });
     }
 
-    async fn send(
-        &self,
-        mut items: Vec<F::Item>,
-        mut replies: Vec<oneshot::Sender<Result<F::Reply>>>,
-    ) {
+    async fn send(&self, mut items: Vec<F::Item>, mut replies: Vec<Reply<F>>) {
         if !F::SEND_ABANDONED && replies.iter().any(|tx| tx.is_closed()) {
             (items, replies) = items
                 .into_iter()
@@ -154,17 +160,17 @@ impl<F: Flush> Batcher<F> {
         let calls = items.chunks(MAX_BATCH).map(|chunk| self.flush.flush(chunk));
         let answers = futures_util::future::join_all(calls).await;
         // An answer list shorter than its chunk drops the rest's senders: told no answer came.
+        let mut items = items.into_iter();
         let mut replies = replies.into_iter();
-        for (chunk, answers) in items.chunks(MAX_BATCH).zip(answers) {
-            let mut senders = replies.by_ref().take(chunk.len());
-            for (item, answer) in chunk.iter().zip(answers) {
-                if let Some(tx) = senders.next()
-                    && let Err(answer) = tx.send(answer)
+        for answers in answers {
+            let mut answers = answers.into_iter();
+            for (item, tx) in items.by_ref().zip(replies.by_ref()).take(MAX_BATCH) {
+                if let Some(answer) = answers.next()
+                    && let Err((item, answer)) = tx.send((item, answer))
                 {
-                    self.flush.unclaimed(item, Some(answer));
+                    self.flush.unclaimed(&item, Some(answer));
                 }
             }
-            senders.for_each(drop);
         }
     }
 }
@@ -180,6 +186,23 @@ impl<F: Flush> Drop for Unanswered<'_, F> {
     fn drop(&mut self) {
         if let Some(item) = self.item {
             self.flush.unclaimed(item, None);
+        }
+    }
+}
+
+/// A queued caller's wait for its answer. Dropped before the answer was read (the caller's
+/// future dropped, even after the answer came), it closes the channel and hands an answer that
+/// came to [`Flush::unclaimed`] with its item: a grant must not be lost with its caller.
+struct Waiting<'a, F: Flush> {
+    flush: &'a F,
+    rx: oneshot::Receiver<(F::Item, Result<F::Reply>)>,
+}
+
+impl<F: Flush> Drop for Waiting<'_, F> {
+    fn drop(&mut self) {
+        self.rx.close();
+        if let Ok((item, answer)) = self.rx.try_recv() {
+            self.flush.unclaimed(&item, Some(answer));
         }
     }
 }
@@ -298,6 +321,39 @@ mod tests {
         let mut unclaimed = b.flush.unclaimed.lock().expect("unclaimed").clone();
         unclaimed.sort();
         assert_eq!(unclaimed, vec![(0, false), (1, true)]);
+    }
+
+    /// A queued caller whose answer has come but who has not read it yet, and never will (its
+    /// future dropped before its next poll: a lost `select!` branch, an abort): the answer is
+    /// handed back with its item, not dropped with the channel.
+    #[tokio::test]
+    async fn an_answer_that_came_for_a_caller_who_left_is_unclaimed() {
+        let b = echo::<false>(false);
+        let mut alone = Box::pin(b.run(0));
+        let mut queued = Box::pin(b.run(1));
+        std::future::poll_fn(|cx| {
+            assert!(alone.as_mut().poll(cx).is_pending());
+            assert!(queued.as_mut().poll(cx).is_pending());
+            Poll::Ready(())
+        })
+        .await;
+        until_calls(&b, 2).await;
+        b.flush.gate.add_permits(100);
+        // The scheduled flush answers into the queued caller's channel; nobody polls it.
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(5);
+        while b.state().in_flight > 1 {
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "the flush never ended"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        drop(queued);
+        assert_eq!(
+            b.flush.unclaimed.lock().expect("unclaimed").clone(),
+            vec![(1, true)]
+        );
+        assert_eq!(alone.await.expect("answered").expect("echoed"), 0);
     }
 
     fn sizes<const SEND: bool>(b: &Batcher<Echo<SEND>>) -> Vec<usize> {
