@@ -343,6 +343,36 @@ async fn lost_extend_reply_shortens_the_lease(flavor: Flavor) {
     assert!(pttl > 0, "lost() fired after the server let the key go");
 }
 
+/// The same lost extend reply on a lease that renews: the shortened deadline brings its next
+/// renewal forward (by halfway to the new alarm), so the lease is kept, not reported lost at
+/// the shortened deadline with no renewal tried.
+async fn a_renewing_lease_renews_after_a_lost_extend_reply(flavor: Flavor) {
+    let (_server, proxy, locker) = through_proxy(flavor).await;
+    let opts = LockOptions::new().ttl(Duration::from_secs(30));
+    let lease = locker
+        .try_acquire("shortened-renewing", &opts)
+        .await
+        .expect("acquire");
+    proxy.drop_replies(RELEASED, 1);
+    let outcome = lease.extend(Duration::from_millis(3_000)).await;
+    assert!(
+        matches!(outcome, Err(Error::OutcomeUnknown { .. })),
+        "{outcome:?}"
+    );
+    assert!(lease.remaining() <= Duration::from_millis(3_000));
+    sleep(Duration::from_millis(4_000)).await;
+    assert!(
+        !lease.is_lost(),
+        "lost at the shortened deadline, though the server was there to renew it"
+    );
+    assert!(
+        lease.remaining() > Duration::from_secs(3),
+        "not renewed: {:?} left",
+        lease.remaining()
+    );
+    lease.release().await.expect("release");
+}
+
 /// An extend to a shorter TTL whose caller gives up before the reply (a timeout around it):
 /// the extend still runs on the server, so the lease must not go on claiming the old 30 s, or
 /// the key would expire under a holder that believes it has most of that left.
@@ -617,6 +647,10 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_extend_reply_shortens_the_lease() {
                 super::lost_extend_reply_shortens_the_lease($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_renewing_lease_renews_after_a_lost_extend_reply() {
+                super::a_renewing_lease_renews_after_a_lost_extend_reply($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_cancelled_extend_shortens_the_lease() {

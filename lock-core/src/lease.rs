@@ -248,7 +248,7 @@ impl<B: Backend + Clone> Lease<B> {
         let deadline = Instant::now() + ttl - drift(ttl);
         self.state.extending(deadline, warn_ahead(ttl));
         let mut unanswered = MaybeExtended {
-            state: &self.state,
+            lease: self,
             deadline,
             ttl,
         };
@@ -366,20 +366,28 @@ impl<B: Backend + Clone> Lease<B> {
 /// may still have landed: the deadline may only shorten to its expiry, and a renewal sent
 /// meanwhile, which may have run before it on the server (another connection, a quorum member,
 /// a resent call), may no longer lengthen it.
-struct MaybeExtended<'a> {
-    state: &'a LeaseState,
+struct MaybeExtended<'a, B: Backend + Clone> {
+    lease: &'a Lease<B>,
     deadline: Instant,
     /// The extend's TTL; zero once it was answered.
     ttl: Duration,
 }
 
-impl Drop for MaybeExtended<'_> {
+impl<B: Backend + Clone> Drop for MaybeExtended<'_, B> {
     fn drop(&mut self) {
+        let lease = self.lease;
         if !self.ttl.is_zero() {
-            self.state
+            lease
+                .state
                 .maybe_extended(self.deadline, warn_ahead(self.ttl));
+            if lease.renewing {
+                // The deadline may have moved closer: the next renewal must come by halfway
+                // to it, not on the schedule of the longer TTL, or the lease is lost at the
+                // shortened deadline with no renewal tried.
+                lease.core.send(Cmd::Rescheduled { id: lease.id });
+            }
         }
-        self.state.extend_settled();
+        lease.state.extend_settled();
     }
 }
 

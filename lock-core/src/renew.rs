@@ -434,6 +434,11 @@ pub(crate) enum Cmd {
         id: u64,
         ttl: Duration,
     },
+    /// The lease's deadline may have moved closer without a new TTL (an extend of unknown
+    /// outcome): its next renewal is filed again, by halfway to the new alarm.
+    Rescheduled {
+        id: u64,
+    },
     /// Stop tracking; with `release`, also release the lease in the background (guard dropped).
     Remove {
         id: u64,
@@ -446,7 +451,7 @@ impl Cmd {
     fn due(&self) -> Option<Instant> {
         match self {
             Cmd::Add { sent, ttl, .. } => Some(*sent + *ttl / 3),
-            Cmd::Retune { .. } => Some(Instant::now()),
+            Cmd::Retune { .. } | Cmd::Rescheduled { .. } => Some(Instant::now()),
             // A dropped guard's release should not wait for the driver's next timer.
             Cmd::Remove {
                 release: Some(_), ..
@@ -834,6 +839,20 @@ fn apply<B: Backend + Clone>(backend: &B, d: &mut Driver, cmd: Cmd) {
                 e.ttl = ttl;
                 if e.filed_renew.is_some() {
                     let at = e.state.renew_by(Instant::now() + ttl / 3);
+                    d.file_renew(id, at);
+                }
+                d.file_deadline(id);
+            }
+        }
+        Cmd::Rescheduled { id } => {
+            let refiled = d
+                .entries
+                .get(&id)
+                .map(|e| e.filed_renew.map(|at| e.state.renew_by(at)));
+            if let Some(filed) = refiled {
+                // None: a renewal is in flight, and its answer files the next one by the
+                // new alarm.
+                if let Some(at) = filed {
                     d.file_renew(id, at);
                 }
                 d.file_deadline(id);
