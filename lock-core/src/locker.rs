@@ -1253,6 +1253,22 @@ mod tests {
         lease.release().await.expect("release");
     }
 
+    /// A wait of zero is over at once, yet a free key is still tried once and taken, however
+    /// the timer and the free turn are polled (a paused clock fires the timer on its first
+    /// poll).
+    #[tokio::test(start_paused = true)]
+    async fn a_zero_wait_takes_a_free_key() {
+        let locker = Locker::memory();
+        let o = opts(Duration::from_secs(1)).wait(Duration::ZERO);
+        for i in 0..32 {
+            let lease = locker
+                .acquire(&format!("k{i}"), &o)
+                .await
+                .expect("a free key");
+            lease.release().await.expect("release");
+        }
+    }
+
     /// A waiting acquire whose grant came back after its validity (970 ms for a 1 s lease,
     /// whose alarm is at 960 ms) waits on with a new token, and is handed a later grant that
     /// the late one's give-back cannot free: that give-back takes 20 ms to land, while the

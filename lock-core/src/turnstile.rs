@@ -118,6 +118,9 @@ impl TurnHandle {
                 }
             };
             tokio::select! {
+                // The free turn first: a deadline already passed (a wait of zero) still takes
+                // a turn that is free, as the caller's one attempt.
+                biased;
                 permit = &mut acquire => return permit.ok(),
                 _ = holder_lost => {
                     if let Some(state) = &holder {
