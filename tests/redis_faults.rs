@@ -570,6 +570,47 @@ async fn concurrent_calls_share_scripts(flavor: Flavor) {
     assert!(left.is_empty(), "locks left after release: {left:?}");
 }
 
+/// The same batch as a user who may not run `TYPE` (which only names a foreign key's type):
+/// the foreign key's item fails with the server's refusal, and the rest of the batch is
+/// granted, not failed after some of it was written, which would leave those keys held by
+/// nobody.
+async fn a_refused_type_fails_only_its_own_item(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let _: () = server.cmd(&[
+        "ACL", "SETUSER", "no-type", "on", ">pw", "~*", "&*", "+@all", "-type",
+    ]);
+    let url = server.url().replacen("://", "://no-type:pw@", 1);
+    let locker = Locker::redis(&url).await.expect("connect");
+    let keys: Vec<String> = (0..32).map(|i| format!("typeless:{i}")).collect();
+    let list = locker.lock_key(&keys[5]).expect("key");
+    let _: i64 = server.cmd(&["RPUSH", list.lock_key(), "precious"]);
+    start_counting(&server, &locker).await;
+    let o = opts(30_000).renew(false);
+    let results =
+        futures_util::future::join_all(keys.iter().map(|k| locker.try_acquire(k, &o))).await;
+    assert_eq!(
+        calls(&server, "evalsha") + calls(&server, "eval"),
+        2,
+        "the acquires did not share calls, so this proves nothing about batches"
+    );
+    for (i, r) in results.into_iter().enumerate() {
+        match (i, r) {
+            (5, Err(_)) => {}
+            (5, Ok(_)) => panic!("the foreign key was granted"),
+            (_, Ok(lease)) => {
+                lease.release().await.expect("release");
+            }
+            (_, Err(e)) => {
+                let k = locker.lock_key(&keys[i]).expect("key");
+                let held: i64 = server.cmd(&["EXISTS", k.lock_key()]);
+                panic!("item {i} failed beside the foreign key ({e}); its key held: {held}");
+            }
+        }
+    }
+    let kept: Vec<String> = server.cmd(&["LRANGE", list.lock_key(), "0", "-1"]);
+    assert_eq!(kept, vec!["precious".to_owned()]);
+}
+
 /// One item of a shared call that meets a foreign type fails alone: the others are granted,
 /// and nothing is written for it.
 async fn one_foreign_key_in_a_batch(flavor: Flavor) {
@@ -656,6 +697,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "current_thread")]
             async fn concurrent_calls_share_scripts() {
                 super::concurrent_calls_share_scripts($flavor).await
+            }
+            #[tokio::test(flavor = "current_thread")]
+            async fn a_refused_type_fails_only_its_own_item() {
+                super::a_refused_type_fails_only_its_own_item($flavor).await
             }
             #[tokio::test(flavor = "current_thread")]
             async fn one_foreign_key_in_a_batch() {

@@ -16,7 +16,11 @@
 -- key does not hold.
 local function refusal(err, key, status)
   if string.sub(err, 1, 9) ~= 'WRONGTYPE' then return -3, err end
-  return status, redis.call('TYPE', key).ok
+  -- pcall: a TYPE the ACL user may not run fails this item alone, not the grants already made
+  -- in this call (an error here would leave them held by callers told they were refused).
+  local t = redis.pcall('TYPE', key)
+  if t.err then return -3, t.err end
+  return status, t.ok
 end
 
 -- A canonical decimal string plus one, exactly: fences go to 2^64 - 1, and Lua numbers are
