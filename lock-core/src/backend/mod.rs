@@ -124,8 +124,9 @@ pub trait Backend: Send + Sync + 'static {
     /// As [`extend`](Backend::extend), for the renewal driver: one answer per item, `None` where
     /// that item's outcome is unknown (its part of the batch failed) so that it is retried while
     /// the others settle. The default answers all or nothing; a backend whose batch spans
-    /// several servers (a cluster) answers per server, so that one failed node does not stall
-    /// the renewal of leases on the others.
+    /// several servers answers per server (a cluster) or per lease (a quorum, where one lease's
+    /// answer may hang on a silent member while the others' are decided), so that one failed
+    /// node does not stall the renewal of leases on the others.
     fn extend_each(
         &self,
         items: &[(LockKey, Token)],
