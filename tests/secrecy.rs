@@ -3,43 +3,16 @@
 //! every level, is captured while two holders contend on memory and on a real `redis-server`,
 //! and the text is searched for both tokens.
 
+#[path = "support/captured.rs"]
+mod captured;
 mod support;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use captured::Captured;
 use leasehold::{Error, LockOptions, Locker};
 use support::{Flavor, Server};
-use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::util::SubscriberInitExt;
-
-/// Collects what the subscriber writes.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("log buffer").extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> MakeWriter<'a> for Captured {
-    type Writer = Captured;
-    fn make_writer(&'a self) -> Captured {
-        self.clone()
-    }
-}
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().expect("log buffer")).into_owned()
-    }
-}
 
 /// Two holders contend: busy, wait timeout, extend, a stale release, a lost lease, a drop.
 /// Returns both tokens and every error's `Display` and `Debug` text.

@@ -2,47 +2,25 @@
 //! not once per request: a busy route would otherwise bury the log in one line repeated.
 //! A test binary of its own, since it installs the process's global subscriber.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+#[path = "../../tests/support/captured.rs"]
+mod captured;
+
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::handler::HandlerWithoutStateExt;
+use captured::Captured;
 use http::StatusCode;
 use lock_tower::{DedupeLayer, KeyExtractor, LockLayer};
 use tower_layer::Layer;
 use tower_service::Service;
-use tracing_subscriber::fmt::MakeWriter;
 
-/// Collects what the subscriber writes.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("log buffer").extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> MakeWriter<'a> for Captured {
-    type Writer = Captured;
-    fn make_writer(&'a self) -> Captured {
-        self.clone()
-    }
-}
-
-impl Captured {
-    /// The lines holding `what`, at `level`.
-    fn count(&self, level: &str, what: &str) -> usize {
-        String::from_utf8_lossy(&self.0.lock().expect("log buffer"))
-            .lines()
-            .filter(|l| l.contains(level) && l.contains(what))
-            .count()
-    }
+/// The lines of `log` holding `what`, at `level`.
+fn count(log: &Captured, level: &str, what: &str) -> usize {
+    log.text()
+        .lines()
+        .filter(|l| l.contains(level) && l.contains(what))
+        .count()
 }
 
 async fn ok() -> &'static str {
@@ -82,8 +60,8 @@ async fn a_setup_problem_is_logged_once_per_layer() {
     // A second service from the same layer (as a router makes one per route) shares its log.
     let mut again = layer.layer(ok.into_service());
     refused(&mut again, 2).await;
-    assert_eq!(log.count("ERROR", prefix), 1);
-    assert_eq!(log.count("DEBUG", prefix), 4);
+    assert_eq!(count(&log, "ERROR", prefix), 1);
+    assert_eq!(count(&log, "DEBUG", prefix), 4);
 
     // Another setting out of range, on another layer: logged once again, for that layer.
     let ttl = "the layer's lease settings are out of range";
@@ -91,14 +69,20 @@ async fn a_setup_problem_is_logged_once_per_layer() {
         .ttl(Duration::from_micros(10));
     let mut svc = layer.layer(ok.into_service());
     refused(&mut svc, 3).await;
-    assert_eq!((log.count("ERROR", ttl), log.count("DEBUG", ttl)), (1, 2));
+    assert_eq!(
+        (count(&log, "ERROR", ttl), count(&log, "DEBUG", ttl)),
+        (1, 2)
+    );
 
     let retention = "the layer's settings are out of range";
     let layer = DedupeLayer::new(lock_core::Locker::memory()).retention(Duration::ZERO);
     let mut svc = layer.layer(ok.into_service());
     refused(&mut svc, 3).await;
     assert_eq!(
-        (log.count("ERROR", retention), log.count("DEBUG", retention)),
+        (
+            count(&log, "ERROR", retention),
+            count(&log, "DEBUG", retention)
+        ),
         (1, 2)
     );
 }
