@@ -726,18 +726,21 @@ async fn purge_dead_removes_old_dead_jobs(h: Harness) {
     assert_eq!(q.purge_dead(Duration::ZERO).await.expect("purge"), 0);
 }
 
+/// Sets its flag when dropped: a handler holding one tells when it was cancelled.
+struct OnDrop(Arc<AtomicBool>);
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
 /// A handler whose lease is taken away is cancelled; its result never lands.
 async fn lost_lease_cancels_handler(h: Harness) {
     let q = h.open(Queue::builder("cancel")).await;
     let id = q.enqueue(b"slow").await.expect("enqueue");
     let running = Arc::new(AtomicU64::new(0));
     let dropped = Arc::new(AtomicBool::new(false));
-    struct OnDrop(Arc<AtomicBool>);
-    impl Drop for OnDrop {
-        fn drop(&mut self) {
-            self.0.store(true, Ordering::SeqCst);
-        }
-    }
     let (r, d) = (running.clone(), dropped.clone());
     let w = Worker::new(q.clone())
         .ttl(ms(1_500))
@@ -830,12 +833,6 @@ async fn a_dropped_shutdown_still_stops_the_worker(h: Harness) {
     let q = h.open(Queue::builder("dropped-shutdown")).await;
     let id = q.enqueue(b"stuck").await.expect("enqueue");
     let dropped = Arc::new(AtomicBool::new(false));
-    struct OnDrop(Arc<AtomicBool>);
-    impl Drop for OnDrop {
-        fn drop(&mut self) {
-            self.0.store(true, Ordering::SeqCst);
-        }
-    }
     let d = dropped.clone();
     let w = Worker::new(q.clone())
         .ttl(ms(300))
