@@ -311,6 +311,58 @@ async fn renewal_without_a_majority_is_lost(flavor: Flavor) {
     assert_eq!(lease.remaining(), Duration::ZERO);
 }
 
+/// Fences stored on the members by someone else: near 2^64 - 1 they still rise by one per
+/// grant, at 2^64 - 1 the acquire is refused (nothing left held) rather than granted a fence
+/// equal to the last, and a value that is no canonical fence counts as none and is overwritten
+/// by the grant's fence.
+async fn odd_stored_fences(flavor: Flavor) {
+    let servers = start(flavor, 3);
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let k = locker.lock_key("odd").expect("key");
+    let set_all = |v: &str| {
+        for s in &servers {
+            let _: () = s.cmd(&["SET", k.fence_key(), v]);
+        }
+    };
+    set_all(&(u64::MAX - 2).to_string());
+    for want in [u64::MAX - 1, u64::MAX] {
+        let lease = locker
+            .try_acquire("odd", &opts(5_000))
+            .await
+            .expect("grant");
+        assert_eq!(lease.fence().get(), want);
+        lease.release().await.expect("release");
+    }
+    let refused = locker.try_acquire("odd", &opts(5_000)).await;
+    assert!(
+        matches!(&refused, Err(Error::Refused { .. })),
+        "an acquire past the largest fence: {refused:?}"
+    );
+    for s in &servers {
+        assert!(!holds(s, &locker, "odd"), "a member still holds the key");
+    }
+    // Leading zeros, and a number wider than 64 bits: no fence.
+    for odd in [
+        "000000000000000000000000000001",
+        "123456789012345678901234567890",
+    ] {
+        set_all(odd);
+        let lease = locker
+            .try_acquire("odd", &opts(5_000))
+            .await
+            .expect("grant");
+        let f = lease.fence().get();
+        assert!(
+            f > 1_000_000_000_000_000,
+            "fence {f} after {odd}: not the clock's"
+        );
+        lease.release().await.expect("release");
+        for s in &servers {
+            assert_eq!(stored_fence(s, &locker, "odd"), Some(f), "after {odd}");
+        }
+    }
+}
+
 /// Leases renewed in one batch are decided each on its own: one whose answer hangs on a
 /// member that is down (its key gone from one member, a second member down) is retried until
 /// its deadline, while a lease that the other two members renew is kept.
@@ -1045,6 +1097,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn contention_one_winner() {
                 super::contention_one_winner($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn odd_stored_fences() {
+                super::odd_stored_fences($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn one_undecided_lease_does_not_cost_the_others() {

@@ -515,9 +515,14 @@ impl QuorumBackend {
         };
         match (items.first().and_then(int), items.len()) {
             (Some(1), 4) => {
-                // A fence key holding something other than a number counts as no fence, as on a
-                // single server.
-                let stored = text(&items[1]).parse::<u64>().unwrap_or(0);
+                // A fence key holding anything but a canonical decimal of at most 2^64 - 1 counts
+                // as no fence, as on a single server (and the write-back overwrites it).
+                let raw = text(&items[1]);
+                let stored = if raw.starts_with('0') {
+                    0
+                } else {
+                    raw.parse::<u64>().unwrap_or(0)
+                };
                 let (secs, micros) = match (int(&items[2]), int(&items[3])) {
                     (Some(s), Some(u)) => (s.max(0) as u64, u.max(0) as u64),
                     _ => return Err(unexpected("acquire", &reply)),
@@ -617,6 +622,21 @@ impl QuorumBackend {
             }
         }
         let mut agreed = granted.len();
+        if granted.len() >= quorum && max_stored == u64::MAX {
+            // No higher fence exists: refuse, taking the votes back, rather than hand out a
+            // fence equal to one already granted (as a single server refuses).
+            let limit = self.inner.config.member_timeout;
+            let _ = self
+                .on_members(&may_hold, limit, |m| m.release(key, token))
+                .await;
+            return Round::Refused(Error::Refused {
+                op: "acquire",
+                key: key.user().to_owned(),
+                source: crate::error::error_reply(
+                    "ERR fence exhausted: the stored fence is 2^64 - 1 or more",
+                ),
+            });
+        }
         if granted.len() >= quorum && Instant::now() < valid_until {
             let fence = max_stored.saturating_add(1).max(max_now);
             let writes = self

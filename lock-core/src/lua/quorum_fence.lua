@@ -21,8 +21,13 @@ if type(stored) == 'table' and stored.err then
   return 0
 end
 -- Decimal strings without leading zeros compare by length, then lexically: no float rounding.
+-- Anything but a canonical decimal of at most 2^64 - 1 counts as no fence stored (the client
+-- read it so) and is overwritten: kept, it would claim a fence this member never agreed to.
+local MAX = '18446744073709551615'
+local canonical = stored and string.match(stored, '^[1-9]%d*$')
+  and (#stored < #MAX or (#stored == #MAX and stored <= MAX))
 local f = ARGV[2]
-if not stored or #stored < #f or (#stored == #f and stored < f) then
+if not canonical or #stored < #f or (#stored == #f and stored < f) then
   redis.call('SET', KEYS[2], f)
 end
 return 1
