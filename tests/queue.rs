@@ -651,13 +651,7 @@ async fn a_blocking_handler_keeps_its_lease(h: Harness) {
             Ok(())
         })
         .expect("start");
-    assert!(
-        eventually(Duration::from_secs(10), || async {
-            w.report().in_flight == 1
-        })
-        .await,
-        "the worker did not claim the job"
-    );
+    until_running(&w).await;
     let mut stolen = None;
     let started = tokio::time::Instant::now();
     while w.report().completed == 0 && started.elapsed() < Duration::from_secs(10) {
@@ -724,6 +718,17 @@ async fn purge_dead_removes_old_dead_jobs(h: Harness) {
     );
     active.complete().await.expect("complete");
     assert_eq!(q.purge_dead(Duration::ZERO).await.expect("purge"), 0);
+}
+
+/// Waits until the worker runs a handler; a worker that never claims fails the test.
+async fn until_running(w: &leasehold::queue::WorkerHandle) {
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            w.report().in_flight == 1
+        })
+        .await,
+        "the worker did not claim the job"
+    );
 }
 
 /// Sets its flag when dropped: a handler holding one tells when it was cancelled.
@@ -804,13 +809,7 @@ async fn a_handler_panicking_when_cancelled_keeps_the_slot(h: Harness) {
             Ok(())
         })
         .expect("start");
-    assert!(
-        eventually(Duration::from_secs(5), || async {
-            w.report().in_flight == 1
-        })
-        .await,
-        "the worker did not claim the job"
-    );
+    until_running(&w).await;
     // The next extend is refused: the handler is cancelled, and its guard panics.
     q.fail(doomed, 1, "operator").await.expect("fail");
     let next = q.enqueue(b"next").await.expect("enqueue");
@@ -846,13 +845,7 @@ async fn a_dropped_shutdown_still_stops_the_worker(h: Harness) {
             }
         })
         .expect("start");
-    assert!(
-        eventually(Duration::from_secs(5), || async {
-            w.report().in_flight == 1
-        })
-        .await,
-        "the worker did not claim the job"
-    );
+    until_running(&w).await;
     assert!(
         tokio::time::timeout(ms(50), w.shutdown(Duration::from_secs(10)))
             .await

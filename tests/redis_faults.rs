@@ -570,6 +570,25 @@ async fn concurrent_calls_share_scripts(flavor: Flavor) {
     assert!(left.is_empty(), "locks left after release: {left:?}");
 }
 
+/// Acquires `keys` at once (30 s, no renewal), checking that they went out as one batch
+/// beside the first lone call: otherwise a test of batches proves nothing.
+async fn acquire_in_one_batch(
+    server: &Server,
+    locker: &Locker,
+    keys: &[String],
+) -> Vec<leasehold::Result<leasehold::Lease>> {
+    start_counting(server, locker).await;
+    let o = opts(30_000).renew(false);
+    let results =
+        futures_util::future::join_all(keys.iter().map(|k| locker.try_acquire(k, &o))).await;
+    assert_eq!(
+        calls(server, "evalsha") + calls(server, "eval"),
+        2,
+        "the acquires did not share calls, so this proves nothing about batches"
+    );
+    results
+}
+
 /// The same batch as a user who may not run `TYPE` (which only names a foreign key's type):
 /// the foreign key's item fails with the server's refusal, and the rest of the batch is
 /// granted, not failed after some of it was written, which would leave those keys held by
@@ -584,15 +603,7 @@ async fn a_refused_type_fails_only_its_own_item(flavor: Flavor) {
     let keys: Vec<String> = (0..32).map(|i| format!("typeless:{i}")).collect();
     let list = locker.lock_key(&keys[5]).expect("key");
     let _: i64 = server.cmd(&["RPUSH", list.lock_key(), "precious"]);
-    start_counting(&server, &locker).await;
-    let o = opts(30_000).renew(false);
-    let results =
-        futures_util::future::join_all(keys.iter().map(|k| locker.try_acquire(k, &o))).await;
-    assert_eq!(
-        calls(&server, "evalsha") + calls(&server, "eval"),
-        2,
-        "the acquires did not share calls, so this proves nothing about batches"
-    );
+    let results = acquire_in_one_batch(&server, &locker, &keys).await;
     for (i, r) in results.into_iter().enumerate() {
         match (i, r) {
             (5, Err(_)) => {}
@@ -621,16 +632,7 @@ async fn one_foreign_key_in_a_batch(flavor: Flavor) {
     let _: i64 = server.cmd(&["RPUSH", list.lock_key(), "precious"]);
     let hash = locker.lock_key(&keys[9]).expect("key");
     let _: i64 = server.cmd(&["HSET", hash.fence_key(), "f", "v"]);
-    start_counting(&server, &locker).await;
-
-    let o = opts(30_000).renew(false);
-    let results =
-        futures_util::future::join_all(keys.iter().map(|k| locker.try_acquire(k, &o))).await;
-    assert_eq!(
-        calls(&server, "evalsha") + calls(&server, "eval"),
-        2,
-        "the acquires did not share calls, so this proves nothing about batches"
-    );
+    let results = acquire_in_one_batch(&server, &locker, &keys).await;
     for (i, r) in results.into_iter().enumerate() {
         match (i, r) {
             (5, Err(Error::WrongType { server_key, found })) => {

@@ -848,48 +848,15 @@ async fn result_is_not_stored_when_the_claim_changed_hands(h: Harness) {
     drop(h2);
 }
 
-/// The result store's other transport: a 3-master Redis Cluster (claim and result share one
-/// hash tag, so the store script runs on the node that owns the claim).
-mod redis_cluster {
-    use super::*;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn concurrent_duplicates_run_the_handler_once() {
-        common::bounded(super::concurrent_duplicates_run_the_handler_once(
-            Harness::redis_cluster(),
-        ))
-        .await
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn result_is_not_stored_when_the_claim_changed_hands() {
-        common::bounded(super::result_is_not_stored_when_the_claim_changed_hands(
-            Harness::redis_cluster(),
-        ))
-        .await
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn survives_a_service_restart() {
-        common::bounded(super::survives_a_service_restart(Harness::redis_cluster())).await
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn waiting_duplicates_all_get_the_replay() {
-        common::bounded(super::waiting_duplicates_all_get_the_replay(
-            Harness::redis_cluster(),
-        ))
-        .await
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn same_key_different_request_is_422() {
-        common::bounded(super::same_key_different_request_is_422(
-            Harness::redis_cluster(),
-        ))
-        .await
-    }
-}
+// The result store's other transport: a 3-master Redis Cluster (claim and result share one
+// hash tag, so the store script runs on the node that owns the claim).
+on_redis_cluster!(
+    concurrent_duplicates_run_the_handler_once,
+    result_is_not_stored_when_the_claim_changed_hands,
+    survives_a_service_restart,
+    waiting_duplicates_all_get_the_replay,
+    same_key_different_request_is_422,
+);
 
 /// Writes a keyed delivery on a raw connection and returns the connection, for tests that
 /// hang up before the answer.

@@ -39,51 +39,14 @@ on_every_backend!(
     a_panicking_handler_frees_the_lock,
 );
 
-/// A subset of the scenarios on a 3-master Redis Cluster: those that reach the backend only
-/// through the layer's locker.
-mod redis_cluster {
-    use super::*;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn held_key_gets_409_with_retry_after() {
-        common::bounded(super::held_key_gets_409_with_retry_after(
-            Harness::redis_cluster(),
-        ))
-        .await
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn sequential_requests_see_increasing_fences() {
-        common::bounded(super::sequential_requests_see_increasing_fences(
-            Harness::redis_cluster(),
-        ))
-        .await
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn concurrent_requests_run_one_at_a_time() {
-        common::bounded(super::concurrent_requests_run_one_at_a_time(
-            Harness::redis_cluster(),
-        ))
-        .await
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn client_disconnect_during_handler_releases() {
-        common::bounded(super::client_disconnect_during_handler_releases(
-            Harness::redis_cluster(),
-        ))
-        .await
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn waiting_gets_the_key_after_the_holder() {
-        common::bounded(super::waiting_gets_the_key_after_the_holder(
-            Harness::redis_cluster(),
-        ))
-        .await
-    }
-}
+// A subset on a 3-master Redis Cluster.
+on_redis_cluster!(
+    held_key_gets_409_with_retry_after,
+    sequential_requests_see_increasing_fences,
+    concurrent_requests_run_one_at_a_time,
+    client_disconnect_during_handler_releases,
+    waiting_gets_the_key_after_the_holder,
+);
 
 /// A route whose handler reports it entered and then waits for `go`.
 fn gated(layer: LockLayer, entered: mpsc::UnboundedSender<u64>, go: Arc<Semaphore>) -> Router {

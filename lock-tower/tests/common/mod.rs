@@ -96,6 +96,18 @@ macro_rules! on_every_backend {
     };
 }
 
+/// Generates one test per scenario on a 3-master Redis Cluster, for the scenarios that reach
+/// the backend only through the layer's locker.
+#[macro_export]
+macro_rules! on_redis_cluster {
+    ($($name:ident),* $(,)?) => {
+        mod redis_cluster {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { $crate::common::bounded(super::$name($crate::common::Harness::redis_cluster())).await })*
+        }
+    };
+}
+
 /// Runs a scenario with a generous bound, so a hang fails loudly instead of stalling the suite.
 pub async fn bounded(f: impl Future<Output = ()>) {
     tokio::time::timeout(Duration::from_secs(120), f)
