@@ -643,6 +643,73 @@ async fn renewal_follows_a_moved_slot(flavor: Flavor) {
     lease.release().await.expect("release");
 }
 
+/// Two renewing leases on one master, in different slots, and one of the slots stuck
+/// mid-migration: the master refuses the renewal batch (one key is no longer there) and the
+/// leases are renewed slot by slot, where the stuck slot answers `ASK` until the renewal's time
+/// is up. The stuck slot's lease cannot be renewed and is lost; the other slot's lease is
+/// renewed and kept (it was lost with the stuck one when a slot's failure failed the node's
+/// whole batch).
+async fn a_stuck_slot_costs_only_its_own_leases(flavor: Flavor) {
+    let cluster = Cluster::start(flavor, 3, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = Locker::redis_cluster(&urls).await.expect("connect");
+    let other = Locker::redis_cluster(&urls).await.expect("connect");
+    let ttl = Duration::from_millis(400);
+    let opts = LockOptions::new().ttl(ttl);
+    // Leases until two of them share a master but not a slot (three masters: within four).
+    let mut held = Vec::new();
+    let (stuck, kept, slot, src) = 'found: {
+        for i in 0..16 {
+            let name = format!("stuck-{i}");
+            let lease = locker.try_acquire(&name, &opts).await.expect("grant");
+            let key = locker.lock_key(&name).expect("key");
+            let (slot, owner) = slot_and_owner(&cluster, key.lock_key());
+            if let Some(at) = held
+                .iter()
+                .position(|(_, _, s, o)| *o == owner && *s != slot)
+            {
+                let (first, _, first_slot, _) = held.swap_remove(at);
+                break 'found (first, (name, lease), first_slot, owner);
+            }
+            held.push((lease, name, slot, owner));
+        }
+        panic!("no two of 16 leases on one master in different slots");
+    };
+    drop(held);
+    let dst = (src + 1) % cluster.nodes.len();
+    // Past the first renewal (a third of the TTL), which fetches the slot map it then keeps.
+    sleep(ttl / 2).await;
+    let refused_before = failed_scripts(&cluster, src);
+    start_slot_move(&cluster, &slot, src, dst);
+    assert!(
+        migrate_rest(&cluster, &slot, src, dst) > 0,
+        "the stuck lease's keys moved"
+    );
+    sleep(ttl * 2).await;
+    assert!(
+        failed_scripts(&cluster, src) > refused_before,
+        "no renewal batch was refused: the leases were never renewed slot by slot"
+    );
+    assert!(
+        stuck.is_lost(),
+        "the lease in the stuck slot was renewed while its slot answered ASK"
+    );
+    let (name, lease) = kept;
+    assert!(
+        !lease.is_lost(),
+        "the lease in a healthy slot was lost with the stuck one"
+    );
+    match other.try_acquire(&name, &opts).await {
+        Err(leasehold::Error::Busy { .. }) => {}
+        other => panic!(
+            "another locker got past the kept lease: {:?}",
+            other.map(|l| l.fence())
+        ),
+    }
+    lease.release().await.expect("release");
+}
+
 /// A queue's slot migrated (resharding) while a delayed job is due and a lease has expired: a
 /// queue script reaches job keys it does not declare, so once a job key has moved, a claim or a
 /// reap fails with the server's error. It fails before that job is changed: the job stays in
@@ -766,6 +833,7 @@ on_each_flavor!(
     queue_keeps_its_jobs_through_a_moving_slot,
     subscribe_follows_a_moved_slot,
     renewal_follows_a_moved_slot,
+    a_stuck_slot_costs_only_its_own_leases,
     an_unanswered_extend_is_of_unknown_outcome,
 );
 

@@ -11,6 +11,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, ProtocolVersion, PushInfo, PushKind, RedisFuture, Script, Value};
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tracing::debug;
 
 use super::Backend;
@@ -195,7 +196,7 @@ fn unrun(e: &redis::RedisError) -> bool {
 /// The pauses between sends of a refused request, while `patience` lasts.
 struct Pauses {
     next: Duration,
-    give_up: tokio::time::Instant,
+    give_up: Instant,
 }
 
 impl Pauses {
@@ -204,13 +205,13 @@ impl Pauses {
             next: FIRST_PAUSE,
             // `Duration::MAX` ("no timeout", which redis-rs's own timeouts accept) must not
             // overflow the instant.
-            give_up: crate::types::deadline_after(tokio::time::Instant::now(), patience),
+            give_up: crate::types::deadline_after(Instant::now(), patience),
         }
     }
 
     /// Sleeps before the next send; false when the patience would run out first.
     async fn wait(&mut self, refused: &redis::RedisError) -> bool {
-        if tokio::time::Instant::now() + self.next >= self.give_up {
+        if Instant::now() + self.next >= self.give_up {
             return false;
         }
         debug!(error = %refused, "sending again after a pause");
@@ -372,8 +373,8 @@ impl ClusterBackend {
         Some(map)
     }
 
-    /// Renews `items` node by node; an answer per item (`None` where its node failed) and the
-    /// first node error seen.
+    /// Renews `items` node by node; an answer per item (`None` where its node or slot failed)
+    /// and the first error seen.
     async fn extend_all(
         &self,
         items: &[(LockKey, Token)],
@@ -384,6 +385,10 @@ impl ClusterBackend {
         // the slot map is stale (failover, resharding) the node refuses the batch and its leases
         // are renewed slot by slot instead, routed by the client.
         let map = self.slot_map().await;
+        // Every lease is answered for within a quarter of the TTL: a node or slot that is down,
+        // failing over or stuck mid-migration leaves its own leases to be retried without
+        // holding back the renewal of the others.
+        let deadline = Instant::now() + ttl / 4;
         // Without a map every slot is its own group; slots sort after any node index.
         let groups = group_by(items, |item| {
             let s = slot(item.0.lock_key());
@@ -406,12 +411,10 @@ impl ClusterBackend {
                 jobs.push((node.clone(), places, chunk));
             }
         }
-        // Each node answers for its own leases, within a quarter of the TTL: a node that is
-        // down or failing over leaves its leases to be retried without holding back the
-        // renewal of every other node's.
-        let calls = jobs
-            .into_iter()
-            .map(|(node, places, chunk)| self.extend_job(node, places, chunk, ttl));
+        let calls = jobs.into_iter().map(|(node, places, chunk)| async move {
+            let (answers, error) = self.extend_chunk(node, chunk, ttl, deadline).await;
+            (places.iter().copied().zip(answers), error)
+        });
         let mut out = vec![None; items.len()];
         let mut first_error = None;
         for (answers, error) in futures_util::future::join_all(calls).await {
@@ -425,96 +428,96 @@ impl ClusterBackend {
         (out, first_error)
     }
 
-    /// One node's part of a renewal: an answer per place, or `None` for each with the node's
-    /// error (none for a timeout).
-    async fn extend_job(
-        &self,
-        node: Option<(String, u16)>,
-        places: &[usize],
-        chunk: &[(LockKey, Token)],
-        ttl: Duration,
-    ) -> (Vec<(usize, Option<bool>)>, Option<Error>) {
-        match tokio::time::timeout(ttl / 4, self.extend_placed(node, places, chunk, ttl)).await {
-            Ok(Ok(answers)) => (
-                answers.into_iter().map(|(i, h)| (i, Some(h))).collect(),
-                None,
-            ),
-            Ok(Err(e)) => {
-                debug!(error = %e, "renewal failed on one node; its leases are retried");
-                (places.iter().map(|&i| (i, None)).collect(), Some(e))
-            }
-            Err(_) => {
-                debug!("renewal timed out on one node; its leases are retried");
-                (places.iter().map(|&i| (i, None)).collect(), None)
-            }
-        }
-    }
-
-    async fn extend_placed(
-        &self,
-        node: Option<(String, u16)>,
-        places: &[usize],
-        chunk: &[(LockKey, Token)],
-        ttl: Duration,
-    ) -> Result<Vec<(usize, bool)>> {
-        let answers = self.extend_chunk(node, chunk, ttl).await?;
-        Ok(places.iter().copied().zip(answers).collect())
-    }
-
     /// Renews `chunk` on `node` in one call, or slot by slot when there is no node or the node
-    /// refused (then the slot map is dropped, to be fetched again).
+    /// refused (then the slot map is dropped, to be fetched again). An answer per lease, `None`
+    /// where its node or slot failed or did not answer by `deadline`, and the first error.
     async fn extend_chunk(
         &self,
         node: Option<(String, u16)>,
         chunk: &[(LockKey, Token)],
         ttl: Duration,
-    ) -> Result<Vec<bool>> {
+        deadline: Instant,
+    ) -> (Vec<Option<bool>>, Option<Error>) {
         if let Some((host, port)) = node {
-            let mut cmd = redis::cmd("EVALSHA");
-            cmd.arg(self.extend_cross.get_hash())
-                .arg(0)
-                .arg(ttl.as_millis() as u64);
-            for (key, token) in chunk {
-                cmd.arg(key.lock_key()).arg(token.as_str());
-            }
-            let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
-            let mut conn = self.conn.inner.clone();
-            // A routed command reports server errors inside the value; lift them out.
-            let mut reply = conn
-                .route_command(cmd.clone(), route.clone())
-                .await
-                .and_then(Value::extract_error);
-            if matches!(&reply, Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript))
-            {
-                let mut load = redis::cmd("SCRIPT");
-                load.arg("LOAD").arg(EXTEND_NODE);
-                let loaded = conn
-                    .route_command(load, route.clone())
-                    .await
-                    .and_then(Value::extract_error);
-                if loaded.is_ok() {
-                    reply = conn
-                        .route_command(cmd, route)
-                        .await
-                        .and_then(Value::extract_error);
+            match tokio::time::timeout_at(deadline, self.extend_on(host, port, chunk, ttl)).await {
+                Ok(Ok(answers)) if answers.len() == chunk.len() => {
+                    return (answers.into_iter().map(|n| Some(n == 1)).collect(), None);
                 }
-            }
-            match reply.and_then(|v| Ok(redis::from_redis_value::<Vec<i64>>(v)?)) {
-                Ok(answers) if answers.len() == chunk.len() => {
-                    return Ok(answers.into_iter().map(|n| n == 1).collect());
-                }
-                other => {
+                Ok(other) => {
                     debug!(?other, "batched renewal refused; renewing slot by slot");
                     *self.slots.lock().unwrap_or_else(PoisonError::into_inner) = None;
                 }
+                Err(_) => {
+                    debug!("renewal timed out on one node; its leases are retried");
+                    return (vec![None; chunk.len()], None);
+                }
             }
         }
+        // Each slot answers for its own leases: one slot stuck mid-migration (or a foreign
+        // type in it) must not cost the node's other slots their renewal.
         let groups = group_by(chunk, |item| slot(item.0.lock_key()));
         let calls = groups.values().map(|g| async move {
-            let answers = ops::extend(self.conn.clone(), &self.scripts, &g.items, ttl).await?;
-            Ok::<_, Error>(g.places.iter().copied().zip(answers).collect())
+            let renewed = ops::extend(self.conn.clone(), &self.scripts, &g.items, ttl);
+            (&g.places, tokio::time::timeout_at(deadline, renewed).await)
         });
-        scatter(chunk.len(), calls).await
+        let mut out = vec![None; chunk.len()];
+        let mut first_error = None;
+        for (places, answer) in futures_util::future::join_all(calls).await {
+            match answer {
+                Ok(Ok(held)) => {
+                    for (&i, held) in places.iter().zip(held) {
+                        out[i] = Some(held);
+                    }
+                }
+                Ok(Err(e)) => {
+                    debug!(error = %e, "renewal failed in one slot; its leases are retried");
+                    first_error.get_or_insert(e);
+                }
+                Err(_) => debug!("renewal timed out in one slot; its leases are retried"),
+            }
+        }
+        (out, first_error)
+    }
+
+    /// One batched renewal script call on the node at `host:port`, loading the script there
+    /// if the node does not know it.
+    async fn extend_on(
+        &self,
+        host: String,
+        port: u16,
+        chunk: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> redis::RedisResult<Vec<i64>> {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.extend_cross.get_hash())
+            .arg(0)
+            .arg(ttl.as_millis() as u64);
+        for (key, token) in chunk {
+            cmd.arg(key.lock_key()).arg(token.as_str());
+        }
+        let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
+        let mut conn = self.conn.inner.clone();
+        // A routed command reports server errors inside the value; lift them out.
+        let mut reply = conn
+            .route_command(cmd.clone(), route.clone())
+            .await
+            .and_then(Value::extract_error);
+        if matches!(&reply, Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript))
+        {
+            let mut load = redis::cmd("SCRIPT");
+            load.arg("LOAD").arg(EXTEND_NODE);
+            let loaded = conn
+                .route_command(load, route.clone())
+                .await
+                .and_then(Value::extract_error);
+            if loaded.is_ok() {
+                reply = conn
+                    .route_command(cmd, route)
+                    .await
+                    .and_then(Value::extract_error);
+            }
+        }
+        reply.and_then(|v| Ok(redis::from_redis_value::<Vec<i64>>(v)?))
     }
 }
 
@@ -536,20 +539,6 @@ fn group_by<K: Ord>(
         g.items.push(item.clone());
     }
     groups
-}
-
-/// Runs the calls together and puts each answer back at its item's place.
-async fn scatter<F>(len: usize, calls: impl IntoIterator<Item = F>) -> Result<Vec<bool>>
-where
-    F: std::future::Future<Output = Result<Vec<(usize, bool)>>>,
-{
-    let mut out = vec![false; len];
-    for answers in futures_util::future::try_join_all(calls).await? {
-        for (i, held) in answers {
-            out[i] = held;
-        }
-    }
-    Ok(out)
 }
 
 /// The slot of a server key: CRC16 (XMODEM) of its hash tag, modulo the slot count.
