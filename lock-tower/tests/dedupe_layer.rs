@@ -26,6 +26,8 @@ on_every_backend!(
     same_key_different_request_is_422,
     failed_first_attempt_is_not_stored,
     a_conflict_that_says_when_to_retry_is_not_stored,
+    a_timeout_answer_is_not_stored,
+    a_body_shorter_than_its_length_stores_nothing,
     oversized_bodies,
     missing_or_malformed_keys,
     webhook_ids_and_github_scoping,
@@ -310,6 +312,127 @@ async fn a_conflict_that_says_when_to_retry_is_not_stored(h: Harness) {
         (again.status, again.header("idempotent-replayed")),
         (StatusCode::CONFLICT, Some("true"))
     );
+}
+
+/// A 408 (a timeout layer inside this one answering for a handler it cut off) asks the sender
+/// to try again: it is not stored, so the retry runs the handler rather than getting the 408
+/// replayed for the whole retention.
+async fn a_timeout_answer_is_not_stored(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let app = Router::new()
+        .route(
+            "/hooks/slow",
+            post(move || {
+                let n = r.fetch_add(1, Ordering::SeqCst) + 1;
+                async move {
+                    if n == 1 {
+                        (StatusCode::REQUEST_TIMEOUT, "timed out")
+                    } else {
+                        (StatusCode::OK, "done")
+                    }
+                }
+            }),
+        )
+        .layer(DedupeLayer::new(h.locker().await));
+    let addr = serve(app).await;
+    let first = deliver_to(addr, "/hooks/slow", r#""slow""#).await;
+    assert_eq!(first.status, StatusCode::REQUEST_TIMEOUT);
+    let retried = deliver_to(addr, "/hooks/slow", r#""slow""#).await;
+    assert_eq!(
+        (retried.status, retried.text().as_str()),
+        (StatusCode::OK, "done"),
+        "the retry was answered from a stored 408"
+    );
+    assert_eq!(retried.header("idempotent-replayed"), None);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// A response that declares a `Content-Length` and ends before it (below the stored-body cap,
+/// and above it, where the rest is relayed): the caller cannot be sent it whole, so nothing is
+/// stored and the sender's retry runs the handler again, instead of getting the short body
+/// replayed as a success.
+async fn a_body_shorter_than_its_length_stores_nothing(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    // Two 6-byte chunks under a declared length of 100.
+    let short = move || {
+        r.fetch_add(1, Ordering::SeqCst);
+        async {
+            Response::builder()
+                .header("content-length", "100")
+                .body(Body::new(Drip::new(Duration::from_millis(1), 2)))
+                .expect("response")
+        }
+    };
+    let app = Router::new()
+        .route(
+            "/hooks/small",
+            post(short.clone()).layer(DedupeLayer::new(h.locker().await)),
+        )
+        .route(
+            "/hooks/big",
+            post(short).layer(DedupeLayer::new(h.locker().await).stored_body_limit(8)),
+        );
+    let addr = serve(app).await;
+
+    let first = deliver_to(addr, "/hooks/small", r#""small""#).await;
+    assert_eq!(
+        first.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{}",
+        first.text()
+    );
+    let problem: serde_json::Value = serde_json::from_slice(&first.body).expect("json");
+    assert_eq!(problem["type"], "urn:leasehold:problem:response-failed");
+    let again = deliver_to(addr, "/hooks/small", r#""small""#).await;
+    assert_eq!(
+        again.header("idempotent-replayed"),
+        None,
+        "{}",
+        again.text()
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the retry did not run the handler"
+    );
+
+    // Above the cap the head has gone out with the first bytes: the body is cut off, and the
+    // claim freed before the cut reaches the caller, so the retry runs the handler (and is cut
+    // off in turn) rather than getting a replay.
+    let big = async || {
+        let mut tx = common::connect(addr).await;
+        let req = http::Request::post("/hooks/big")
+            .header("host", "x")
+            .header("idempotency-key", r#""big""#)
+            .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
+            .expect("request");
+        use http_body_util::BodyExt;
+        match tx.send_request(req).await {
+            Ok(res) => {
+                let replayed = res.headers().get("idempotent-replayed").cloned();
+                (
+                    res.into_body().collect().await.map(|b| b.to_bytes().len()),
+                    replayed,
+                )
+            }
+            Err(e) => (Err(e), None),
+        }
+    };
+    for run in 3..=4 {
+        let (outcome, replayed) = big().await;
+        assert!(
+            outcome.is_err(),
+            "the short body ended cleanly: {outcome:?}"
+        );
+        assert_eq!(replayed, None);
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            run,
+            "the retry did not run the handler"
+        );
+    }
 }
 
 async fn oversized_bodies(h: Harness) {

@@ -135,7 +135,7 @@ impl DedupeConfig {
 /// | duplicate while the first still runs | 409 with `Retry-After` (or wait: [`wait`](Self::wait)) |
 /// | duplicate after the first completed | the stored status, headers and body, with `Idempotent-Replayed: true` |
 /// | same key, different method, path or body | 422 ([`Reason::KeyReused`], configurable, e.g. 409) |
-/// | first attempt answered 5xx, 429, or another 4xx with `Retry-After` (a 409 from a [`LockLayer`](crate::LockLayer) inside) | not stored; the claim is released, so a retry runs the handler again |
+/// | first attempt answered 5xx, 429, 408, or another 4xx with `Retry-After` (a 409 from a [`LockLayer`](crate::LockLayer) inside) | not stored; the claim is released, so a retry runs the handler again |
 /// | claim lost while the handler ran | handler cancelled, 503, nothing stored |
 /// | client hangs up while the handler runs | handler cancelled (as axum does), claim released, nothing stored |
 /// | client hangs up after the handler answered | the result is still stored and the claim released (a task of its own finishes them), so the retry gets the replay |
@@ -144,7 +144,7 @@ impl DedupeConfig {
 /// | [`retention`](Self::retention) (1 ms to a year) or [`claim_ttl`](Self::claim_ttl) (lock-core's `MIN_TTL` to `MAX_TTL`) out of range | 500 ([`Reason::Misconfigured`]), logged at `error`; the handler does not run |
 /// | a backend with no result store (a Redlock quorum) | 500 ([`Reason::Misconfigured`], no `Retry-After`), logged at `error`; the handler does not run |
 /// | request with a key, body above the cap (1 MiB) | 413 (the body is read only for a keyed request's fingerprint: without a key in the request head (header, path, route parameter, closure), the request is answered or passed through unread; a JSON-body key is looked for in the body, up to the cap) |
-/// | response body fails while the layer reads it | 500 ([`Reason::ResponseFailed`]); nothing stored, claim released |
+/// | response body fails while the layer reads it, or ends before its declared `Content-Length` | 500 ([`Reason::ResponseFailed`]); nothing stored, claim released (past the cap: the caller sees a cut-off body) |
 /// | response body above the stored cap (256 KiB) | the first caller gets the full body; once it ended well (before the caller sees its end), the stored result keeps status and headers only, and replays carry an empty body with `Idempotent-Body-Omitted: true`; if it fails past the cap, nothing is stored and the claim is released |
 ///
 /// Keys are scoped by [`scope`](Self::scope) and hashed (SHA-256) before they become storage

@@ -294,9 +294,10 @@ where
     };
     let status = res.status();
     // A client error that says when to come back (a 409 with `Retry-After` from a `LockLayer`
-    // inside this one, a rate limit) is as passing as a 5xx: stored, it would be replayed for
-    // the whole retention and the delivery never handled.
+    // inside this one, a rate limit, a 408 from a timeout layer inside) is as passing as a 5xx:
+    // stored, it would be replayed for the whole retention and the delivery never handled.
     let transient = status == StatusCode::TOO_MANY_REQUESTS
+        || status == StatusCode::REQUEST_TIMEOUT
         || (status.is_client_error() && res.headers().contains_key(http::header::RETRY_AFTER));
     if status.is_server_error() || transient {
         // Not an answer to keep: free the claim so the sender's retry runs the handler again.
@@ -352,10 +353,18 @@ impl Completion {
                 break;
             }
             match next_frame(&mut body).await {
+                None if declared.is_some_and(|d| (buf.len() as u64) < d) => {
+                    return self.cut_short().await;
+                }
                 None => break,
                 Some(Ok(frame)) => {
                     // Trailers are not stored or replayed; data frames are.
-                    if let Ok(data) = frame.into_data() {
+                    if let Ok(mut data) = frame.into_data() {
+                        // The server sends no more than the declared length; neither is more
+                        // stored.
+                        if let Some(d) = declared {
+                            data.truncate(usize::try_from(d).unwrap_or(usize::MAX) - buf.len());
+                        }
                         buf.extend_from_slice(&data);
                         if buf.len() > cfg.stored_limit {
                             overflow = true;
@@ -412,6 +421,20 @@ impl Completion {
         Response::from_parts(head, LockBody::relayed(buf, rx, hint))
     }
 
+    /// A body that ended before its declared length: the caller could not be sent it whole,
+    /// so nothing is stored and the claim is freed for a retry.
+    async fn cut_short<B>(self) -> Response<LockBody<B>> {
+        tracing::warn!("response body ended before its declared length; nothing stored");
+        release(self.claim, self.in_process).await;
+        reject(
+            &self.cfg.rejections,
+            Reason::ResponseFailed,
+            None,
+            "the handler's response body ended before its declared length; nothing was \
+             stored, so a retry runs the handler again",
+        )
+    }
+
     /// Streams the rest of an overflowing body to the caller through `tx`, then records `rec`
     /// (status and headers, body omitted) and releases the claim, both before the caller sees
     /// the end; a body that fails stores nothing and frees the claim before the error goes on.
@@ -431,14 +454,27 @@ impl Completion {
         let mut last = None;
         while left != Some(0) && !body.is_end_stream() {
             match next_frame(&mut body).await {
+                None if left.is_some() => {
+                    tracing::warn!(
+                        "response body ended before its declared length; nothing stored"
+                    );
+                    release(self.claim, self.in_process).await;
+                    if let Some(t) = tx {
+                        let cut: BoxError =
+                            "the response body ended before its declared length".into();
+                        let _ = t.send(Some(Err(cut))).await;
+                    }
+                    return;
+                }
                 None => break,
                 Some(Ok(frame)) => {
                     // As below the cap, trailers are neither stored nor handed on.
-                    let Ok(data) = frame.into_data() else {
+                    let Ok(mut data) = frame.into_data() else {
                         continue;
                     };
                     if let Some(l) = &mut left {
-                        *l = l.saturating_sub(data.len() as u64);
+                        data.truncate(usize::try_from(*l).unwrap_or(usize::MAX));
+                        *l -= data.len() as u64;
                     }
                     let frame = http_body::Frame::data(data);
                     if left == Some(0) || body.is_end_stream() {
