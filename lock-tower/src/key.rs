@@ -298,7 +298,9 @@ impl KeyExtractor {
 
     /// A field of a JSON request body, named by a JSON pointer (`/id`, `/data/object/id`); a
     /// string or a number. The layer reads the body up to its body cap and hands the same bytes
-    /// on to the handler.
+    /// on to the handler. A name without the leading `/` is a top-level field of that name
+    /// (`"id"` is `/id`, and `"a/b"` the field `a/b`, not `b` inside `a`), rather than a pointer
+    /// that can match nothing.
     ///
     /// A string that is empty or only whitespace counts as absent (as an empty header does), so
     /// malformed events do not all share one key. A number is used as its decimal text, so `7`
@@ -332,12 +334,19 @@ impl KeyExtractor {
     /// # Ok(()) }
     /// ```
     pub fn json_field(pointer: &str) -> KeyExtractor {
+        let pointer = if pointer.starts_with('/') {
+            pointer.to_owned()
+        } else {
+            // RFC 6901 escapes, so that the name is one field whatever it holds.
+            format!("/{}", pointer.replace('~', "~0").replace('/', "~1"))
+        };
         KeyExtractor {
             source: Source::Json(pointer.into()),
         }
     }
 
-    /// Any function of the request head; `None` means the request has no key.
+    /// Any function of the request head; `None`, or a key that is empty or only whitespace
+    /// (as an empty header is), means the request has no key.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};
@@ -459,7 +468,9 @@ impl KeyExtractor {
                 }
                 Ok(key)
             }
-            Source::Fn(f) => f(parts).ok_or_else(|| missing("the request has no key")),
+            Source::Fn(f) => f(parts)
+                .filter(|k| !k.trim().is_empty())
+                .ok_or_else(|| missing("the request has no key")),
         }
     }
 }
@@ -641,6 +652,32 @@ mod tests {
                 (format!("{{\"x\": null, \"id\": \"{id}\"}}"), id)
             };
             proptest::prop_assert_eq!(extract_json("/id", body.as_bytes()).ok(), Some(expected));
+        }
+    }
+
+    #[test]
+    fn a_bare_json_field_name_is_a_top_level_field() {
+        let body = br#"{"id": "evt_1", "a/b": "slash", "t~": "tilde", "a": {"b": "nested"}}"#;
+        assert_eq!(extract_json("id", body).ok().as_deref(), Some("evt_1"));
+        assert_eq!(extract_json("a/b", body).ok().as_deref(), Some("slash"));
+        assert_eq!(extract_json("t~", body).ok().as_deref(), Some("tilde"));
+        assert_eq!(extract_json("/a/b", body).ok().as_deref(), Some("nested"));
+    }
+
+    #[test]
+    fn a_blank_key_from_a_closure_is_no_key() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        for blank in ["", "  ", "\t"] {
+            let (mut parts, ()) = http::Request::new(()).into_parts();
+            let key = KeyExtractor::from_fn(move |_| Some(blank.to_owned()));
+            let got = rt.block_on(key.extract(&mut parts, None));
+            assert!(
+                matches!(&got, Err(p) if p.reason == Reason::MissingKey),
+                "{blank:?}: {:?}",
+                got.as_ref().map_err(|p| &p.detail)
+            );
         }
     }
 
