@@ -46,6 +46,7 @@ on_every_backend!(
     json_ids_empty_long_or_numeric,
     only_the_filtered_methods_are_deduplicated,
     replay_header_adds_to_the_allow_list,
+    the_default_allow_list_is_replayed,
     caps_at_their_exact_boundaries,
     a_panicking_handler_frees_the_claim,
     an_unkeyed_request_is_answered_unread,
@@ -2474,6 +2475,68 @@ async fn only_the_filtered_methods_are_deduplicated(h: Harness) {
 
 /// `replay_header` adds a header to the allow-list: it is on the replay, beside the defaults,
 /// while a header not listed is not.
+/// Every header of the default allow-list comes back on a replay, repeated ones as often as
+/// they were sent, and values with a `:` or bytes above ASCII survive the store's encoding;
+/// others are left out.
+async fn the_default_allow_list_is_replayed(h: Harness) {
+    let listed: &[(&str, &[u8])] = &[
+        ("content-type", b"application/json; charset=utf-8"),
+        ("content-language", b"de-CH"),
+        ("content-location", b"/things/1?v=2"),
+        ("location", b"https://example.test:8443/things/1"),
+        ("etag", b"W/\"caf\xe9\""),
+        ("last-modified", b"Fri, 04 Dec 2026 23:00:00 GMT"),
+        ("cache-control", b"no-store"),
+        ("cache-control", b"private"),
+        ("content-encoding", b"identity"),
+        ("vary", b"accept-encoding"),
+    ];
+    let app = Router::new()
+        .route(
+            "/hooks/all",
+            post(move || async move {
+                let mut res = Response::builder().status(StatusCode::CREATED);
+                for (name, value) in listed {
+                    res = res.header(*name, http::HeaderValue::from_bytes(value).expect("value"));
+                }
+                res.header("x-not-listed", "1")
+                    .body(Body::from("{}"))
+                    .expect("response")
+            }),
+        )
+        .layer(DedupeLayer::new(h.locker().await));
+    let addr = serve(app).await;
+    let first = deliver_to(addr, "/hooks/all", r#""all""#).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = deliver_to(addr, "/hooks/all", r#""all""#).await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    for name in [
+        "content-type",
+        "content-language",
+        "content-location",
+        "location",
+        "etag",
+        "last-modified",
+        "cache-control",
+        "content-encoding",
+        "vary",
+    ] {
+        let sent: Vec<&[u8]> = listed
+            .iter()
+            .filter(|(n, _)| *n == name)
+            .map(|(_, v)| *v)
+            .collect();
+        let got: Vec<&[u8]> = replay
+            .headers
+            .get_all(name)
+            .iter()
+            .map(|v| v.as_bytes())
+            .collect();
+        assert_eq!(got, sent, "{name}");
+    }
+    assert_eq!(replay.header("x-not-listed"), None);
+}
+
 async fn replay_header_adds_to_the_allow_list(h: Harness) {
     let app = Router::new()
         .route(

@@ -187,7 +187,7 @@ impl DedupeLayer {
     /// POST, PUT, PATCH and DELETE, claim TTL 30 s (renewed), no waiting, retention 24 h,
     /// stored bodies up to 256 KiB, request bodies up to 1 MiB, replayed headers
     /// `content-type`, `content-language`, `content-location`, `location`, `etag`,
-    /// `last-modified` and `cache-control`.
+    /// `last-modified`, `cache-control`, `content-encoding` and `vary`.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::get};
@@ -237,6 +237,10 @@ impl DedupeLayer {
                     header::ETAG,
                     header::LAST_MODIFIED,
                     header::CACHE_CONTROL,
+                    // A compression layer inside this one: the stored bytes are compressed,
+                    // and a replay without these would be garbage to its caller.
+                    header::CONTENT_ENCODING,
+                    header::VARY,
                 ],
                 rejections: Rejections::default(),
             }),
