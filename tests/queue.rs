@@ -983,6 +983,34 @@ async fn a_stop_with_a_wake_up_claims_nothing() {
     }
 }
 
+/// The memory queue times leases on the monotonic clock and reports them on the wall clock:
+/// one deadline reads the same at every call. (An offset between the clocks taken afresh at
+/// each call moved by a millisecond within each millisecond, so two reads of one deadline
+/// could differ by one.)
+#[tokio::test(flavor = "current_thread")]
+async fn memory_reports_a_deadline_the_same_at_every_call() {
+    let q = Queue::memory("steady").expect("queue");
+    let id = q.enqueue(b"x").await.expect("enqueue");
+    let claim = q.claim(ms(30_000)).await.expect("claim").expect("a job");
+    let wall_now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as u64;
+    assert!(
+        claim.deadline_ms().abs_diff(wall_now + 30_000) < 1_000,
+        "deadline {} is not 30 s after the wall clock's {wall_now}",
+        claim.deadline_ms()
+    );
+    for i in 0..2_000 {
+        let at = q.job(id).await.expect("job").at_ms;
+        assert_eq!(at, Some(claim.deadline_ms()), "read {i}");
+        // Spread the reads over the millisecond's phases.
+        if i % 50 == 0 {
+            sleep(Duration::from_micros(300)).await;
+        }
+    }
+}
+
 async fn bad_input(h: Harness) {
     assert!(matches!(Queue::memory(""), Err(Error::InvalidKey { .. })));
     assert!(matches!(

@@ -2,6 +2,7 @@
 //! deadlines on this process's monotonic clock.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -59,23 +60,52 @@ fn millis(d: Duration) -> u64 {
 /// it, as the memory lock backend times its leases, because the wall clock can step (NTP, a
 /// resumed VM): a step forward would let the reaper hand a held job to a second worker, a step
 /// back would keep a lapsed one from the reaper. The wall clock is read only to report a time.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Clock {
     origin: Instant,
+    /// Unix-epoch µs minus monotonic µs since `origin`, as last taken: the two clocks tick
+    /// apart, so an offset read afresh at every call would move by a millisecond within each
+    /// millisecond, and one deadline would read differently from call to call.
+    offset_us: Arc<AtomicI64>,
 }
 
 impl Clock {
-    fn now(self) -> u64 {
+    fn new() -> Clock {
+        let clock = Clock {
+            origin: Instant::now(),
+            offset_us: Arc::default(),
+        };
+        clock
+            .offset_us
+            .store(clock.fresh_offset(), Ordering::Relaxed);
+        clock
+    }
+
+    fn now(&self) -> u64 {
         millis(self.origin.elapsed())
     }
 
-    /// `at` as ms since the Unix epoch, on the wall clock as it reads at `now`.
-    fn wall(self, at: u64, now: u64) -> u64 {
+    fn fresh_offset(&self) -> i64 {
+        let us = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
         let wall = SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map(millis)
+            .map(us)
             .unwrap_or(0);
-        wall.saturating_add(at).saturating_sub(now)
+        wall.saturating_sub(us(self.origin.elapsed()))
+    }
+
+    /// `at` as ms since the Unix epoch, on the wall clock as it reads now, within a millisecond:
+    /// the offset is taken again only once the clocks have moved more than that apart (a step
+    /// of the wall clock, or its slewing adding up).
+    fn wall(&self, at: u64) -> u64 {
+        let fresh = self.fresh_offset();
+        let mut offset = self.offset_us.load(Ordering::Relaxed);
+        if fresh.abs_diff(offset) > 1000 {
+            self.offset_us.store(fresh, Ordering::Relaxed);
+            offset = fresh;
+        }
+        let us = i128::from(at) * 1000 + i128::from(offset);
+        u64::try_from(us.div_euclid(1000)).unwrap_or(if us < 0 { 0 } else { u64::MAX })
     }
 }
 
@@ -144,9 +174,7 @@ impl MemoryQueue {
             state: Arc::default(),
             wakeups: Arc::default(),
             channel: LockKey::new(prefix, name).channel().to_owned(),
-            clock: Clock {
-                origin: Instant::now(),
-            },
+            clock: Clock::new(),
         }
     }
 
@@ -212,7 +240,7 @@ impl MemoryQueue {
         Ok(ClaimReply::Claimed {
             id,
             attempts: job.attempts,
-            deadline_ms: self.clock.wall(deadline_ms, now),
+            deadline_ms: self.clock.wall(deadline_ms),
             payload: job.payload.clone(),
         })
     }
@@ -326,7 +354,7 @@ impl MemoryQueue {
         }
         Ok(Ok(Settled {
             state: reply.state,
-            at_ms: reply.at_ms.map(|at| self.clock.wall(at, now)),
+            at_ms: reply.at_ms.map(|at| self.clock.wall(at)),
         }))
     }
 
@@ -414,7 +442,7 @@ impl MemoryQueue {
             max_attempts: j.max,
             error: j.error.clone(),
             payload: (j.state != JobState::Done).then(|| j.payload.clone()),
-            at_ms: j.at_ms.map(|at| self.clock.wall(at, now)),
+            at_ms: j.at_ms.map(|at| self.clock.wall(at)),
         }))
     }
 
