@@ -826,48 +826,60 @@ async fn a_handler_panicking_when_cancelled_keeps_the_slot(h: Harness) {
     assert_eq!(q.job(next).await.expect("job").state, JobState::Done);
 }
 
-/// A shutdown given up on (its future dropped, as an outer timeout does) still stops the
-/// worker: the handler is dropped, its renewal ends, and the reaper can return the job.
+/// A shutdown given up on (its future dropped, as an outer timeout does, or never polled, as
+/// the losing branch of a `select!` is) still stops the worker: the handler is dropped, its
+/// renewal ends, and the reaper can return the job.
 async fn a_dropped_shutdown_still_stops_the_worker(h: Harness) {
-    let q = h.open(Queue::builder("dropped-shutdown")).await;
-    let id = q.enqueue(b"stuck").await.expect("enqueue");
-    let dropped = Arc::new(AtomicBool::new(false));
-    let d = dropped.clone();
-    let w = Worker::new(q.clone())
-        .ttl(ms(300))
-        .reap_every(Duration::from_secs(3_600))
-        .start(move |_job| {
-            let d = d.clone();
-            async move {
-                let _guard = OnDrop(d);
-                std::future::pending::<()>().await;
-                Ok(())
-            }
-        })
-        .expect("start");
-    until_running(&w).await;
-    assert!(
-        tokio::time::timeout(ms(50), w.shutdown(Duration::from_secs(10)))
-            .await
-            .is_err(),
-        "the handler never ends, so the shutdown cannot finish in its grace"
-    );
-    assert!(
-        eventually(Duration::from_secs(2), || async {
-            dropped.load(Ordering::SeqCst)
-        })
-        .await,
-        "the handler still runs after its shutdown was dropped"
-    );
-    // No renewal keeps the lease any more: it lapses and the job comes back.
-    assert!(
-        eventually(Duration::from_secs(3), || async {
-            q.reap().await.expect("reap");
-            q.job(id).await.expect("job").state == JobState::Pending
-        })
-        .await,
-        "the job's lease was still renewed"
-    );
+    for polled in [true, false] {
+        let q = h
+            .open(Queue::builder(if polled {
+                "dropped-shutdown"
+            } else {
+                "unpolled-shutdown"
+            }))
+            .await;
+        let id = q.enqueue(b"stuck").await.expect("enqueue");
+        let dropped = Arc::new(AtomicBool::new(false));
+        let d = dropped.clone();
+        let w = Worker::new(q.clone())
+            .ttl(ms(300))
+            .reap_every(Duration::from_secs(3_600))
+            .start(move |_job| {
+                let d = d.clone();
+                async move {
+                    let _guard = OnDrop(d);
+                    std::future::pending::<()>().await;
+                    Ok(())
+                }
+            })
+            .expect("start");
+        until_running(&w).await;
+        let shutdown = w.shutdown(Duration::from_secs(10));
+        if polled {
+            assert!(
+                tokio::time::timeout(ms(50), shutdown).await.is_err(),
+                "the handler never ends, so the shutdown cannot finish in its grace"
+            );
+        } else {
+            drop(shutdown);
+        }
+        assert!(
+            eventually(Duration::from_secs(2), || async {
+                dropped.load(Ordering::SeqCst)
+            })
+            .await,
+            "polled {polled}: the handler still runs after its shutdown was dropped"
+        );
+        // No renewal keeps the lease any more: it lapses and the job comes back.
+        assert!(
+            eventually(Duration::from_secs(3), || async {
+                q.reap().await.expect("reap");
+                q.job(id).await.expect("job").state == JobState::Pending
+            })
+            .await,
+            "polled {polled}: the job's lease was still renewed"
+        );
+    }
 }
 
 /// More dead jobs than one purge batch (500): one call removes them all; and purged by three

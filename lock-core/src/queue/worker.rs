@@ -315,18 +315,27 @@ impl WorkerHandle {
     /// Stops claiming, lets running handlers finish and settle for up to `grace`, then cuts off
     /// whatever still runs (those jobs stay active until the reaper returns them).
     ///
-    /// Dropping this future before it finishes (an outer timeout, a second Ctrl-C) cuts the
-    /// handlers off at once, as [`abort`](WorkerHandle::abort) does: the handle is gone, and a
-    /// worker left running could no longer be stopped.
-    pub async fn shutdown(self, grace: Duration) -> WorkerReport {
+    /// Dropping this future before it finishes (an outer timeout, a second Ctrl-C), or before
+    /// it was ever polled (the losing branch of a `select!`), cuts the handlers off at once, as
+    /// [`abort`](WorkerHandle::abort) does: the handle is gone, and a worker left running could
+    /// no longer be stopped. Claiming stops when `shutdown` is called, not when it is first
+    /// polled.
+    ///
+    /// Cutting off drops each handler at its next `.await`: one that blocks its thread at that
+    /// moment runs on until it yields, after this returns.
+    pub fn shutdown(self, grace: Duration) -> impl Future<Output = WorkerReport> + Send + 'static {
+        // Here, not in the future: one dropped unpolled must still stop the worker.
         self.stop.cancel();
         let mut task = AbortOnDrop(self.task);
-        if tokio::time::timeout(grace, &mut task.0).await.is_err() {
-            warn!("handlers still running at the shutdown deadline; cutting them off");
-            task.0.abort();
-            let _ = (&mut task.0).await;
+        let stats = self.stats;
+        async move {
+            if tokio::time::timeout(grace, &mut task.0).await.is_err() {
+                warn!("handlers still running at the shutdown deadline; cutting them off");
+                task.0.abort();
+                let _ = (&mut task.0).await;
+            }
+            stats.report()
         }
-        self.stats.report()
     }
 
     /// Stops everything at once, as a crash would: running handlers are dropped mid-job and
