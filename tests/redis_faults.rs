@@ -661,6 +661,83 @@ async fn one_foreign_key_in_a_batch(flavor: Flavor) {
     );
 }
 
+/// A subscription the server refuses for one channel (an ACL user whose channel rule leaves
+/// out some keys): the waiters on that key fall back to their timers, and the one connection
+/// serving every other key's wake-ups carries on. A refused channel once broke the connection,
+/// and every reconnect, resubscribing all channels in one command, was refused again: a tight
+/// reconnect loop, and no wake-up for any key.
+async fn a_refused_subscription_costs_only_its_own_key(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let _: () = server.cmd(&[
+        "ACL",
+        "SETUSER",
+        "few-channels",
+        "on",
+        ">pw",
+        "~*",
+        "&*allowed*",
+        "+@all",
+    ]);
+    let url = server.url().replacen("://", "://few-channels:pw@", 1);
+    let waiting = Locker::redis(&url).await.expect("connect");
+    let holding = Locker::redis(&server.url()).await.expect("connect");
+    let denied = holding
+        .try_acquire("denied", &opts(20_000))
+        .await
+        .expect("hold");
+    let allowed = holding
+        .try_acquire("allowed", &opts(20_000))
+        .await
+        .expect("hold");
+    let wait = |key: &'static str| {
+        let locker = waiting.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let got = locker
+                .acquire(key, &opts(5_000).wait(Duration::from_secs(15)))
+                .await;
+            (got.map(|l| l.fence()), started.elapsed())
+        })
+    };
+    let on_denied = wait("denied");
+    sleep(Duration::from_millis(200)).await;
+    let on_allowed = wait("allowed");
+    let channel = holding
+        .lock_key("allowed")
+        .expect("key")
+        .channel()
+        .to_owned();
+    server.wait_for_subscriber(&channel).await;
+    let connections = || -> u64 {
+        server
+            .info_field("stats", "total_connections_received")
+            .parse()
+            .expect("a count")
+    };
+    let before = connections();
+    sleep(Duration::from_secs(1)).await;
+    let made = connections() - before;
+    assert!(
+        made <= 2,
+        "{made} connections in a second: the subscriber reconnects in a loop"
+    );
+    let released_at = Instant::now();
+    allowed.release().await.expect("release");
+    let (fence, _) = on_allowed.await.expect("waiter task");
+    fence.expect("the waiter on the allowed key got it");
+    assert!(
+        released_at.elapsed() < Duration::from_secs(2),
+        "woken {:?} after the release: by its timer, not by the release",
+        released_at.elapsed()
+    );
+    assert!(
+        !on_denied.is_finished(),
+        "the waiter on the held key got it"
+    );
+    on_denied.abort();
+    drop(denied);
+}
+
 macro_rules! faults {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -735,6 +812,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn server_goes_away() {
                 super::server_goes_away($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_refused_subscription_costs_only_its_own_key() {
+                super::a_refused_subscription_costs_only_its_own_key($flavor).await
             }
         }
     };

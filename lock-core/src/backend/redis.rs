@@ -738,35 +738,34 @@ async fn subscriber(
     mut rx: mpsc::UnboundedReceiver<SubCmd>,
 ) {
     let mut backoff = Duration::from_millis(20);
+    // redis-rs gives pub/sub requests no response timeout of their own: without one a
+    // connection that went silent would hold every later subscribe for ever.
+    let bound = config.response_timeout;
     loop {
-        let pubsub = match tokio::time::timeout(
-            config.connection_timeout,
-            client.get_async_pubsub(),
-        )
-        .await
-        {
-            Ok(Ok(p)) => p,
-            Ok(Err(e)) => {
-                debug!(error = %e, "subscription connect failed");
+        let connected =
+            tokio::time::timeout(config.connection_timeout, client.get_async_pubsub()).await;
+        let (mut sink, mut stream) = match connected {
+            Ok(Ok(p)) => p.split(),
+            failed => {
+                if let Ok(Err(e)) = failed {
+                    debug!(error = %e, "subscription connect failed");
+                }
                 if !drain_while_down(&mut rx, backoff).await {
                     return;
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(1));
                 continue;
             }
-            Err(_) => {
-                if !drain_while_down(&mut rx, backoff).await {
-                    return;
-                }
-                continue;
-            }
         };
-        backoff = Duration::from_millis(20);
-        let (mut sink, mut stream) = pubsub.split();
-        let current = wakeups.channels();
-        if !current.is_empty() && sink.subscribe(&current).await.is_err() {
+        if !resubscribe(&mut sink, wakeups.channels(), bound).await {
+            // Broken as soon as made: back off as after a failed connect, not in a tight loop.
+            if !drain_while_down(&mut rx, backoff).await {
+                return;
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(1));
             continue;
         }
+        backoff = Duration::from_millis(20);
         wakeups.wake_all();
         loop {
             tokio::select! {
@@ -780,13 +779,15 @@ async fn subscriber(
                 cmd = rx.recv() => match cmd {
                     None => return,
                     Some(SubCmd::Subscribe(ch, ack)) => {
-                        if sink.subscribe(&ch).await.is_err() {
+                        let sent = tokio::time::timeout(bound, sink.subscribe(&ch)).await;
+                        if !answered(sent, &ch) {
                             break;
                         }
                         let _ = ack.send(());
                     }
                     Some(SubCmd::Unsubscribe(ch)) => {
-                        if sink.unsubscribe(&ch).await.is_err() {
+                        let sent = tokio::time::timeout(bound, sink.unsubscribe(&ch)).await;
+                        if !answered(sent, &ch) {
                             break;
                         }
                     }
@@ -794,6 +795,60 @@ async fn subscriber(
             }
         }
     }
+}
+
+/// Subscribes a new connection to `channels`: in one command, or, when the server refuses that
+/// (one channel its ACL rule leaves out refuses them all), one at a time, so that only the
+/// refused ones go without. False when the connection failed.
+async fn resubscribe(
+    sink: &mut redis::aio::PubSubSink,
+    channels: Vec<String>,
+    bound: Duration,
+) -> bool {
+    if channels.is_empty() {
+        return true;
+    }
+    match tokio::time::timeout(bound, sink.subscribe(&channels)).await {
+        Ok(Ok(())) => true,
+        Ok(Err(e)) if refused(&e) => {
+            for ch in &channels {
+                let sent = tokio::time::timeout(bound, sink.subscribe(ch)).await;
+                if !answered(sent, ch) {
+                    return false;
+                }
+            }
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Whether a (un)subscribe left the connection usable: done, or refused by the server for its
+/// channel alone (logged: that channel's waiters fall back to their timers).
+fn answered(
+    sent: std::result::Result<redis::RedisResult<()>, tokio::time::error::Elapsed>,
+    channel: &str,
+) -> bool {
+    match sent {
+        Ok(Ok(())) => true,
+        Ok(Err(e)) if refused(&e) => {
+            warn!(channel, error = %e, "subscription refused; waiters on this key fall back to timers");
+            true
+        }
+        Ok(Err(e)) => {
+            debug!(error = %e, "subscription connection failed");
+            false
+        }
+        Err(_) => {
+            warn!("subscription connection did not answer in time; reconnecting");
+            false
+        }
+    }
+}
+
+/// A server's refusal of a command (`NOPERM`, ...), after which the connection still works.
+fn refused(e: &redis::RedisError) -> bool {
+    matches!(e.kind(), redis::ErrorKind::Server(_))
 }
 
 /// While disconnected, answer subscribe requests at once (the waiter keeps its timer) and sleep
