@@ -738,6 +738,69 @@ async fn a_refused_subscription_costs_only_its_own_key(flavor: Flavor) {
     drop(denied);
 }
 
+/// The subscription connection goes silent without closing (its peer gone: a half-open
+/// connection, as after a failover moved the server's address): a `PING` every 5 s finds it
+/// out, and once the new connection is subscribed every waiter is woken, so a release sent into
+/// the silent one costs a waiter seconds rather than the holder's whole TTL.
+async fn a_silent_subscription_is_replaced(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = support::proxy::Proxy::start(server.port).await;
+    let config = leasehold::RedisConfig {
+        response_timeout: Duration::from_millis(500),
+        ..Default::default()
+    };
+    let backend = leasehold::RedisBackend::connect_with(&proxy.url(), config)
+        .await
+        .expect("connect");
+    let waiting = Locker::new(backend);
+    // The locker's connections through the proxy: the shared one, then the subscription's.
+    let started = Instant::now();
+    while proxy.connections() < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the subscription connection was not made"
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+    let holding = Locker::redis(&server.url()).await.expect("connect");
+    let held = holding
+        .try_acquire("silent", &opts(30_000))
+        .await
+        .expect("hold");
+    let waiter = tokio::spawn(async move {
+        waiting
+            .acquire("silent", &opts(5_000).wait(Duration::from_secs(40)))
+            .await
+            .map(|l| l.fence())
+    });
+    let channel = holding
+        .lock_key("silent")
+        .expect("key")
+        .channel()
+        .to_owned();
+    server.wait_for_subscriber(&channel).await;
+    // Subscribed, the waiter asks once more; let that find the key held.
+    sleep(Duration::from_millis(300)).await;
+    proxy.black_hole(1);
+    let released_at = Instant::now();
+    held.release().await.expect("release");
+    let fence = waiter
+        .await
+        .expect("waiter task")
+        .expect("the waiter got the key");
+    assert!(fence > leasehold::Fence(0));
+    let waited = released_at.elapsed();
+    assert!(
+        waited < Duration::from_secs(15),
+        "woken {waited:?} after the release: by its timer at the holder's TTL, not by a new \
+         subscription"
+    );
+    assert!(
+        proxy.connections() >= 3,
+        "no new subscription connection was made"
+    );
+}
+
 macro_rules! faults {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -812,6 +875,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn server_goes_away() {
                 super::server_goes_away($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_silent_subscription_is_replaced() {
+                super::a_silent_subscription_is_replaced($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_refused_subscription_costs_only_its_own_key() {

@@ -39,9 +39,9 @@ pub struct Proxy {
     pub delayed: Arc<AtomicUsize>,
     /// One-way latency added to every chunk in both directions, in microseconds (0: none).
     latency_us: Arc<AtomicU64>,
-    /// Per connection, in the order they were accepted: latency added to its requests alone,
-    /// in microseconds.
-    request_latency_us: Arc<std::sync::Mutex<Vec<Arc<AtomicU64>>>>,
+    /// Per connection, in the order they were accepted: latency added to its requests and to
+    /// its replies alone, in microseconds.
+    own_latency_us: Arc<std::sync::Mutex<Vec<[Arc<AtomicU64>; 2]>>>,
     state: watch::Sender<NetState>,
 }
 
@@ -58,7 +58,7 @@ impl Proxy {
             delay_us: Arc::default(),
             delayed: Arc::default(),
             latency_us: Arc::default(),
-            request_latency_us: Arc::default(),
+            own_latency_us: Arc::default(),
             state,
         };
         let faults = Faults {
@@ -68,7 +68,7 @@ impl Proxy {
             delay: proxy.delay_us.clone(),
             delayed: proxy.delayed.clone(),
             latency: proxy.latency_us.clone(),
-            request_latency: proxy.request_latency_us.clone(),
+            own_latency: proxy.own_latency_us.clone(),
         };
         tokio::spawn(serve(listener, port, upstream, faults, rx));
         proxy
@@ -102,15 +102,25 @@ impl Proxy {
     /// How many connections the proxy has made to the server so far (one per client connection
     /// it forwards).
     pub fn connections(&self) -> usize {
-        self.request_latency_us.lock().expect("connections").len()
+        self.own_latency_us.lock().expect("connections").len()
     }
 
     /// Adds `one_way` to every request chunk the `index`th connection (from 0, in the order
     /// they were accepted) sends from now on, and to no other connection's: one of a client's
     /// connections on a slower path than the others.
     pub fn delay_requests_of(&self, index: usize, one_way: Duration) {
-        self.request_latency_us.lock().expect("connections")[index]
+        self.own_latency_us.lock().expect("connections")[index][0]
             .store(one_way.as_micros() as u64, Ordering::SeqCst);
+    }
+
+    /// From now on nothing read on the `index`th connection reaches the other side, in either
+    /// direction, while the connection stays open: a half-open connection, whose peer went away
+    /// without closing it. Other connections, and new ones, are not touched.
+    pub fn black_hole(&self, index: usize) {
+        let hour = Duration::from_secs(3_600).as_micros() as u64;
+        for direction in &self.own_latency_us.lock().expect("connections")[index] {
+            direction.store(hour, Ordering::SeqCst);
+        }
     }
 
     /// While `on`, nothing is forwarded in either direction and connections stay open, as
@@ -140,7 +150,7 @@ struct Faults {
     delay: Arc<AtomicU64>,
     delayed: Arc<AtomicUsize>,
     latency: Arc<AtomicU64>,
-    request_latency: Arc<std::sync::Mutex<Vec<Arc<AtomicU64>>>>,
+    own_latency: Arc<std::sync::Mutex<Vec<[Arc<AtomicU64>; 2]>>>,
 }
 
 /// Aborts the task when dropped, so a connection's reader dies with it.
@@ -191,9 +201,9 @@ async fn serve(
         let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
             continue;
         };
-        let own = Arc::new(AtomicU64::new(0));
+        let own: [Arc<AtomicU64>; 2] = Default::default();
         faults
-            .request_latency
+            .own_latency
             .lock()
             .expect("connections")
             .push(own.clone());
@@ -225,17 +235,18 @@ async fn pipe(
     client: TcpStream,
     server: TcpStream,
     faults: Faults,
-    request_latency: Arc<AtomicU64>,
+    own_latency: [Arc<AtomicU64>; 2],
     mut state: watch::Receiver<NetState>,
     epoch: u64,
 ) {
     let (cr, cw) = client.into_split();
     let (sr, sw) = server.into_split();
     let latency = faults.latency.clone();
+    let [requests, replies] = own_latency;
     // Either direction ending (a peer closed, a reply dropped) or a cut closes both.
     tokio::select! {
-        _ = forward(cr, sw, None, [latency.clone(), request_latency], state.clone()) => {}
-        _ = forward(sr, cw, Some(faults), [latency, Arc::default()], state.clone()) => {}
+        _ = forward(cr, sw, None, [latency.clone(), requests], state.clone()) => {}
+        _ = forward(sr, cw, Some(faults), [latency, replies], state.clone()) => {}
         _ = state.wait_for(|s| s.epoch != epoch) => {}
     }
 }

@@ -729,6 +729,9 @@ impl Backend for RedisBackend {
     }
 }
 
+/// How often the subscription connection is checked with a `PING`.
+const SUBSCRIPTION_CHECK: Duration = Duration::from_secs(5);
+
 /// The single subscription connection: reconnects, resubscribes, and on every (re)connect wakes
 /// all waiters, since releases during the gap were not seen.
 async fn subscriber(
@@ -767,8 +770,27 @@ async fn subscriber(
         }
         backoff = Duration::from_millis(20);
         wakeups.wake_all();
+        let mut check = tokio::time::interval_at(
+            tokio::time::Instant::now() + SUBSCRIPTION_CHECK,
+            SUBSCRIPTION_CHECK,
+        );
         loop {
             tokio::select! {
+                _ = check.tick() => {
+                    // A connection whose peer went away silently (a half-open TCP connection
+                    // after a failover moved the address, a NAT entry that timed out) delivers
+                    // nothing and never ends: only a request that goes unanswered shows it.
+                    let pong = tokio::time::timeout(bound, sink.ping::<Value>()).await;
+                    let alive = match &pong {
+                        Ok(Ok(_)) => true,
+                        Ok(Err(e)) => refused(e),
+                        Err(_) => false,
+                    };
+                    if !alive {
+                        warn!("subscription connection did not answer a PING; reconnecting");
+                        break;
+                    }
+                }
                 msg = stream.next() => match msg {
                     Some(msg) => wakeups.wake(msg.get_channel_name()),
                     None => {
