@@ -801,6 +801,95 @@ async fn a_silent_subscription_is_replaced(flavor: Flavor) {
     );
 }
 
+/// A Redis `Locker` kept beyond the runtime it connected on (in a static, used from one
+/// `#[tokio::test]` runtime after another): on the next runtime it still grants, and a waiter
+/// is still woken by a release, the subscription started again there. Its first subscription
+/// task died with the first runtime, and every later waiter slept to the holder's TTL.
+fn a_locker_outlives_the_runtime_it_connected_on(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime")
+    };
+    let first = runtime();
+    let locker = first.block_on(async {
+        let locker = Locker::redis(&server.url()).await.expect("connect");
+        // A wait on the first runtime starts the subscription there.
+        let holder = locker
+            .try_acquire("first", &opts(5_000))
+            .await
+            .expect("hold");
+        let waiter = tokio::spawn({
+            let locker = locker.clone();
+            async move {
+                locker
+                    .acquire("first", &opts(5_000).wait(Duration::from_secs(10)))
+                    .await
+            }
+        });
+        sleep(Duration::from_millis(200)).await;
+        holder.release().await.expect("release");
+        waiter
+            .await
+            .expect("task")
+            .expect("the waiter got it")
+            .release()
+            .await
+            .expect("release");
+        locker
+    });
+    drop(first);
+    runtime().block_on(async {
+        let lease = locker
+            .try_acquire("second", &opts(5_000))
+            .await
+            .expect("grant");
+        lease.release().await.expect("release");
+        let holding = Locker::redis(&server.url()).await.expect("connect");
+        let held = holding
+            .try_acquire("second", &opts(20_000))
+            .await
+            .expect("hold");
+        let waiter = tokio::spawn({
+            let locker = locker.clone();
+            async move {
+                locker
+                    .acquire("second", &opts(5_000).wait(Duration::from_secs(30)))
+                    .await
+                    .map(|l| l.fence())
+            }
+        });
+        let channel = holding
+            .lock_key("second")
+            .expect("key")
+            .channel()
+            .to_owned();
+        server.wait_for_subscriber(&channel).await;
+        sleep(Duration::from_millis(300)).await;
+        let released_at = Instant::now();
+        held.release().await.expect("release");
+        waiter.await.expect("task").expect("the waiter got it");
+        assert!(
+            released_at.elapsed() < Duration::from_secs(5),
+            "woken {:?} after the release: by its timer, not by the release",
+            released_at.elapsed()
+        );
+    });
+}
+
+#[test]
+fn a_redis_locker_outlives_the_runtime_it_connected_on() {
+    a_locker_outlives_the_runtime_it_connected_on(Flavor::Redis);
+}
+
+#[test]
+fn a_valkey_locker_outlives_the_runtime_it_connected_on() {
+    a_locker_outlives_the_runtime_it_connected_on(Flavor::Valkey);
+}
+
 macro_rules! faults {
     ($modname:ident, $flavor:expr) => {
         mod $modname {

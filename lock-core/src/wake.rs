@@ -171,31 +171,75 @@ pub(crate) enum SubCmd {
     Unsubscribe(String),
 }
 
+/// The way to a backend's subscription task, which takes [`SubCmd`]s.
+pub(crate) struct Subscriptions {
+    tx: Mutex<mpsc::UnboundedSender<SubCmd>>,
+    /// Starts the task again on the current runtime, when there is one to start it.
+    restart: Option<Box<dyn Fn() -> mpsc::UnboundedSender<SubCmd> + Send + Sync>>,
+}
+
+impl Subscriptions {
+    /// A task that is never started again.
+    pub(crate) fn fixed(tx: mpsc::UnboundedSender<SubCmd>) -> Subscriptions {
+        Subscriptions {
+            tx: Mutex::new(tx),
+            restart: None,
+        }
+    }
+
+    /// A task started by `start` now, and again on the runtime of the next subscribe when it
+    /// is gone: a `Locker` kept in a static and used from one `#[tokio::test]` runtime after
+    /// another lost its subscription with the first runtime, and every later waiter slept to
+    /// the holder's TTL. The new task subscribes every watched channel and wakes their waiters.
+    pub(crate) fn restarting(
+        start: impl Fn() -> mpsc::UnboundedSender<SubCmd> + Send + Sync + 'static,
+    ) -> Subscriptions {
+        Subscriptions {
+            tx: Mutex::new(start()),
+            restart: Some(Box::new(start)),
+        }
+    }
+
+    fn subscribe(&self, cmd: SubCmd) -> bool {
+        let mut tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
+        if tx.is_closed()
+            && let Some(restart) = &self.restart
+            && tokio::runtime::Handle::try_current().is_ok()
+        {
+            *tx = restart();
+        }
+        tx.send(cmd).is_ok()
+    }
+
+    /// Sent to the task running now, never starting one: a task started again resubscribes
+    /// only the channels still watched.
+    fn unsubscribe(&self, channel: String) {
+        let tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
+        let _ = tx.send(SubCmd::Unsubscribe(channel));
+    }
+}
+
 /// Registers a waiter for releases of `key` with a backend whose subscription task takes
-/// [`SubCmd`]s on `sub_tx`. The first waiter of a channel waits (up to a second) for the
+/// [`SubCmd`]s through `subs`. The first waiter of a channel waits (up to a second) for the
 /// subscription to be confirmed: without that a release could slip in unseen. If subscribing
 /// fails, the waiter still has its timer, and a reconnecting subscriber wakes everyone.
 pub(crate) async fn watch_through(
     wakeups: &Arc<Wakeups>,
-    sub_tx: &mpsc::UnboundedSender<SubCmd>,
+    subs: &Arc<Subscriptions>,
     key: &LockKey,
 ) -> Watch {
     let channel = key.channel().to_owned();
     let (ack_tx, ack_rx) = oneshot::channel();
     let mut subscribing = false;
     let (rx, registered) = wakeups.register_then(&channel, || {
-        subscribing = sub_tx
-            .send(SubCmd::Subscribe(channel.clone(), ack_tx))
-            .is_ok();
+        subscribing = subs.subscribe(SubCmd::Subscribe(channel.clone(), ack_tx));
     });
-    let tx = sub_tx.clone();
+    let subs = subs.clone();
     let watch = Watch {
         rx,
         channel,
         wakeups: wakeups.clone(),
-        on_last: Some(Box::new(move |ch| {
-            let _ = tx.send(SubCmd::Unsubscribe(ch));
-        })),
+        on_last: Some(Box::new(move |ch| subs.unsubscribe(ch))),
     };
     match registered {
         Registered::First(subscribed) => {
@@ -286,7 +330,7 @@ mod tests {
     /// A registry fed by a subscription task the test plays by hand.
     struct Registry {
         wakeups: Arc<Wakeups>,
-        sub_tx: mpsc::UnboundedSender<SubCmd>,
+        subs: Arc<Subscriptions>,
         sub_rx: mpsc::UnboundedReceiver<SubCmd>,
         key: LockKey,
     }
@@ -296,7 +340,7 @@ mod tests {
             let (sub_tx, sub_rx) = mpsc::unbounded_channel();
             Registry {
                 wakeups: Arc::default(),
-                sub_tx,
+                subs: Arc::new(Subscriptions::fixed(sub_tx)),
                 sub_rx,
                 key: LockKey::new("t", key),
             }
@@ -304,9 +348,8 @@ mod tests {
 
         /// A waiter registering on its own task.
         fn watcher(&self) -> tokio::task::JoinHandle<Watch> {
-            let (wakeups, sub_tx, key) =
-                (self.wakeups.clone(), self.sub_tx.clone(), self.key.clone());
-            tokio::spawn(async move { watch_through(&wakeups, &sub_tx, &key).await })
+            let (wakeups, subs, key) = (self.wakeups.clone(), self.subs.clone(), self.key.clone());
+            tokio::spawn(async move { watch_through(&wakeups, &subs, &key).await })
         }
 
         /// The first watcher's subscribe, as the subscription task receives it: its ack.
@@ -391,7 +434,8 @@ mod tests {
             }
             seen
         });
-        let mut watch = watch_through(&wakeups, &sub_tx, &key).await;
+        let subs = Arc::new(Subscriptions::fixed(sub_tx.clone()));
+        let mut watch = watch_through(&wakeups, &subs, &key).await;
         // The unsubscribe, sent by the watch's own drop, checks the lock as it is sent.
         let (wakeups2, sent) = (wakeups.clone(), locked_at_send.clone());
         let tx = sub_tx.clone();
@@ -403,7 +447,7 @@ mod tests {
         }));
         drop(watch);
         assert_eq!(*locked_at_send.lock().expect("sent"), vec![true]);
-        drop(sub_tx);
+        drop((sub_tx, subs));
         let seen = answering.await.expect("the answering task");
         let channel = key.channel().to_owned();
         assert_eq!(seen, vec![(channel.clone(), true), (channel, false)]);

@@ -19,7 +19,7 @@ use super::redis::{EXTEND_CHUNK, RedisConfig, Scripts, ops};
 use crate::backend::AcquireReply;
 use crate::error::{Error, Result};
 use crate::types::{LockKey, Token};
-use crate::wake::{SubCmd, Wakeups, Watch, watch_through};
+use crate::wake::{SubCmd, Subscriptions, Wakeups, Watch, watch_through};
 
 /// The renewal script for many slots of one node (see the script for why keys are arguments).
 const EXTEND_NODE: &str = include_str!("../lua/extend_node.lua");
@@ -54,7 +54,7 @@ pub struct ClusterBackend {
     /// Which node serves each slot, for grouping renewals by node; refreshed after a miss.
     slots: Arc<Mutex<Option<Arc<SlotMap>>>>,
     wakeups: Arc<Wakeups>,
-    sub_tx: mpsc::UnboundedSender<SubCmd>,
+    subs: Arc<Subscriptions>,
 }
 
 /// The masters and the slot ranges they serve, from `CLUSTER SLOTS`.
@@ -328,7 +328,7 @@ impl ClusterBackend {
             extend_cross: Arc::new(Script::new(EXTEND_NODE)),
             slots: Arc::default(),
             wakeups,
-            sub_tx,
+            subs: Arc::new(Subscriptions::fixed(sub_tx)),
         })
     }
 
@@ -606,7 +606,7 @@ impl Backend for ClusterBackend {
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Watch> {
-        Ok(watch_through(&self.wakeups, &self.sub_tx, key).await)
+        Ok(watch_through(&self.wakeups, &self.subs, key).await)
     }
 
     fn wakeups(&self) -> &Arc<Wakeups> {

@@ -14,7 +14,7 @@ use super::batch::{Batcher, Flush};
 use super::{AcquireReply, Backend};
 use crate::error::{Error, Result, classify};
 use crate::types::{LockKey, Token};
-use crate::wake::{SubCmd, Wakeups, Watch, watch_through};
+use crate::wake::{SubCmd, Subscriptions, Wakeups, Watch, watch_through};
 
 /// Leases per extend script call: large enough to batch, small enough not to stall the server.
 pub(super) const EXTEND_CHUNK: usize = 256;
@@ -125,7 +125,7 @@ pub struct RedisBackend {
     acquires: Arc<Batcher<Acquires>>,
     releases: Arc<Batcher<Releases>>,
     wakeups: Arc<Wakeups>,
-    sub_tx: mpsc::UnboundedSender<SubCmd>,
+    subs: Arc<Subscriptions>,
 }
 
 /// What a batcher sends on: the shared connection and the scripts.
@@ -236,8 +236,19 @@ impl RedisBackend {
             idle: Mutex::new(Vec::new()),
         });
         let wakeups = Arc::new(Wakeups::default());
-        let (sub_tx, sub_rx) = mpsc::unbounded_channel();
-        tokio::spawn(subscriber(client, config, wakeups.clone(), sub_rx));
+        let subs = Arc::new(Subscriptions::restarting({
+            let wakeups = wakeups.clone();
+            move || {
+                let (tx, rx) = mpsc::unbounded_channel();
+                tokio::spawn(subscriber(
+                    client.clone(),
+                    config.clone(),
+                    wakeups.clone(),
+                    rx,
+                ));
+                tx
+            }
+        }));
         let scripts = Arc::new(Scripts::new());
         let sender = || Sender {
             conn: conn.clone(),
@@ -250,7 +261,7 @@ impl RedisBackend {
             dedicated,
             scripts,
             wakeups,
-            sub_tx,
+            subs,
         })
     }
 
@@ -716,7 +727,7 @@ impl Backend for RedisBackend {
     }
 
     async fn watch(&self, key: &LockKey) -> Result<Watch> {
-        Ok(watch_through(&self.wakeups, &self.sub_tx, key).await)
+        Ok(watch_through(&self.wakeups, &self.subs, key).await)
     }
 
     fn wakeups(&self) -> &Arc<Wakeups> {
