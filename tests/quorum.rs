@@ -925,6 +925,27 @@ async fn a_member_down_at_start_joins_later() {
     );
 }
 
+/// A member that never connected cannot hold a lease granted since: an extend that one member
+/// renews and another finds not held is lost, not undecided (`NoQuorum`, transient) for the
+/// silent member's sake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_never_connected_holds_nothing() {
+    let mut servers = start(Flavor::Redis, 3);
+    servers[2].kill();
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let lease = locker
+        .try_acquire("half", &opts(5_000).renew(false))
+        .await
+        .expect("2 of 3");
+    let key = locker.lock_key("half").expect("key");
+    let _: i64 = servers[1].cmd(&["DEL", key.lock_key()]);
+    let extended = lease.extend(Duration::from_secs(5)).await;
+    assert!(
+        matches!(extended, Err(leasehold::Error::LeaseLost { .. })),
+        "{extended:?}"
+    );
+}
+
 /// A release missed while one member's subscription was down still wakes the waiter: when
 /// that member's subscriber reconnects it wakes every waiter, which retries. The key is
 /// deleted on every member without a publish, then one member's pub/sub connections are

@@ -390,8 +390,9 @@ impl QuorumBackend {
         }
         let quorum = self.inner.quorum;
         let mut counts = vec![0usize; items.len()];
-        // Members that have not answered yet, or failed: either may still have renewed.
-        let mut unknown = self.members();
+        // Members that have not answered yet, or failed: either may still have renewed. Not
+        // one that never connected: it was sent no grant, so it holds none.
+        let mut unknown = calls.len();
         let mut outstanding = calls.len();
         while let Some((i, answer)) = calls.next().await {
             outstanding -= 1;
