@@ -231,9 +231,14 @@ pub(crate) fn validate_ttl(ttl: Duration) -> Result<()> {
     Ok(())
 }
 
-/// The clock-drift allowance subtracted from every lease: 1% of the TTL plus 2 ms.
+/// The clock-drift allowance subtracted from every lease: 1% of the TTL plus 2 ms, plus the
+/// TTL's part of a millisecond, which the servers never see: TTLs go out as whole
+/// milliseconds (`PX 10` for 10.9 ms), so a local deadline counted on the exact TTL would use
+/// up to a millisecond of the allowance.
 pub(crate) fn drift(ttl: Duration) -> Duration {
-    ttl / 100 + Duration::from_millis(2)
+    ttl / 100
+        + Duration::from_millis(2)
+        + Duration::from_nanos(u64::from(ttl.subsec_nanos() % 1_000_000))
 }
 
 /// How long before its local deadline a lease that was not renewed counts as lost (2.5% of the
@@ -423,6 +428,24 @@ impl fmt::Debug for LockKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A local deadline is counted on the TTL the server was sent, in whole milliseconds, less
+    /// the full allowance.
+    #[test]
+    fn the_local_validity_never_counts_a_fraction_the_server_did_not_get() {
+        for ttl in [
+            Duration::from_micros(10_999),
+            Duration::from_millis(10),
+            Duration::from_micros(1_500_700),
+            Duration::from_nanos(86_399_999_999_999),
+        ] {
+            let sent = Duration::from_millis(ttl.as_millis() as u64);
+            assert!(
+                ttl - drift(ttl) <= sent - sent / 100 - Duration::from_millis(2),
+                "{ttl:?}"
+            );
+        }
+    }
 
     #[test]
     fn a_forked_child_reads_afresh_instead_of_replaying_the_parents_bytes() {
