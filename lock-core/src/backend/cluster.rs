@@ -283,6 +283,7 @@ impl ClusterBackend {
     /// # Ok(()) }
     /// ```
     pub async fn connect_with(nodes: &[&str], config: RedisConfig) -> Result<ClusterBackend> {
+        config.validate()?;
         let (push_tx, push_rx) = mpsc::unbounded_channel::<PushInfo>();
         let builder = ClusterClientBuilder::new(nodes.to_vec())
             .use_protocol(ProtocolVersion::RESP3)

@@ -59,6 +59,24 @@ impl Default for RedisConfig {
 }
 
 impl RedisConfig {
+    /// A zero timeout fails every request (or every connect) it bounds: refused before any
+    /// connection is made.
+    pub(crate) fn validate(&self) -> Result<()> {
+        for (what, value) in [
+            ("response timeout", self.response_timeout),
+            ("connection timeout", self.connection_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(Error::InvalidDuration {
+                    what,
+                    value,
+                    reason: "zero: every request would time out",
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// A client for `url` with these settings: plain `redis://`, or `rediss://` (TLS) with the
     /// `tls` feature.
     pub(crate) fn client(&self, url: &str) -> Result<redis::Client> {
@@ -211,16 +229,22 @@ impl RedisBackend {
     /// Connects to `url` with explicit settings.
     ///
     /// A URL that cannot be parsed, or a server that cannot be reached within the connection
-    /// timeout, is [`Error::Unavailable`]:
+    /// timeout, is [`Error::Unavailable`]; a zero timeout is [`Error::InvalidDuration`], before
+    /// any connection is made:
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
     /// use lock_core::{Error, RedisBackend, RedisConfig};
+    /// use std::time::Duration;
     /// let refused = RedisBackend::connect_with("not a url", RedisConfig::default()).await;
     /// assert!(matches!(refused, Err(Error::Unavailable(_))));
+    /// let zero = RedisConfig { response_timeout: Duration::ZERO, ..RedisConfig::default() };
+    /// let refused = RedisBackend::connect_with("redis://127.0.0.1:1/", zero).await;
+    /// assert!(matches!(refused, Err(Error::InvalidDuration { what: "response timeout", .. })));
     /// # }
     /// ```
     pub async fn connect_with(url: &str, config: RedisConfig) -> Result<RedisBackend> {
+        config.validate()?;
         let client = config.client(url)?;
         let cm_config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(config.response_timeout))
