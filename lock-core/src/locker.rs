@@ -608,6 +608,12 @@ impl<B: Backend + Clone> Locker<B> {
     /// task that asks again after releasing queues behind them. Waiters in other processes still
     /// race for the key when it frees.
     ///
+    /// The wait bounds the time between attempts, not an attempt already sent when it runs
+    /// out: that one is answered first. On a slow or unreachable server an attempt can take the
+    /// backend's response timeout, twice when its reply is lost and it is sent again to learn
+    /// whether it landed (and, with [`replicas`](LockOptions::replicas), the replica timeout
+    /// on top), so a short wait on a failing server ends with its error that much later.
+    ///
     /// A grant whose reply comes too late to be handed out (see
     /// [`try_acquire`](Self::try_acquire)) is given back and the wait goes on after a pause,
     /// with a new token. One that comes when the wait is over, or the third in one call (a TTL
