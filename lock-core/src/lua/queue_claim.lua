@@ -57,12 +57,19 @@ for _ = 1, 100 do
       -- stays pending.
       return redis.error_reply(att.err)
     end
+    local why = type(att) == 'table' and att.err or nil
+    if not why and att < 1 then
+      -- An integer, but below one after the increment: no fence a client can read. Put back
+      -- as it was found.
+      redis.call('HINCRBY', jk, 'attempts', -1)
+      why = 'below zero'
+    end
     redis.call('ZREM', KEYS[1], id)
-    if type(att) == 'table' then
-      -- An attempts field written from outside (not an integer, or at its limit) gives no
-      -- fence to hand out, and a claim refused for it would stall every job behind it: the
-      -- job dies with the reason, the field kept as it was found.
-      redis.call('HSET', jk, 'state', 'dead', 'error', 'corrupt attempts field: ' .. att.err)
+    if why then
+      -- An attempts field written from outside (not an integer, at its limit, or below zero)
+      -- gives no fence to hand out, and a claim refused for it would stall every job behind
+      -- it: the job dies with the reason, the field kept as it was found.
+      redis.call('HSET', jk, 'state', 'dead', 'error', 'corrupt attempts field: ' .. why)
       put_aside(id, jk, 'hash with a corrupt attempts field')
     else
       redis.call('HSET', jk, 'state', 'active', 'holder', ARGV[4])
