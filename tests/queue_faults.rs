@@ -264,6 +264,26 @@ async fn deleted_job_keys(flavor: Flavor) {
         .expect("claim")
         .expect("the job behind 100 deleted ones");
     assert_eq!(got.id(), ids[100]);
+    got.complete().await.expect("complete");
+    // The same among due retries: a whole promotion round (100 ids) of deleted keys before a
+    // due retry still claims it, rather than report an empty queue.
+    let ids = q.enqueue_many(&payloads[..101]).await.expect("enqueue");
+    for (i, &id) in ids.iter().enumerate() {
+        let claim = q.claim(ms(5_000)).await.expect("claim").expect("job");
+        assert_eq!(claim.id(), id);
+        // Due one after another, so the deleted ones are promoted first.
+        claim.retry(ms(1_000 + i as u64)).await.expect("retry");
+    }
+    for &id in &ids[..100] {
+        let _: i64 = server.cmd(&["DEL", &jk(id)]);
+    }
+    sleep(ms(1_300)).await;
+    let got = q
+        .claim(ms(5_000))
+        .await
+        .expect("claim")
+        .expect("the retry due behind 100 deleted ones");
+    assert_eq!(got.id(), ids[100]);
 }
 
 /// A server that loses its writes (a restart without persistence, a failover, a flush) hands

@@ -1,6 +1,7 @@
 -- ARGV[3] lease ms, ARGV[4] the claim's token (its holder). Returns {1, id, attempts, deadline ms, payload, aside...}, {0, ms until
 -- the next delayed job is due or -1, aside...}, or {2, aside...} when pending still holds jobs
--- after 100 ids taken off it (deleted or set aside), where aside is {job key, what was found} for
+-- after 100 ids taken off it (deleted or set aside), or due retries are left after 100 promoted
+-- ones that came to nothing, where aside is {job key, what was found} for
 -- every job this claim set aside in the dead set: a job key of a foreign type, or a job hash
 -- whose attempts field is corrupt.
 local bad = check_keys()
@@ -90,6 +91,11 @@ if taken == 100 and redis.call('EXISTS', KEYS[1]) == 1 then
   return reply({2})
 end
 local nxt = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
+-- The same for due retries: a promotion round of 100 that left nothing to claim (their jobs
+-- deleted or set aside) with more due behind it asks again too.
+if #due == 100 and nxt[2] and tonumber(nxt[2]) <= now then
+  return reply({2})
+end
 if nxt[2] then
   return reply({0, math.max(0, tonumber(nxt[2]) - now)})
 end
