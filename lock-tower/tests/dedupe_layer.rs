@@ -23,6 +23,9 @@ use tokio::sync::{Semaphore, mpsc};
 on_every_backend!(
     concurrent_duplicates_run_the_handler_once,
     waiting_duplicates_all_get_the_replay,
+    a_wait_that_runs_out_is_409,
+    a_waiting_duplicate_runs_the_handler_after_a_failed_first,
+    the_default_stored_body_cap_is_256_kib,
     same_key_different_request_is_422,
     failed_first_attempt_is_not_stored,
     a_conflict_that_says_when_to_retry_is_not_stored,
@@ -165,6 +168,107 @@ async fn waiting_duplicates_all_get_the_replay(h: Harness) {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert_eq!(replayed, 19);
     assert!(bodies.iter().all(|b| *b == bodies[0]));
+}
+
+/// A duplicate that waits (`wait`) for a first delivery that outlasts the wait gets 409 with
+/// `Retry-After` (`Reason::WaitTimeout`), and the handler ran once.
+async fn a_wait_that_runs_out_is_409(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = DedupeLayer::new(h.locker().await).wait(Duration::from_millis(200));
+    let addr = serve(counting(layer, runs.clone(), Duration::from_millis(1_500))).await;
+    let first = tokio::spawn(async move { deliver(addr, r#""evt-slow""#, "{}").await });
+    assert!(
+        common::eventually(Duration::from_secs(5), async || runs.load(Ordering::SeqCst)
+            == 1)
+        .await
+    );
+    let started = std::time::Instant::now();
+    let waited = deliver(addr, r#""evt-slow""#, "{}").await;
+    let took = started.elapsed();
+    assert_eq!(waited.status, StatusCode::CONFLICT, "{}", waited.text());
+    assert!(waited.header("retry-after").is_some());
+    let problem: serde_json::Value = serde_json::from_slice(&waited.body).expect("json");
+    assert_eq!(
+        problem["type"], "urn:leasehold:problem:wait-timeout",
+        "{problem}"
+    );
+    assert!(
+        took >= Duration::from_millis(200) && took < Duration::from_millis(1_200),
+        "a 200 ms wait answered after {took:?}"
+    );
+    assert_eq!(first.await.expect("first").status, StatusCode::CREATED);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A duplicate waiting for a first delivery that fails (5xx, not stored) does not get that
+/// failure replayed: once the claim is free it claims the key and runs the handler itself.
+async fn a_waiting_duplicate_runs_the_handler_after_a_failed_first(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let app = Router::new()
+        .route(
+            "/hooks/once-failing",
+            post(move || {
+                let n = r.fetch_add(1, Ordering::SeqCst) + 1;
+                async move {
+                    if n == 1 {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        (StatusCode::BAD_GATEWAY, "upstream down")
+                    } else {
+                        (StatusCode::OK, "handled")
+                    }
+                }
+            }),
+        )
+        .layer(DedupeLayer::new(h.locker().await).wait(Duration::from_secs(10)));
+    let addr = serve(app).await;
+    let first =
+        tokio::spawn(async move { deliver_to(addr, "/hooks/once-failing", r#""evt-f""#).await });
+    assert!(
+        common::eventually(Duration::from_secs(5), async || runs.load(Ordering::SeqCst)
+            == 1)
+        .await
+    );
+    let second = deliver_to(addr, "/hooks/once-failing", r#""evt-f""#).await;
+    assert_eq!(first.await.expect("first").status, StatusCode::BAD_GATEWAY);
+    assert_eq!(
+        (second.status, second.text().as_str()),
+        (StatusCode::OK, "handled"),
+        "the waiting duplicate got the failure"
+    );
+    assert_eq!(second.header("idempotent-replayed"), None);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// Without `stored_body_limit`, bodies up to 256 KiB are stored and replayed whole, and one
+/// byte more is replayed without its body.
+async fn the_default_stored_body_cap_is_256_kib(h: Harness) {
+    let app = Router::new()
+        .route(
+            "/hooks/sized/{n}",
+            post(|axum::extract::Path(n): axum::extract::Path<usize>| async move { "x".repeat(n) }),
+        )
+        .layer(DedupeLayer::new(h.locker().await));
+    let addr = serve(app).await;
+    for (n, whole) in [(256 * 1024, true), (256 * 1024 + 1, false)] {
+        let path = format!("/hooks/sized/{n}");
+        let key = format!(r#""sized-{n}""#);
+        let first = deliver_to(addr, &path, &key).await;
+        assert_eq!(first.body.len(), n);
+        let replay = deliver_to(addr, &path, &key).await;
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"), "{n}");
+        if whole {
+            assert_eq!(replay.body, first.body, "{n}");
+            assert_eq!(replay.header("idempotent-body-omitted"), None);
+        } else {
+            assert!(
+                replay.body.is_empty(),
+                "{n}: {} bytes replayed",
+                replay.body.len()
+            );
+            assert_eq!(replay.header("idempotent-body-omitted"), Some("true"));
+        }
+    }
 }
 
 async fn same_key_different_request_is_422(h: Harness) {
