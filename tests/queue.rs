@@ -1230,6 +1230,14 @@ async fn zero_delay_retry_keeps_its_place(h: Harness) {
     );
     let next = q.claim(ms(5_000)).await.expect("claim").expect("b");
     assert_eq!(next.id(), b);
+    // A delayed retry keeps its place too once due: ahead of a job enqueued after it.
+    again.retry(ms(150)).await.expect("retry");
+    let later = q.enqueue(b"later").await.expect("enqueue");
+    sleep(ms(250)).await;
+    let due = q.claim(ms(5_000)).await.expect("claim").expect("a, due");
+    assert_eq!((due.id(), due.attempts()), (a, 3), "not back at its place");
+    let c = q.claim(ms(5_000)).await.expect("claim").expect("c");
+    assert!(c.id() < later, "{:?} claimed before c", c.id());
 }
 
 /// A worker runs `concurrency` handlers at once, no more and (with jobs waiting) no fewer;
