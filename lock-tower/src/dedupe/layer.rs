@@ -279,7 +279,9 @@ impl DedupeLayer {
     }
 
     /// A namespace for this layer's keys (for example the sender's name), so two endpoints
-    /// with the same ids do not dedupe each other.
+    /// with the same ids do not dedupe each other. Within a scope a key is shared by every
+    /// caller: where callers choose their own keys, make the key per caller (a
+    /// [`KeyExtractor::from_fn`] that joins the principal and the key).
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};
