@@ -181,45 +181,30 @@ async fn foreign_types(flavor: Flavor) {
 async fn corrupt_attempts(flavor: Flavor) {
     let server = Server::start(flavor);
     let q = Queue::redis(&server.url(), "ca").await.expect("connect");
-    let corrupt = q.enqueue(b"corrupt").await.expect("enqueue");
-    let next = q.enqueue(b"next").await.expect("enqueue");
-    let jk = format!("{{leasehold:ca}}:job:{corrupt}");
-    let _: i64 = server.cmd(&["HSET", &jk, "attempts", "three"]);
-    let got = q
-        .claim(ms(5_000))
-        .await
-        .expect("a corrupt job at the head of pending failed the claim")
-        .expect("the next pending job");
-    assert_eq!((got.id(), got.attempts()), (next, 1));
-    got.complete().await.expect("complete");
-    let info = q.job(corrupt).await.expect("the corrupt job");
-    assert_eq!(info.state, JobState::Dead);
-    let why = info.error.unwrap_or_default();
-    assert!(why.contains("attempts"), "reason: {why:?}");
-    let c = q.counts().await.expect("counts");
-    assert_eq!((c.pending, c.active, c.dead), (0, 0, 1));
-    // The field is left as it was found, for whoever wrote it to see.
-    let kept: String = server.cmd(&["HGET", &jk, "attempts"]);
-    assert_eq!(kept, "three");
-    // A count below zero is an integer, but no fence: it goes the same way (it was claimed,
-    // with a fence of -4 no client could read, and the claim reported the server unreachable).
-    let negative = q.enqueue(b"negative").await.expect("enqueue");
-    let next = q.enqueue(b"next").await.expect("enqueue");
-    let njk = format!("{{leasehold:ca}}:job:{negative}");
-    let _: i64 = server.cmd(&["HSET", &njk, "attempts", "-5"]);
-    let got = q
-        .claim(ms(5_000))
-        .await
-        .expect("a negative attempts field failed the claim")
-        .expect("the next pending job");
-    assert_eq!((got.id(), got.attempts()), (next, 1));
-    got.complete().await.expect("complete");
-    let info = q.job(negative).await.expect("the job");
-    assert_eq!(info.state, JobState::Dead);
-    let kept: String = server.cmd(&["HGET", &njk, "attempts"]);
-    assert_eq!(kept, "-5");
-    let c = q.counts().await.expect("counts");
-    assert_eq!((c.pending, c.active, c.dead), (0, 0, 2));
+    // Not an integer; and below zero, an integer but no fence (it was claimed, with a fence of
+    // -4 no client could read, and the claim reported the server unreachable).
+    for (dead, found) in [(1, "three"), (2, "-5")] {
+        let corrupt = q.enqueue(b"corrupt").await.expect("enqueue");
+        let next = q.enqueue(b"next").await.expect("enqueue");
+        let jk = format!("{{leasehold:ca}}:job:{corrupt}");
+        let _: i64 = server.cmd(&["HSET", &jk, "attempts", found]);
+        let got = q
+            .claim(ms(5_000))
+            .await
+            .expect("a corrupt job at the head of pending failed the claim")
+            .expect("the next pending job");
+        assert_eq!((got.id(), got.attempts()), (next, 1), "{found}");
+        got.complete().await.expect("complete");
+        let info = q.job(corrupt).await.expect("the corrupt job");
+        assert_eq!(info.state, JobState::Dead, "{found}");
+        let why = info.error.unwrap_or_default();
+        assert!(why.contains("attempts"), "{found}: reason {why:?}");
+        let c = q.counts().await.expect("counts");
+        assert_eq!((c.pending, c.active, c.dead), (0, 0, dead), "{found}");
+        // The field is left as it was found, for whoever wrote it to see.
+        let kept: String = server.cmd(&["HGET", &jk, "attempts"]);
+        assert_eq!(kept, found);
+    }
     // Any other refusal of the increment is the server's, not the job's: the claim fails and
     // the job stays pending.
     let again = q.enqueue(b"again").await.expect("enqueue");

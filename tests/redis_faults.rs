@@ -661,6 +661,42 @@ async fn one_foreign_key_in_a_batch(flavor: Flavor) {
     );
 }
 
+/// `holding` holds `key` while a task waits for it on `waiting`; once the waiter is subscribed
+/// and has found the key held once more, `fault` runs and the holder releases. How long after
+/// the release the waiter got the key (its fence checked above the holder's).
+async fn woken_after_release<B: leasehold::Backend + Clone + 'static>(
+    server: &Server,
+    holding: &Locker,
+    waiting: &Locker<B>,
+    key: &'static str,
+    fault: impl FnOnce(),
+) -> Duration {
+    let held = holding.try_acquire(key, &opts(30_000)).await.expect("hold");
+    let waiter = tokio::spawn({
+        let waiting = waiting.clone();
+        async move {
+            waiting
+                .acquire(key, &opts(5_000).wait(Duration::from_secs(40)))
+                .await
+                .map(|l| l.fence())
+        }
+    });
+    let channel = holding.lock_key(key).expect("key").channel().to_owned();
+    server.wait_for_subscriber(&channel).await;
+    // Subscribed, the waiter asks once more; let that find the key held.
+    sleep(Duration::from_millis(300)).await;
+    fault();
+    let held_fence = held.fence();
+    let released_at = Instant::now();
+    held.release().await.expect("release");
+    let fence = waiter
+        .await
+        .expect("waiter task")
+        .expect("the waiter got the key");
+    assert!(fence > held_fence);
+    released_at.elapsed()
+}
+
 /// A subscription the server refuses for one channel (an ACL user whose channel rule leaves
 /// out some keys): the waiters on that key fall back to their timers, and the one connection
 /// serving every other key's wake-ups carries on. A refused channel once broke the connection,
@@ -763,33 +799,10 @@ async fn a_silent_subscription_is_replaced(flavor: Flavor) {
         sleep(Duration::from_millis(10)).await;
     }
     let holding = Locker::redis(&server.url()).await.expect("connect");
-    let held = holding
-        .try_acquire("silent", &opts(30_000))
-        .await
-        .expect("hold");
-    let waiter = tokio::spawn(async move {
-        waiting
-            .acquire("silent", &opts(5_000).wait(Duration::from_secs(40)))
-            .await
-            .map(|l| l.fence())
-    });
-    let channel = holding
-        .lock_key("silent")
-        .expect("key")
-        .channel()
-        .to_owned();
-    server.wait_for_subscriber(&channel).await;
-    // Subscribed, the waiter asks once more; let that find the key held.
-    sleep(Duration::from_millis(300)).await;
-    proxy.black_hole(1);
-    let released_at = Instant::now();
-    held.release().await.expect("release");
-    let fence = waiter
-        .await
-        .expect("waiter task")
-        .expect("the waiter got the key");
-    assert!(fence > leasehold::Fence(0));
-    let waited = released_at.elapsed();
+    let waited = woken_after_release(&server, &holding, &waiting, "silent", || {
+        proxy.black_hole(1)
+    })
+    .await;
     assert!(
         waited < Duration::from_secs(15),
         "woken {waited:?} after the release: by its timer at the holder's TTL, not by a new \
@@ -818,27 +831,8 @@ fn a_locker_outlives_the_runtime_it_connected_on(flavor: Flavor) {
     let locker = first.block_on(async {
         let locker = Locker::redis(&server.url()).await.expect("connect");
         // A wait on the first runtime starts the subscription there.
-        let holder = locker
-            .try_acquire("first", &opts(5_000))
-            .await
-            .expect("hold");
-        let waiter = tokio::spawn({
-            let locker = locker.clone();
-            async move {
-                locker
-                    .acquire("first", &opts(5_000).wait(Duration::from_secs(10)))
-                    .await
-            }
-        });
-        sleep(Duration::from_millis(200)).await;
-        holder.release().await.expect("release");
-        waiter
-            .await
-            .expect("task")
-            .expect("the waiter got it")
-            .release()
-            .await
-            .expect("release");
+        let holding = Locker::redis(&server.url()).await.expect("connect");
+        woken_after_release(&server, &holding, &locker, "first", || {}).await;
         locker
     });
     drop(first);
@@ -849,33 +843,10 @@ fn a_locker_outlives_the_runtime_it_connected_on(flavor: Flavor) {
             .expect("grant");
         lease.release().await.expect("release");
         let holding = Locker::redis(&server.url()).await.expect("connect");
-        let held = holding
-            .try_acquire("second", &opts(20_000))
-            .await
-            .expect("hold");
-        let waiter = tokio::spawn({
-            let locker = locker.clone();
-            async move {
-                locker
-                    .acquire("second", &opts(5_000).wait(Duration::from_secs(30)))
-                    .await
-                    .map(|l| l.fence())
-            }
-        });
-        let channel = holding
-            .lock_key("second")
-            .expect("key")
-            .channel()
-            .to_owned();
-        server.wait_for_subscriber(&channel).await;
-        sleep(Duration::from_millis(300)).await;
-        let released_at = Instant::now();
-        held.release().await.expect("release");
-        waiter.await.expect("task").expect("the waiter got it");
+        let waited = woken_after_release(&server, &holding, &locker, "second", || {}).await;
         assert!(
-            released_at.elapsed() < Duration::from_secs(5),
-            "woken {:?} after the release: by its timer, not by the release",
-            released_at.elapsed()
+            waited < Duration::from_secs(5),
+            "woken {waited:?} after the release: by its timer, not by the release"
         );
     });
 }
