@@ -300,7 +300,7 @@ impl KeyExtractor {
     /// string or a number. The layer reads the body up to its body cap and hands the same bytes
     /// on to the handler. A name without the leading `/` is a top-level field of that name
     /// (`"id"` is `/id`, and `"a/b"` the field `a/b`, not `b` inside `a`), rather than a pointer
-    /// that can match nothing.
+    /// that can match nothing; `""` is the whole body (a JSON string or number).
     ///
     /// A string that is empty or only whitespace counts as absent (as an empty header does), so
     /// malformed events do not all share one key. A number is used as its decimal text, so `7`
@@ -334,7 +334,8 @@ impl KeyExtractor {
     /// # Ok(()) }
     /// ```
     pub fn json_field(pointer: &str) -> KeyExtractor {
-        let pointer = if pointer.starts_with('/') {
+        // `""` stays the pointer to the whole document.
+        let pointer = if pointer.is_empty() || pointer.starts_with('/') {
             pointer.to_owned()
         } else {
             // RFC 6901 escapes, so that the name is one field whatever it holds.
@@ -662,6 +663,10 @@ mod tests {
         assert_eq!(extract_json("a/b", body).ok().as_deref(), Some("slash"));
         assert_eq!(extract_json("t~", body).ok().as_deref(), Some("tilde"));
         assert_eq!(extract_json("/a/b", body).ok().as_deref(), Some("nested"));
+        assert_eq!(
+            extract_json("", br#""whole""#).ok().as_deref(),
+            Some("whole")
+        );
     }
 
     #[test]

@@ -459,7 +459,7 @@ async fn a_timeout_answer_is_not_stored(h: Harness) {
 /// replayed as a success.
 async fn a_body_shorter_than_its_length_stores_nothing(h: Harness) {
     let runs = Arc::new(AtomicUsize::new(0));
-    let r = runs.clone();
+    let (r, r2) = (runs.clone(), runs.clone());
     // Two 6-byte chunks under a declared length of 100.
     let short = move || {
         r.fetch_add(1, Ordering::SeqCst);
@@ -478,6 +478,32 @@ async fn a_body_shorter_than_its_length_stores_nothing(h: Harness) {
         .route(
             "/hooks/big",
             post(short).layer(DedupeLayer::new(h.locker().await).stored_body_limit(8)),
+        )
+        // A body that says it has ended as soon as its one frame is taken, above the cap.
+        .route(
+            "/hooks/big-whole",
+            post(move || {
+                r2.fetch_add(1, Ordering::SeqCst);
+                async {
+                    Response::builder()
+                        .header("content-length", "100")
+                        .body(Body::from("x".repeat(40)))
+                        .expect("response")
+                }
+            })
+            .layer(DedupeLayer::new(h.locker().await).stored_body_limit(8)),
+        )
+        // A 304 names the representation's length and has no body: nothing is short.
+        .route(
+            "/hooks/not-modified",
+            post(|| async {
+                Response::builder()
+                    .status(StatusCode::NOT_MODIFIED)
+                    .header("content-length", "100")
+                    .body(Body::empty())
+                    .expect("response")
+            })
+            .layer(DedupeLayer::new(h.locker().await)),
         );
     let addr = serve(app).await;
 
@@ -538,6 +564,28 @@ async fn a_body_shorter_than_its_length_stores_nothing(h: Harness) {
             "the retry did not run the handler"
         );
     }
+
+    for run in 5..=6 {
+        let cut = deliver_to(addr, "/hooks/big-whole", r#""big-whole""#).await;
+        assert_eq!(
+            cut.status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "{}",
+            cut.text()
+        );
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            run,
+            "the retry did not run the handler"
+        );
+    }
+    let first = deliver_to(addr, "/hooks/not-modified", r#""nm""#).await;
+    assert_eq!(first.status, StatusCode::NOT_MODIFIED);
+    let replay = deliver_to(addr, "/hooks/not-modified", r#""nm""#).await;
+    assert_eq!(
+        (replay.status, replay.header("idempotent-replayed")),
+        (StatusCode::NOT_MODIFIED, Some("true"))
+    );
 }
 
 async fn oversized_bodies(h: Harness) {
@@ -2577,8 +2625,6 @@ async fn only_the_filtered_methods_are_deduplicated(h: Harness) {
     }
 }
 
-/// `replay_header` adds a header to the allow-list: it is on the replay, beside the defaults,
-/// while a header not listed is not.
 /// Every header of the default allow-list comes back on a replay, repeated ones as often as
 /// they were sent, and values with a `:` or bytes above ASCII survive the store's encoding;
 /// others are left out.
@@ -2641,6 +2687,8 @@ async fn the_default_allow_list_is_replayed(h: Harness) {
     assert_eq!(replay.header("x-not-listed"), None);
 }
 
+/// `replay_header` adds a header to the allow-list: it is on the replay, beside the defaults,
+/// while a header not listed is not.
 async fn replay_header_adds_to_the_allow_list(h: Harness) {
     let app = Router::new()
         .route(

@@ -324,6 +324,10 @@ where
     }
 }
 
+/// The channel a relay task hands the rest of a body on: frames, an error, or `None` for a
+/// clean end.
+type Relay = tokio::sync::mpsc::Sender<Option<Result<http_body::Frame<Bytes>, BoxError>>>;
+
 /// What is left to do once the handler answered: store its result under the claim, then
 /// release the claim.
 struct Completion {
@@ -347,7 +351,12 @@ impl Completion {
         // A body with a declared length ends at its last byte: the server stops polling it
         // there, so one that stays pending after it (a stream whose sender lingers) must not
         // hold up the answer, nor keep the claim for ever.
-        let declared = declared_len(&head, &body, None);
+        // A status that carries no body (1xx, 204, 304) may still name the length of one
+        // (a 304's `Content-Length` is the representation's): nothing is to come.
+        let bodiless = head.status.is_informational()
+            || head.status == StatusCode::NO_CONTENT
+            || head.status == StatusCode::NOT_MODIFIED;
+        let declared = declared_len(&head, &body, None).filter(|_| !bodiless);
         loop {
             if declared.is_some_and(|d| buf.len() as u64 >= d) {
                 break;
@@ -406,6 +415,9 @@ impl Completion {
         // recorded: one that fails later must leave nothing behind, or the sender's retry would
         // get a replayed success for work whose answer never arrived.
         let left = declared.map(|d| d.saturating_sub(buf.len() as u64));
+        if left.is_some_and(|l| l > 0) && body.is_end_stream() {
+            return self.cut_short().await;
+        }
         // A body whose last byte is already here: the server would send the buffered bytes as
         // the whole response and drop the body unpolled, before a relay could record it. The
         // spent body is not polled again (it need not say it ended).
@@ -440,13 +452,8 @@ impl Completion {
     /// the end; a body that fails stores nothing and frees the claim before the error goes on.
     /// `left` is what is still to come of a body whose length was declared: the server stops
     /// polling such a body at its last byte, so the frame that completes it is the end.
-    async fn relay<B>(
-        self,
-        rec: Record,
-        mut body: B,
-        tx: tokio::sync::mpsc::Sender<Option<Result<http_body::Frame<Bytes>, BoxError>>>,
-        mut left: Option<u64>,
-    ) where
+    async fn relay<B>(self, rec: Record, mut body: B, tx: Relay, mut left: Option<u64>)
+    where
         B: Body<Data = Bytes> + Unpin,
         B::Error: Into<BoxError>,
     {
@@ -454,18 +461,6 @@ impl Completion {
         let mut last = None;
         while left != Some(0) && !body.is_end_stream() {
             match next_frame(&mut body).await {
-                None if left.is_some() => {
-                    tracing::warn!(
-                        "response body ended before its declared length; nothing stored"
-                    );
-                    release(self.claim, self.in_process).await;
-                    if let Some(t) = tx {
-                        let cut: BoxError =
-                            "the response body ended before its declared length".into();
-                        let _ = t.send(Some(Err(cut))).await;
-                    }
-                    return;
-                }
                 None => break,
                 Some(Ok(frame)) => {
                     // As below the cap, trailers are neither stored nor handed on.
@@ -491,13 +486,14 @@ impl Completion {
                 }
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "response body failed above the stored-body cap; nothing stored");
-                    release(self.claim, self.in_process).await;
-                    if let Some(t) = tx {
-                        let _ = t.send(Some(Err(e))).await;
-                    }
-                    return;
+                    return self.cut_off(tx, e).await;
                 }
             }
+        }
+        if left.is_some_and(|l| l > 0) {
+            tracing::warn!("response body ended before its declared length; nothing stored");
+            let short = "the response body ended before its declared length".into();
+            return self.cut_off(tx, short).await;
         }
         self.finish(&rec).await;
         if let Some(t) = tx {
@@ -506,6 +502,15 @@ impl Completion {
             }
             // The clean end: a channel closed without it reads as a broken relay.
             let _ = t.send(None).await;
+        }
+    }
+
+    /// A relayed body that cannot end well: nothing is stored, the claim is freed, and the
+    /// caller (if still there) gets `error` in place of the body's end.
+    async fn cut_off(self, tx: Option<Relay>, error: BoxError) {
+        release(self.claim, self.in_process).await;
+        if let Some(t) = tx {
+            let _ = t.send(Some(Err(error))).await;
         }
     }
 
