@@ -85,13 +85,25 @@ impl Clock {
         millis(self.origin.elapsed())
     }
 
+    /// The wall clock's reading less the monotonic one, taken between two monotonic reads a
+    /// few microseconds apart: a thread preempted between the two clocks would otherwise take
+    /// an offset off by the length of its pause (and, stored, report times that far off).
     fn fresh_offset(&self) -> i64 {
         let us = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
-        let wall = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(us)
-            .unwrap_or(0);
-        wall.saturating_sub(us(self.origin.elapsed()))
+        let mut offset = 0;
+        for _ in 0..5 {
+            let before = us(self.origin.elapsed());
+            let wall = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(us)
+                .unwrap_or(0);
+            let after = us(self.origin.elapsed());
+            offset = wall.saturating_sub(before / 2 + after / 2);
+            if after - before < 100 {
+                break;
+            }
+        }
+        offset
     }
 
     /// `at` as ms since the Unix epoch, on the wall clock as it reads now, within a millisecond:
