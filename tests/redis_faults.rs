@@ -851,6 +851,81 @@ fn a_locker_outlives_the_runtime_it_connected_on(flavor: Flavor) {
     });
 }
 
+/// As above, with a waiter already asleep when the first runtime shuts down: it waits on the
+/// second runtime, subscribed through the first runtime's task, which goes. The next wait on
+/// another key starts the subscription again, which subscribes every watched channel and
+/// wakes their waiters, so the sleeping waiter hears a release from then on.
+fn a_waiter_asleep_when_the_subscription_went_is_heard_again(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime")
+    };
+    let first = runtime();
+    let locker = first.block_on(async { Locker::redis(&server.url()).await.expect("connect") });
+    let second = runtime();
+    let holding = second.block_on(async { Locker::redis(&server.url()).await.expect("connect") });
+    let hold = |key: &'static str| {
+        second.block_on(async { holding.try_acquire(key, &opts(30_000)).await.expect("hold") })
+    };
+    let (asleep_on, other) = (hold("asleep"), hold("other"));
+    let wait = |key: &'static str| {
+        let locker = locker.clone();
+        second.spawn(async move {
+            locker
+                .acquire(key, &opts(5_000).wait(Duration::from_secs(40)))
+                .await
+                .map(|l| l.fence())
+        })
+    };
+    let channel = |key| holding.lock_key(key).expect("key").channel().to_owned();
+    let asleep = wait("asleep");
+    second.block_on(server.wait_for_subscriber(&channel("asleep")));
+    // The subscription task, and the channel's subscription with it, go with the first runtime.
+    drop(first);
+    second.block_on(async {
+        let started = Instant::now();
+        loop {
+            let (_, n): (String, i64) = server.cmd(&["PUBSUB", "NUMSUB", &channel("asleep")]);
+            if n == 0 {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "still subscribed"
+            );
+            sleep(Duration::from_millis(20)).await;
+        }
+    });
+    let _next = wait("other");
+    second.block_on(async {
+        server.wait_for_subscriber(&channel("asleep")).await;
+        sleep(Duration::from_millis(300)).await;
+        let released_at = Instant::now();
+        asleep_on.release().await.expect("release");
+        asleep.await.expect("task").expect("the waiter got the key");
+        assert!(
+            released_at.elapsed() < Duration::from_secs(5),
+            "woken {:?} after the release: by its timer, not by the release",
+            released_at.elapsed()
+        );
+        drop(other);
+    });
+}
+
+#[test]
+fn a_redis_waiter_asleep_when_the_subscription_went_is_heard_again() {
+    a_waiter_asleep_when_the_subscription_went_is_heard_again(Flavor::Redis);
+}
+
+#[test]
+fn a_valkey_waiter_asleep_when_the_subscription_went_is_heard_again() {
+    a_waiter_asleep_when_the_subscription_went_is_heard_again(Flavor::Valkey);
+}
+
 #[test]
 fn a_redis_locker_outlives_the_runtime_it_connected_on() {
     a_locker_outlives_the_runtime_it_connected_on(Flavor::Redis);

@@ -200,7 +200,8 @@ impl Subscriptions {
         }
     }
 
-    fn subscribe(&self, cmd: SubCmd) -> bool {
+    /// The way to the task, started again first if it is gone.
+    fn running(&self) -> std::sync::MutexGuard<'_, mpsc::UnboundedSender<SubCmd>> {
         let mut tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
         if tx.is_closed()
             && let Some(restart) = &self.restart
@@ -208,7 +209,11 @@ impl Subscriptions {
         {
             *tx = restart();
         }
-        tx.send(cmd).is_ok()
+        tx
+    }
+
+    fn subscribe(&self, cmd: SubCmd) -> bool {
+        self.running().send(cmd).is_ok()
     }
 
     /// Sent to the task running now, never starting one: a task started again resubscribes
@@ -228,6 +233,11 @@ pub(crate) async fn watch_through(
     subs: &Arc<Subscriptions>,
     key: &LockKey,
 ) -> Watch {
+    // Every waiter checks the task, not only a channel's first: waiters joining a channel
+    // subscribed by a task that has gone with its runtime would otherwise wait for their
+    // timers until some other channel's first waiter came. Started again, the task subscribes
+    // every watched channel and wakes their waiters.
+    drop(subs.running());
     let channel = key.channel().to_owned();
     let (ack_tx, ack_rx) = oneshot::channel();
     let mut subscribing = false;
