@@ -655,7 +655,8 @@ async fn a_stuck_slot_costs_only_its_own_leases(flavor: Flavor) {
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     let locker = Locker::redis_cluster(&urls).await.expect("connect");
     let other = Locker::redis_cluster(&urls).await.expect("connect");
-    let ttl = Duration::from_millis(400);
+    // Long enough that each renewal round (a quarter of it) fits on a loaded 2-core machine.
+    let ttl = Duration::from_secs(1);
     let opts = LockOptions::new().ttl(ttl);
     // Leases until two of them share a master but not a slot (three masters: within four).
     let mut held = Vec::new();

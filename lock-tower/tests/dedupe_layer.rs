@@ -212,7 +212,7 @@ async fn a_waiting_duplicate_runs_the_handler_after_a_failed_first(h: Harness) {
                 let n = r.fetch_add(1, Ordering::SeqCst) + 1;
                 async move {
                     if n == 1 {
-                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        tokio::time::sleep(Duration::from_millis(1_000)).await;
                         (StatusCode::BAD_GATEWAY, "upstream down")
                     } else {
                         (StatusCode::OK, "handled")
@@ -229,7 +229,14 @@ async fn a_waiting_duplicate_runs_the_handler_after_a_failed_first(h: Harness) {
             == 1)
         .await
     );
+    let sent = std::time::Instant::now();
     let second = deliver_to(addr, "/hooks/once-failing", r#""evt-f""#).await;
+    // It waited for the first (1 s), rather than coming after it.
+    assert!(
+        sent.elapsed() >= Duration::from_millis(500),
+        "{:?}",
+        sent.elapsed()
+    );
     assert_eq!(first.await.expect("first").status, StatusCode::BAD_GATEWAY);
     assert_eq!(
         (second.status, second.text().as_str()),
