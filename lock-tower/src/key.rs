@@ -303,7 +303,9 @@ impl KeyExtractor {
     /// that can match nothing; `""` is the whole body (a JSON string or number).
     ///
     /// A string that is empty or only whitespace counts as absent (as an empty header does), so
-    /// malformed events do not all share one key. A number is used as its decimal text, so `7`
+    /// malformed events do not all share one key; so does an empty body. A body that is not JSON
+    /// the layer can read is an invalid key (400, even with `pass_through_without_key`): the
+    /// handler's own parser might still find the key in it, and must not run unlocked. A number is used as its decimal text, so `7`
     /// and `"7"` are one key (as a route parameter `7` and a body field `7` name one account);
     /// only whole numbers within 64 bits are keys (`7.5` or `1e30` are invalid, 400), since
     /// others are rounded when parsed and distinct ids could share a key.
@@ -439,8 +441,15 @@ impl KeyExtractor {
             }
             Source::Json(pointer) => {
                 let body = body.ok_or_else(|| missing("the body was not read"))?;
-                let value: serde_json::Value = serde_json::from_slice(body)
-                    .map_err(|e| missing(format!("the body is not JSON: {e}")))?;
+                if body.iter().all(u8::is_ascii_whitespace) {
+                    return Err(missing("the body is empty"));
+                }
+                // Not "no key": a handler's own parser may read the key from a body a `Value`
+                // refuses (serde's derive skips an unknown field's lone surrogate, or one
+                // nested past 128 levels), and a missing key may pass through unlocked.
+                let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+                    invalid(format!("the body is not JSON the layer can read: {e}"))
+                })?;
                 let key = match value.pointer(pointer) {
                     Some(serde_json::Value::String(s)) => s.clone(),
                     // A whole number within 64 bits, exactly; any other number was rounded to
