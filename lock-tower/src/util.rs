@@ -70,6 +70,14 @@ where
     }
 }
 
+/// Whether a response with this status sends no body, whatever length it names: 1xx, 204,
+/// and 304 (whose `Content-Length` is the representation's).
+pub(crate) fn bodiless(status: http::StatusCode) -> bool {
+    status.is_informational()
+        || status == http::StatusCode::NO_CONTENT
+        || status == http::StatusCode::NOT_MODIFIED
+}
+
 pub(crate) fn reject<B>(
     rejections: &Rejections,
     reason: Reason,

@@ -1150,3 +1150,75 @@ async fn an_invalid_key_is_refused_even_when_passing_through() {
     }
     assert_eq!(ran.load(Ordering::SeqCst), 4);
 }
+
+/// `methods([GET])` covers HEAD too: axum runs the GET handler for a HEAD request, which must
+/// not run unlocked beside a GET that holds the key.
+#[tokio::test]
+async fn head_is_locked_where_get_is() {
+    use tower_service::Service;
+    let locker = lock_core::Locker::memory();
+    let mut app: Router = Router::new()
+        .route("/exports/{id}", get(|| async { "exported" }))
+        .route_layer(
+            LockLayer::new(locker.clone(), KeyExtractor::route_param("id")).methods([Method::GET]),
+        );
+    let held = locker
+        .try_acquire("7", &lock_core::LockOptions::new())
+        .await
+        .expect("hold");
+    for method in [Method::GET, Method::HEAD] {
+        let req = http::Request::builder()
+            .method(method.clone())
+            .uri("/exports/7")
+            .body(Body::empty())
+            .expect("request");
+        let res = app.call(req).await.expect("infallible");
+        assert_eq!(res.status(), StatusCode::CONFLICT, "{method}");
+    }
+    held.release().await.expect("release");
+}
+
+/// A response that sends no body (to a HEAD request, or a 204 or 304) frees its lease before
+/// it is returned, not when the server drops the body it never polls: the client's next
+/// request on the key must not find its own lease still held.
+#[tokio::test]
+async fn a_response_without_a_body_frees_the_lease_before_it_goes_out() {
+    use tower_service::Service;
+    let locker = lock_core::Locker::memory();
+    // A body that is not complete at once: otherwise it would be finished, and the lease
+    // released, whatever the status.
+    let streaming = |status: StatusCode| {
+        move || async move {
+            Response::builder()
+                .status(status)
+                .body(Body::new(common::Lingering(Some(Bytes::from_static(b"x")))))
+                .expect("response")
+        }
+    };
+    let mut app: Router = Router::new()
+        .route("/feeds/{id}", get(streaming(StatusCode::OK)))
+        .route("/empty/{id}", post(streaming(StatusCode::NO_CONTENT)))
+        .route("/same/{id}", post(streaming(StatusCode::NOT_MODIFIED)))
+        .route_layer(LockLayer::new(
+            locker.clone(),
+            KeyExtractor::route_param("id"),
+        ));
+    for (method, uri, key) in [
+        (Method::HEAD, "/feeds/1", "1"),
+        (Method::POST, "/empty/2", "2"),
+        (Method::POST, "/same/3", "3"),
+    ] {
+        let req = http::Request::builder()
+            .method(method.clone())
+            .uri(uri)
+            .body(Body::empty())
+            .expect("request");
+        let res = app.call(req).await.expect("infallible");
+        // The response (and its body) is still here, unsent.
+        let free = locker
+            .try_acquire(key, &lock_core::LockOptions::new())
+            .await;
+        assert!(free.is_ok(), "{method} {uri}: the lease is still held");
+        drop(res);
+    }
+}

@@ -116,8 +116,11 @@ impl std::fmt::Debug for DedupeConfig {
 }
 
 impl DedupeConfig {
+    /// HEAD counts as GET, which axum runs for it (as `LockLayer` does).
     pub(crate) fn applies_to(&self, method: &Method) -> bool {
-        self.methods.as_ref().is_none_or(|m| m.contains(method))
+        self.methods.as_ref().is_none_or(|m| {
+            m.contains(method) || (*method == Method::HEAD && m.contains(&Method::GET))
+        })
     }
 }
 

@@ -19,7 +19,7 @@ use crate::future::ResponseFuture;
 use crate::key::KeyProblem;
 use crate::lock::service::{declared_len, refuse, release};
 use crate::reject::Reason;
-use crate::util::{RequestBody, read_capped, reject};
+use crate::util::{RequestBody, bodiless, read_capped, reject};
 
 /// Marks a response that is a replay of a stored result.
 pub(crate) const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
@@ -353,10 +353,7 @@ impl Completion {
         // hold up the answer, nor keep the claim for ever.
         // A status that carries no body (1xx, 204, 304) may still name the length of one
         // (a 304's `Content-Length` is the representation's): nothing is to come.
-        let bodiless = head.status.is_informational()
-            || head.status == StatusCode::NO_CONTENT
-            || head.status == StatusCode::NOT_MODIFIED;
-        let declared = declared_len(&head, &body, None).filter(|_| !bodiless);
+        let declared = declared_len(&head, &body, None).filter(|_| !bodiless(head.status));
         loop {
             if declared.is_some_and(|d| buf.len() as u64 >= d) {
                 break;

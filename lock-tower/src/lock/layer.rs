@@ -62,8 +62,12 @@ impl std::fmt::Debug for LockConfig {
 }
 
 impl LockConfig {
+    /// HEAD counts as GET: axum runs a GET handler for a HEAD request, and it must not run
+    /// unlocked beside a GET that holds the key.
     pub(crate) fn applies_to(&self, method: &Method) -> bool {
-        self.methods.as_ref().is_none_or(|m| m.contains(method))
+        self.methods.as_ref().is_none_or(|m| {
+            m.contains(method) || (*method == Method::HEAD && m.contains(&Method::GET))
+        })
     }
 }
 
@@ -273,7 +277,8 @@ impl LockLayer {
     }
 
     /// Lock only requests with these methods (for example POST, PUT, PATCH, DELETE); others
-    /// pass through unlocked. Default: every method.
+    /// pass through unlocked. Default: every method. GET covers HEAD, which axum answers
+    /// with the GET handler.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::get};

@@ -3,7 +3,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::{Method, Request, Response};
 use http_body::Body;
 use http_body_util::{Either, Full};
 use lock_core::{AnyBackend, Error, Lease};
@@ -16,7 +16,7 @@ use crate::extract::Held;
 use crate::future::ResponseFuture;
 use crate::key::{Key, KeyProblem};
 use crate::reject::Reason;
-use crate::util::{RequestBody, read_capped, reject};
+use crate::util::{RequestBody, bodiless, read_capped, reject};
 
 /// The service [`LockLayer`](super::LockLayer) wraps around an inner service.
 ///
@@ -102,6 +102,8 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let (mut parts, body) = req.into_parts();
+    // A HEAD request's response goes out without its body, as a 204's or a 304's does.
+    let head_request = parts.method == Method::HEAD;
     async move {
         if !cfg.applies_to(&parts.method) {
             let res = inner
@@ -213,7 +215,14 @@ where
         // 40 ms to every response.
         let remote = {
             let (head, mut body) = res?.into_parts();
-            let first = if body.is_end_stream() {
+            let no_body = head_request || bodiless(head.status);
+            let first = if no_body {
+                // No body will be sent: the server drops it unpolled. Released now, before the
+                // head goes out, rather than when the body is dropped (in the background, where
+                // the client's next request could still find the lease held); the body goes on
+                // as it is, for whatever length it names.
+                Poll::Pending
+            } else if body.is_end_stream() {
                 Poll::Ready(None)
             } else {
                 // One poll only: a body that is not ready at once streams under the lease.
@@ -222,6 +231,7 @@ where
             // Converted at once: the inner error type need not be `Send`.
             let first = first.map(|f| f.map(|r| r.map_err(Into::<BoxError>::into)));
             let (body, done) = match first {
+                Poll::Pending if no_body => (LockBody::pass(body), Some(lease)),
                 Poll::Pending => match declared_len(&head, &body, None) {
                     // A declared length of zero: the server writes no body and never polls it,
                     // so there is nothing to hold the lease for.
