@@ -102,7 +102,8 @@ fn invalid(detail: impl Into<String>) -> KeyProblem {
 }
 
 impl KeyExtractor {
-    /// The `index`-th non-empty segment of the request path, counting from 0, percent-decoded
+    /// The `index`-th segment of the request path, counting from 0 after the leading `/` and
+    /// counting empty segments as axum's router does (an empty one is no key), percent-decoded
     /// as axum's router decodes it. For `/accounts/7/withdraw` and `/accounts/%37/withdraw`,
     /// segment 1 is `7`; a segment that is not UTF-8 once decoded is an invalid key (400). Works with any Tower
     /// server and with `Router::layer` as well as `route_layer`.
@@ -393,12 +394,16 @@ impl KeyExtractor {
     ) -> Result<String, KeyProblem> {
         match &self.source {
             Source::PathSegment(i) => {
+                // Empty segments count, as axum's router counts them: `/orgs//accounts/7`
+                // routes with an empty `{org}`, and skipping it would lock another segment
+                // than the account the handler acts on.
                 let raw = parts
                     .uri
                     .path()
                     .split('/')
-                    .filter(|s| !s.is_empty())
+                    .skip(1)
                     .nth(*i)
+                    .filter(|s| !s.is_empty())
                     .ok_or_else(|| missing(format!("the path has no segment {i}")))?;
                 // Decoded as axum's router decodes it: `%37` and `7` are one account to the
                 // handler, so they must be one key, or the encoded spelling slips past the lock.

@@ -1222,3 +1222,41 @@ async fn a_response_without_a_body_frees_the_lease_before_it_goes_out() {
         drop(res);
     }
 }
+
+/// `path_segment` counts segments as axum's router does, empty ones included: a request with
+/// an empty `{org}` still locks the account the handler acts on, not the segment after it.
+#[tokio::test]
+async fn path_segments_count_as_the_router_counts_them() {
+    use tower_service::Service;
+    let locker = lock_core::Locker::memory();
+    let mut app: Router = Router::new()
+        .route(
+            "/v1/orgs/{org}/accounts/{id}/withdraw",
+            post(|| async { "withdrawn" }),
+        )
+        .layer(LockLayer::new(
+            locker.clone(),
+            KeyExtractor::path_segment(4),
+        ));
+    let held = locker
+        .try_acquire("7", &lock_core::LockOptions::new())
+        .await
+        .expect("hold");
+    for uri in [
+        "/v1/orgs/acme/accounts/7/withdraw",
+        "/v1/orgs//accounts/7/withdraw",
+    ] {
+        let req = http::Request::post(uri)
+            .body(Body::empty())
+            .expect("request");
+        let res = app.call(req).await.expect("infallible");
+        assert_eq!(res.status(), StatusCode::CONFLICT, "{uri}");
+    }
+    held.release().await.expect("release");
+    // An empty segment at the key's place is no key.
+    let req = http::Request::post("/v1/orgs/acme/accounts//withdraw")
+        .body(Body::empty())
+        .expect("request");
+    let res = app.call(req).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+}
