@@ -1260,3 +1260,44 @@ async fn path_segments_count_as_the_router_counts_them() {
     let res = app.call(req).await.expect("infallible");
     assert_eq!(res.status(), StatusCode::BAD_REQUEST);
 }
+
+/// A body of declared length frees the lease with its last byte over HTTP/1, whose server
+/// drops it there; over HTTP/2 the server polls it to its end (trailers, work after the last
+/// byte), and the lease is held until then.
+#[tokio::test]
+async fn the_declared_length_ends_the_lease_over_http1_only() {
+    use http_body_util::BodyExt;
+    use tower_service::Service;
+    let locker = lock_core::Locker::memory();
+    let mut app: Router = Router::new()
+        .route(
+            "/feeds/{id}",
+            post(|| async {
+                Response::builder()
+                    .header("content-length", "1")
+                    .body(Body::new(common::Lingering(Some(Bytes::from_static(b"x")))))
+                    .expect("response")
+            }),
+        )
+        .route_layer(LockLayer::new(
+            locker.clone(),
+            KeyExtractor::route_param("id"),
+        ));
+    for (version, key, freed) in [
+        (http::Version::HTTP_11, "1", true),
+        (http::Version::HTTP_2, "2", false),
+    ] {
+        let req = http::Request::post(format!("/feeds/{key}"))
+            .version(version)
+            .body(Body::empty())
+            .expect("request");
+        let mut body = app.call(req).await.expect("infallible").into_body();
+        let frame = body.frame().await.expect("a frame").expect("data");
+        assert_eq!(frame.into_data().ok().as_deref(), Some(&b"x"[..]));
+        let free = locker
+            .try_acquire(key, &lock_core::LockOptions::new())
+            .await
+            .is_ok();
+        assert_eq!(free, freed, "{version:?}");
+    }
+}

@@ -104,6 +104,9 @@ where
     let (mut parts, body) = req.into_parts();
     // A HEAD request's response goes out without its body, as a 204's or a 304's does.
     let head_request = parts.method == Method::HEAD;
+    // HTTP/1 servers stop polling a body at its declared length; HTTP/2 ones poll it to its
+    // end (trailers, work after the last byte), which must still run under the lease.
+    let ends_at_length = parts.version <= http::Version::HTTP_11;
     async move {
         if !cfg.applies_to(&parts.method) {
             let res = inner
@@ -232,12 +235,14 @@ where
             let first = first.map(|f| f.map(|r| r.map_err(Into::<BoxError>::into)));
             let (body, done) = match first {
                 Poll::Pending if no_body => (LockBody::pass(body), Some(lease)),
-                Poll::Pending => match declared_len(&head, &body, None) {
-                    // A declared length of zero: the server writes no body and never polls it,
-                    // so there is nothing to hold the lease for.
-                    Some(0) => (LockBody::pass(body), Some(lease)),
-                    declared => (LockBody::holding(body, lease, declared), None),
-                },
+                Poll::Pending => {
+                    match declared_len(&head, &body, None).filter(|_| ends_at_length) {
+                        // A declared length of zero: the server writes no body and never polls it,
+                        // so there is nothing to hold the lease for.
+                        Some(0) => (LockBody::pass(body), Some(lease)),
+                        declared => (LockBody::holding(body, lease, declared), None),
+                    }
+                }
                 // Ended: an empty body goes out instead of the spent one, which is not polled
                 // again (some bodies panic when polled past their end, and a spent body need
                 // not say it ended).
@@ -250,7 +255,8 @@ where
                     Err(frame) => (LockBody::pass(body).after(Ok(frame)), Some(lease)),
                 },
                 Poll::Ready(Some(frame)) => {
-                    let declared = declared_len(&head, &body, Some(&frame));
+                    let declared =
+                        declared_len(&head, &body, Some(&frame)).filter(|_| ends_at_length);
                     (LockBody::holding(body, lease, declared).after(frame), None)
                 }
             };
