@@ -814,19 +814,21 @@ async fn a_silent_subscription_is_replaced(flavor: Flavor) {
     );
 }
 
+/// A runtime of its own, as each `#[tokio::test]` has.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
 /// A Redis `Locker` kept beyond the runtime it connected on (in a static, used from one
 /// `#[tokio::test]` runtime after another): on the next runtime it still grants, and a waiter
 /// is still woken by a release, the subscription started again there. Its first subscription
 /// task died with the first runtime, and every later waiter slept to the holder's TTL.
 fn a_locker_outlives_the_runtime_it_connected_on(flavor: Flavor) {
     let server = Server::start(flavor);
-    let runtime = || {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime")
-    };
     let first = runtime();
     let locker = first.block_on(async {
         let locker = Locker::redis(&server.url()).await.expect("connect");
@@ -857,13 +859,6 @@ fn a_locker_outlives_the_runtime_it_connected_on(flavor: Flavor) {
 /// wakes their waiters, so the sleeping waiter hears a release from then on.
 fn a_waiter_asleep_when_the_subscription_went_is_heard_again(flavor: Flavor) {
     let server = Server::start(flavor);
-    let runtime = || {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime")
-    };
     let first = runtime();
     let locker = first.block_on(async { Locker::redis(&server.url()).await.expect("connect") });
     let second = runtime();
