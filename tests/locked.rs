@@ -268,6 +268,56 @@ async fn a_result_alias_as_return_type() {
     held.release().await.expect("release");
 }
 
+/// A return type that mentions `impl Trait` cannot be named inside the body; the body then
+/// infers against the signature alone, `?` and early `return` included. Parameters may be
+/// named like the macro's own locals.
+#[locked(key = "digits:{__lh_key}", locker = __lh_locker)]
+async fn digits(
+    __lh_locker: &Locker,
+    __lh_key: u64,
+    text: &str,
+) -> Result<impl Iterator<Item = u32> + use<>, AppError> {
+    let n: u32 = text.parse().map_err(|_| AppError::Declined(__lh_key))?;
+    if n == 0 {
+        return Ok(vec![0].into_iter());
+    }
+    let __lh_fake_return = n.to_string();
+    Ok(__lh_fake_return
+        .chars()
+        .filter_map(|c| c.to_digit(10))
+        .collect::<Vec<_>>()
+        .into_iter())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_impl_trait_result_and_the_macros_own_names() {
+    let locker = Locker::memory();
+    let got: Vec<u32> = digits(&locker, 1, "407").await.expect("ran").collect();
+    assert_eq!(got, [4, 0, 7]);
+    let zero: Vec<u32> = digits(&locker, 1, "0")
+        .await
+        .expect("early return")
+        .collect();
+    assert_eq!(zero, [0]);
+    assert!(matches!(
+        digits(&locker, 2, "x").await,
+        Err(AppError::Declined(2))
+    ));
+    let held = locker
+        .try_acquire("digits:3", &LockOptions::default())
+        .await
+        .expect("held");
+    assert!(matches!(
+        digits(&locker, 3, "1").await,
+        Err(AppError::Lock(Error::Busy { .. }))
+    ));
+    held.release().await.expect("release");
+    locker
+        .try_acquire("digits:1", &LockOptions::default())
+        .await
+        .expect("released after every return");
+}
+
 async fn question_mark_and_return(h: Harness) {
     let locker = h.locker().await;
     assert_eq!(settle(&locker, 1, "21").await.expect("ok"), 42);
