@@ -911,25 +911,30 @@ fn a_waiter_asleep_when_the_subscription_went_is_heard_again(flavor: Flavor) {
     });
 }
 
-#[test]
-fn a_redis_waiter_asleep_when_the_subscription_went_is_heard_again() {
-    a_waiter_asleep_when_the_subscription_went_is_heard_again(Flavor::Redis);
+/// The scenarios that build their own runtimes, as plain `#[test]`s on Redis and on Valkey.
+macro_rules! across_runtimes {
+    ($($scenario:ident),* $(,)?) => {
+        mod across_runtimes {
+            $(
+                mod $scenario {
+                    #[test]
+                    fn on_redis() {
+                        super::super::$scenario(super::super::Flavor::Redis);
+                    }
+                    #[test]
+                    fn on_valkey() {
+                        super::super::$scenario(super::super::Flavor::Valkey);
+                    }
+                }
+            )*
+        }
+    };
 }
 
-#[test]
-fn a_valkey_waiter_asleep_when_the_subscription_went_is_heard_again() {
-    a_waiter_asleep_when_the_subscription_went_is_heard_again(Flavor::Valkey);
-}
-
-#[test]
-fn a_redis_locker_outlives_the_runtime_it_connected_on() {
-    a_locker_outlives_the_runtime_it_connected_on(Flavor::Redis);
-}
-
-#[test]
-fn a_valkey_locker_outlives_the_runtime_it_connected_on() {
-    a_locker_outlives_the_runtime_it_connected_on(Flavor::Valkey);
-}
+across_runtimes!(
+    a_locker_outlives_the_runtime_it_connected_on,
+    a_waiter_asleep_when_the_subscription_went_is_heard_again,
+);
 
 macro_rules! faults {
     ($modname:ident, $flavor:expr) => {

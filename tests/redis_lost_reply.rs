@@ -7,7 +7,7 @@ mod support;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use leasehold::{Error, LockOptions, Locker, RedisConfig, Release};
+use leasehold::{Error, Lease, LockOptions, Locker, RedisConfig, Release};
 use support::proxy::Proxy;
 use support::{Flavor, Server};
 use tokio::time::{Instant, sleep};
@@ -304,6 +304,16 @@ async fn stalled_renewals_are_told_before_the_deadline(flavor: Flavor) {
     drop(leases);
 }
 
+/// Extends `lease` to 3 s with the reply lost on its way back: `OutcomeUnknown`.
+async fn extend_to_3s_losing_the_reply(proxy: &Proxy, lease: &Lease) {
+    proxy.drop_replies(RELEASED, 1);
+    let outcome = lease.extend(Duration::from_millis(3_000)).await;
+    assert!(
+        matches!(outcome, Err(Error::OutcomeUnknown { .. })),
+        "{outcome:?}"
+    );
+}
+
 /// An extend to a shorter TTL whose reply is lost: it ran on the server, so the key now
 /// expires with the short TTL. The caller gets `OutcomeUnknown`, and the lease no longer claims
 /// the old 30 s: `remaining()` is within the new TTL and `lost()` fires before the server lets
@@ -315,12 +325,7 @@ async fn lost_extend_reply_shortens_the_lease(flavor: Flavor) {
         .try_acquire("shortened", &opts)
         .await
         .expect("acquire");
-    proxy.drop_replies(RELEASED, 1);
-    let outcome = lease.extend(Duration::from_millis(3_000)).await;
-    assert!(
-        matches!(outcome, Err(Error::OutcomeUnknown { .. })),
-        "{outcome:?}"
-    );
+    extend_to_3s_losing_the_reply(&proxy, &lease).await;
     assert_eq!(
         proxy.dropped.load(Ordering::SeqCst),
         1,
@@ -353,12 +358,7 @@ async fn a_renewing_lease_renews_after_a_lost_extend_reply(flavor: Flavor) {
         .try_acquire("shortened-renewing", &opts)
         .await
         .expect("acquire");
-    proxy.drop_replies(RELEASED, 1);
-    let outcome = lease.extend(Duration::from_millis(3_000)).await;
-    assert!(
-        matches!(outcome, Err(Error::OutcomeUnknown { .. })),
-        "{outcome:?}"
-    );
+    extend_to_3s_losing_the_reply(&proxy, &lease).await;
     assert!(lease.remaining() <= Duration::from_millis(3_000));
     sleep(Duration::from_millis(4_000)).await;
     assert!(

@@ -220,10 +220,7 @@ where
             let (head, mut body) = res?.into_parts();
             let no_body = head_request || bodiless(head.status);
             let first = if no_body {
-                // No body will be sent: the server drops it unpolled. Released now, before the
-                // head goes out, rather than when the body is dropped (in the background, where
-                // the client's next request could still find the lease held); the body goes on
-                // as it is, for whatever length it names.
+                // Not polled: the server sends no body here, whatever length it names.
                 Poll::Pending
             } else if body.is_end_stream() {
                 Poll::Ready(None)
@@ -234,11 +231,18 @@ where
             // Converted at once: the inner error type need not be `Send`.
             let first = first.map(|f| f.map(|r| r.map_err(Into::<BoxError>::into)));
             let (body, done) = match first {
-                Poll::Pending if no_body => (LockBody::pass(body), Some(lease)),
                 Poll::Pending => {
-                    match declared_len(&head, &body, None).filter(|_| ends_at_length) {
-                        // A declared length of zero: the server writes no body and never polls it,
-                        // so there is nothing to hold the lease for.
+                    let declared = if no_body {
+                        Some(0)
+                    } else {
+                        declared_len(&head, &body, None).filter(|_| ends_at_length)
+                    };
+                    match declared {
+                        // Nothing to send (a declared length of zero, a HEAD request, a 1xx,
+                        // 204 or 304): the server drops the body unpolled, so the lease is
+                        // released now, before the head goes out, not in the background when
+                        // the body is dropped, where the client's next request could find it
+                        // still held.
                         Some(0) => (LockBody::pass(body), Some(lease)),
                         declared => (LockBody::holding(body, lease, declared), None),
                     }
