@@ -27,6 +27,7 @@ on_every_backend!(
     lease_loss_cancels_the_handler,
     client_disconnect_during_handler_releases,
     client_disconnect_during_body_releases,
+    client_disconnect_while_waiting_takes_nothing,
     waiting_gets_the_key_after_the_holder,
     json_body_key_is_handed_on_untouched,
     lease_loss_while_streaming_cuts_the_body,
@@ -391,6 +392,41 @@ async fn client_disconnect_during_body_releases(h: Harness) {
     assert!(
         freed,
         "the key stayed held after the client hung up mid-body"
+    );
+}
+
+/// A client that hangs up while its request waits for the key takes nothing with it: its
+/// handler never runs, and when the holder finishes, the next request gets the key at once
+/// rather than after the TTL of a grant made for nobody (or a turn handed to a waiter gone).
+async fn client_disconnect_while_waiting_takes_nothing(h: Harness) {
+    let locker = h.locker().await;
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let go = Arc::new(Semaphore::new(0));
+    // A long TTL and a long wait: only a waiter that leaves cleanly lets the third in quickly.
+    let layer = LockLayer::new(locker, KeyExtractor::route_param("id"))
+        .ttl(Duration::from_secs(60))
+        .wait(Duration::from_secs(30));
+    let addr = serve(gated(layer, tx, go.clone())).await;
+    let first = tokio::spawn(async move { post_to(addr, "/accounts/8/withdraw").await });
+    let f1 = entered.recv().await.expect("first entered");
+    let waiter = raw_post(addr, "/accounts/8/withdraw").await;
+    // Long enough for the waiter's request to be read and its wait to begin.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(waiter);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    go.add_permits(1);
+    assert_eq!(first.await.expect("join").status, StatusCode::OK);
+    let third = tokio::spawn(async move { post_to(addr, "/accounts/8/withdraw").await });
+    let f3 = tokio::time::timeout(Duration::from_secs(5), entered.recv())
+        .await
+        .expect("the key stayed held after the waiting client hung up")
+        .expect("third entered");
+    assert!(f3 > f1, "fence {f3} after {f1}");
+    go.add_permits(1);
+    assert_eq!(third.await.expect("join").status, StatusCode::OK);
+    assert!(
+        entered.try_recv().is_err(),
+        "the handler of the client that hung up ran"
     );
 }
 
