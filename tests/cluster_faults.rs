@@ -836,6 +836,8 @@ on_each_flavor!(
     renewal_follows_a_moved_slot,
     a_stuck_slot_costs_only_its_own_leases,
     an_unanswered_extend_is_of_unknown_outcome,
+    a_waiter_follows_its_channel_to_a_moved_slot,
+    a_moving_watched_slot_confuses_no_reply,
 );
 
 /// The README's ACL section says the plain `leasehold` rule cannot even connect to a cluster
@@ -871,4 +873,290 @@ async fn the_plain_acl_rule_cannot_connect_to_a_cluster() {
         .await
         .expect("and takes a lease");
     lease.release().await.expect("and releases it");
+}
+
+/// Subscribers of `channel` on node `i`.
+fn subscribers(cluster: &Cluster, i: usize, channel: &str) -> i64 {
+    cluster.nodes[i]
+        .cmd::<Vec<(String, i64)>>(&["PUBSUB", "SHARDNUMSUB", channel])
+        .first()
+        .map_or(0, |(_, n)| *n)
+}
+
+/// Waits up to five seconds for `channel` to have a subscriber on node `i`.
+async fn subscribed_on(cluster: &Cluster, i: usize, channel: &str) -> bool {
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(5) {
+        if subscribers(cluster, i, channel) == 1 {
+            return true;
+        }
+        sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+/// A slot moves away while a waiter is subscribed to a channel in it: the old node drops the
+/// subscription (an unrequested `sunsubscribe`), and the client forgets the channel. It is
+/// subscribed again on the slot's new node, so the holder's release still wakes the waiter
+/// rather than leaving it to its timer (the holder's whole TTL).
+async fn a_waiter_follows_its_channel_to_a_moved_slot(flavor: Flavor) {
+    let cluster = Cluster::start(flavor, 3, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let holder_side = Locker::redis_cluster(&urls).await.expect("connect");
+    let waiter_side = Locker::redis_cluster(&urls).await.expect("connect");
+    let held = holder_side
+        .try_acquire("follow", &LockOptions::new().ttl(Duration::from_secs(30)))
+        .await
+        .expect("holder");
+    let held_fence = held.fence();
+    let key = holder_side.lock_key("follow").expect("key");
+    let (slot, src) = slot_and_owner(&cluster, key.lock_key());
+    let dst = (src + 1) % cluster.nodes.len();
+    let waiter = tokio::spawn(async move {
+        let lease = waiter_side
+            .acquire(
+                "follow",
+                &LockOptions::new()
+                    .ttl(Duration::from_secs(5))
+                    .wait(Duration::from_secs(25)),
+            )
+            .await;
+        (lease.map(|l| l.fence()), Instant::now())
+    });
+    assert!(
+        subscribed_on(&cluster, src, key.channel()).await,
+        "never subscribed"
+    );
+    start_slot_move(&cluster, &slot, src, dst);
+    assert!(
+        migrate_rest(&cluster, &slot, src, dst) > 0,
+        "the lock moved"
+    );
+    end_slot_move(&cluster, &slot, dst);
+    assert!(
+        subscribed_on(&cluster, dst, key.channel()).await,
+        "not subscribed again on the slot's new node"
+    );
+    let released_at = Instant::now();
+    held.release().await.expect("release");
+    let (fence, woken_at) = waiter.await.expect("waiter task");
+    assert!(fence.expect("the waiter got the key") > held_fence);
+    let waited = woken_at - released_at;
+    assert!(
+        waited < Duration::from_secs(3),
+        "woken {waited:?} after the release: by its timer, not by the release"
+    );
+}
+
+/// A slot moves away while a locker has a waiter subscribed to a channel in it and requests in
+/// flight to the same node. The node pushes an unrequested `sunsubscribe`; had the
+/// subscription shared the command connection, redis-rs would take that push for the reply of
+/// the oldest request waiting there, and every later reply would answer the request before it:
+/// an acquire of a key another locker holds reported granted, another failing with an
+/// unexpected reply. Every acquire of a held key must be `Busy`, every other one granted.
+async fn a_moving_watched_slot_confuses_no_reply(flavor: Flavor) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+    let cluster = Cluster::start(flavor, 3, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = Locker::redis_cluster(&urls).await.expect("connect");
+    let rival = Locker::redis_cluster(&urls).await.expect("connect");
+    let long = LockOptions::new().ttl(Duration::from_secs(60)).renew(false);
+    // The watched key's node, found by the fence key its grant leaves.
+    let watched = rival.try_acquire("watched", &long).await.expect("hold");
+    let key = rival.lock_key("watched").expect("key");
+    let (slot, src) = slot_and_owner(&cluster, key.lock_key());
+    let dst = (src + 1) % cluster.nodes.len();
+    // Keys on the same node: some held by the rival, some free.
+    let (mut held, mut free) = (Vec::new(), Vec::new());
+    for i in 0..200 {
+        if held.len() == 8 && free.len() == 8 {
+            break;
+        }
+        let name = format!("k{i}");
+        let k = rival.lock_key(&name).expect("key");
+        let lease = rival.try_acquire(&name, &long).await.expect("probe");
+        let (s, owner) = slot_and_owner(&cluster, k.lock_key());
+        if owner != src || s == slot {
+            lease.release().await.expect("release");
+        } else if held.len() < 8 {
+            held.push((name, lease));
+        } else {
+            lease.release().await.expect("release");
+            free.push(name);
+        }
+    }
+    assert!(held.len() == 8 && free.len() == 8, "keys on the node");
+    let waiter = tokio::spawn({
+        let locker = locker.clone();
+        async move {
+            locker
+                .acquire("watched", &LockOptions::new().wait(Duration::from_secs(50)))
+                .await
+                .map(|l| l.fence())
+        }
+    });
+    assert!(
+        subscribed_on(&cluster, src, key.channel()).await,
+        "never subscribed"
+    );
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let wrong = Arc::new(Mutex::new(Vec::new()));
+    let mut load = Vec::new();
+    for t in 0..8 {
+        let (locker, stop, calls, wrong) =
+            (locker.clone(), stop.clone(), calls.clone(), wrong.clone());
+        let busy = held[t].0.clone();
+        let open = free[t].clone();
+        load.push(tokio::spawn(async move {
+            let opts = LockOptions::new().ttl(Duration::from_secs(5)).renew(false);
+            while !stop.load(Ordering::Relaxed) {
+                match locker.try_acquire(&busy, &opts).await {
+                    Err(leasehold::Error::Busy { .. }) => {}
+                    other => wrong
+                        .lock()
+                        .expect("list")
+                        .push(format!("{busy}: {:?}", other.map(|l| l.fence()))),
+                }
+                match locker.try_acquire(&open, &opts).await {
+                    Ok(lease) => {
+                        if let Err(e) = lease.release().await {
+                            wrong
+                                .lock()
+                                .expect("list")
+                                .push(format!("{open} release: {e:?}"));
+                        }
+                    }
+                    Err(e) => wrong.lock().expect("list").push(format!("{open}: {e:?}")),
+                }
+                calls.fetch_add(2, Ordering::Relaxed);
+            }
+        }));
+    }
+    // Back and forth: each move away drops the watched channel's subscription on its node.
+    for round in 0..6 {
+        let (from, to) = if round % 2 == 0 {
+            (src, dst)
+        } else {
+            (dst, src)
+        };
+        sleep(Duration::from_millis(100)).await;
+        start_slot_move(&cluster, &slot, from, to);
+        migrate_rest(&cluster, &slot, from, to);
+        end_slot_move(&cluster, &slot, to);
+        assert!(
+            subscribed_on(&cluster, to, key.channel()).await,
+            "round {round}: not subscribed again on the slot's new node"
+        );
+    }
+    sleep(Duration::from_millis(100)).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in load {
+        task.await.expect("load task");
+    }
+    let wrong = wrong.lock().expect("list").clone();
+    assert!(
+        wrong.is_empty(),
+        "{} of {} answers wrong: {:?}",
+        wrong.len(),
+        calls.load(Ordering::Relaxed),
+        &wrong[..wrong.len().min(10)]
+    );
+    let watched_fence = watched.fence();
+    watched.release().await.expect("release");
+    let got = waiter
+        .await
+        .expect("waiter task")
+        .expect("the waiter got the key");
+    assert!(got > watched_fence);
+    for (_, lease) in held {
+        lease.release().await.expect("release");
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// A cluster `Locker` kept beyond the runtime it connected on (in a static, used from one
+/// `#[tokio::test]` runtime after another): on the next runtime it still grants and releases,
+/// and a waiter is woken by a release, the connection and the subscription made again there.
+/// Before, every request failed unsent ("Unable to send command") for ever.
+fn a_cluster_locker_outlives_the_runtime_it_connected_on(flavor: Flavor) {
+    let cluster = Cluster::start(flavor, 3, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let first = runtime();
+    let locker = first.block_on(async {
+        let locker = Locker::redis_cluster(&urls).await.expect("connect");
+        let lease = locker
+            .try_acquire("first", &LockOptions::new())
+            .await
+            .expect("grant");
+        lease.release().await.expect("release");
+        locker
+    });
+    drop(first);
+    runtime().block_on(async {
+        let opts = LockOptions::new().ttl(Duration::from_secs(20));
+        let lease =
+            tokio::time::timeout(Duration::from_secs(10), locker.try_acquire("second", &opts))
+                .await
+                .expect("the acquire hung")
+                .expect("grant on the second runtime");
+        let fence = lease.fence();
+        let waiter = tokio::spawn({
+            let locker = locker.clone();
+            async move {
+                let wait = LockOptions::new().wait(Duration::from_secs(15));
+                (
+                    locker.acquire("second", &wait).await.map(|l| l.fence()),
+                    Instant::now(),
+                )
+            }
+        });
+        let channel = locker.lock_key("second").expect("key").channel().to_owned();
+        let started = Instant::now();
+        while cluster
+            .cmd::<Vec<(String, i64)>>(&["PUBSUB", "SHARDNUMSUB", &channel])
+            .first()
+            .is_none_or(|(_, n)| *n == 0)
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "never subscribed"
+            );
+            sleep(Duration::from_millis(10)).await;
+        }
+        let released_at = Instant::now();
+        assert_eq!(
+            lease.release().await.expect("release"),
+            leasehold::Release::Released
+        );
+        let (got, woken_at) = waiter.await.expect("waiter task");
+        assert!(got.expect("the waiter got the key") > fence);
+        let waited = woken_at - released_at;
+        assert!(
+            waited < Duration::from_secs(3),
+            "woken {waited:?} after the release"
+        );
+    });
+}
+
+#[test]
+fn a_redis_cluster_locker_outlives_the_runtime_it_connected_on() {
+    a_cluster_locker_outlives_the_runtime_it_connected_on(Flavor::Redis);
+}
+
+#[test]
+fn a_valkey_cluster_locker_outlives_the_runtime_it_connected_on() {
+    a_cluster_locker_outlives_the_runtime_it_connected_on(Flavor::Valkey);
 }

@@ -154,6 +154,12 @@ impl Wakeups {
     }
 
     /// The channels currently watched, for resubscribing after a reconnect.
+    /// Whether `channel` has waiters now.
+    pub(crate) fn is_watched(&self, channel: &str) -> bool {
+        let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        keys.contains_key(channel)
+    }
+
     pub(crate) fn channels(&self) -> Vec<String> {
         let keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         keys.keys().cloned().collect()
@@ -175,15 +181,17 @@ pub(crate) enum SubCmd {
 pub(crate) struct Subscriptions {
     tx: Mutex<mpsc::UnboundedSender<SubCmd>>,
     /// Starts the task again on the current runtime, when there is one to start it.
-    restart: Option<Box<dyn Fn() -> mpsc::UnboundedSender<SubCmd> + Send + Sync>>,
+    restart: Box<dyn Fn() -> mpsc::UnboundedSender<SubCmd> + Send + Sync>,
 }
 
 impl Subscriptions {
-    /// A task that is never started again.
+    /// A task that is never started again, for tests that play it by hand.
+    #[cfg(test)]
     pub(crate) fn fixed(tx: mpsc::UnboundedSender<SubCmd>) -> Subscriptions {
+        let same = tx.clone();
         Subscriptions {
             tx: Mutex::new(tx),
-            restart: None,
+            restart: Box::new(move || same.clone()),
         }
     }
 
@@ -196,18 +204,15 @@ impl Subscriptions {
     ) -> Subscriptions {
         Subscriptions {
             tx: Mutex::new(start()),
-            restart: Some(Box::new(start)),
+            restart: Box::new(start),
         }
     }
 
     /// The way to the task, started again first if it is gone.
     fn running(&self) -> std::sync::MutexGuard<'_, mpsc::UnboundedSender<SubCmd>> {
         let mut tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
-        if tx.is_closed()
-            && let Some(restart) = &self.restart
-            && tokio::runtime::Handle::try_current().is_ok()
-        {
-            *tx = restart();
+        if tx.is_closed() && tokio::runtime::Handle::try_current().is_ok() {
+            *tx = (self.restart)();
         }
         tx
     }

@@ -1,5 +1,5 @@
 //! The Redis / Valkey Cluster backend: one cluster connection (one multiplexed connection per
-//! node, following the slot map) for commands and sharded pub/sub alike.
+//! node, following the slot map) for commands, and another for sharded pub/sub.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -31,9 +31,12 @@ const SLOTS: u16 = 16384;
 ///
 /// Every server key of one lock (`{prefix:key}:lock`, `:fence`, and the wake-up channel) shares
 /// one hash tag, so each script runs in one slot. Releases wake waiters with sharded pub/sub
-/// (`SPUBLISH` / `SSUBSCRIBE`, Redis 7 and Valkey), over RESP3 on the same connection; the client
-/// resubscribes after a reconnect or a slot move, and every waiter of a resubscribed channel
-/// retries, since a release in the gap was not seen. Renewals are grouped by node (from
+/// (`SPUBLISH` / `SSUBSCRIBE`, Redis 7 and Valkey), over RESP3 on a cluster connection of its
+/// own; the client resubscribes after a reconnect, a channel whose slot moved is subscribed
+/// again on its new node, and every waiter of a resubscribed channel retries, since a release in
+/// the gap was not seen. A backend kept beyond the tokio runtime it connected on (in a static,
+/// used from one `#[tokio::test]` runtime after another) connects again on the runtime of its
+/// next request. Renewals are grouped by node (from
 /// `CLUSTER SLOTS`): one script call per node and 256 leases, slot by slot only where the slot
 /// map is stale.
 ///
@@ -148,26 +151,121 @@ impl SlotMap {
 /// ```
 #[derive(Clone)]
 pub struct ClusterConn {
-    inner: ClusterConnection,
+    link: Arc<Link>,
+}
+
+/// The connection a [`ClusterConn`] sends on, made again when the runtime it was made on has
+/// shut down: redis-rs runs each cluster connection in a task of that runtime, and once the task
+/// is gone every request fails unsent ("Unable to send command"), for ever.
+struct Link {
     /// How long refusals of requests that did not run are answered by sending again.
     patience: Duration,
+    /// Makes the client of each connection.
+    builder: MakeBuilder,
+    now: Mutex<Connected>,
+    /// One reconnect at a time: the others wait for it rather than make their own.
+    reconnecting: tokio::sync::Mutex<()>,
+}
+
+#[derive(Clone)]
+struct Connected {
+    inner: ClusterConnection,
+    /// Where the connection's pushes go: closed once the task taking them, started on the
+    /// connection's runtime, is gone.
+    pushes: mpsc::UnboundedSender<PushInfo>,
+}
+
+/// Connects with a client of its own.
+///
+/// With a push sender: redis-rs makes a node connection again as soon as it pushes a
+/// disconnection only when the client has one; without, the first requests after a drop fail
+/// before it notices. The command connection has no subscriptions, so its only pushes are
+/// those disconnections, dropped by a task that ends only with its runtime (or once nobody
+/// holds the connection).
+async fn open(builder: ClusterClientBuilder) -> redis::RedisResult<Connected> {
+    let (pushes, mut taken) = mpsc::unbounded_channel::<PushInfo>();
+    let inner = builder
+        .push_sender(pushes.clone())
+        .build()?
+        .get_async_connection()
+        .await?;
+    tokio::spawn(async move { while taken.recv().await.is_some() {} });
+    Ok(Connected { inner, pushes })
+}
+
+/// Makes a client builder for the backend's nodes and settings.
+type MakeBuilder = Arc<dyn Fn() -> ClusterClientBuilder + Send + Sync>;
+
+/// A client builder for `nodes` with `config`: a builder is used up by each client, and each
+/// connection needs a client of its own (each has its own push channel).
+fn client_builder(nodes: &[String], config: &RedisConfig) -> ClusterClientBuilder {
+    let builder = ClusterClientBuilder::new(nodes.to_vec())
+        .use_protocol(ProtocolVersion::RESP3)
+        .response_timeout(config.response_timeout)
+        .connection_timeout(config.connection_timeout)
+        // The client would resend a request whose connection dropped or whose reply timed
+        // out, after the server may have run it: a script run twice can answer differently
+        // (a release reporting `NotHeld` for the lease it freed, a job enqueued twice).
+        // `ClusterConn` resends only what the server refused unrun.
+        .retries(0);
+    #[cfg(feature = "tls")]
+    let builder = {
+        // As for one server: ring is the process's crypto provider unless the application
+        // installed another.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        match &config.tls_root_pem {
+            // `certs` turns TLS on: only for clusters reached by `rediss://`.
+            Some(root) if nodes.first().is_some_and(|n| n.starts_with("rediss://")) => builder
+                .certs(redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(root.clone()),
+                }),
+            _ => builder,
+        }
+    };
+    builder
 }
 
 impl ClusterConn {
     /// The underlying redis-rs connection (built with no resending of its own), for what
-    /// `ConnectionLike` does not cover, such as sharded subscriptions or routing a command to
-    /// a chosen node. Requests sent through it directly are not sent again on any refusal.
+    /// `ConnectionLike` does not cover, such as routing a command to a chosen node. Requests
+    /// sent through it directly are not sent again on any refusal. Made again first when the
+    /// runtime the current one was made on has shut down; that can fail as a connect does.
     ///
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
     /// let backend = lock_core::ClusterBackend::connect(&["redis://127.0.0.1:7000/"]).await?;
     /// let conn = backend.connection();
-    /// let raw: &redis::cluster_async::ClusterConnection = conn.inner();
+    /// let raw: redis::cluster_async::ClusterConnection = conn.inner().await?;
     /// # let _ = raw;
     /// # Ok(()) }
     /// ```
-    pub fn inner(&self) -> &ClusterConnection {
-        &self.inner
+    pub async fn inner(&self) -> Result<ClusterConnection> {
+        self.live().await.map_err(Error::Unavailable)
+    }
+
+    /// The connection, made again on this runtime if the one it was made on has shut down.
+    async fn live(&self) -> redis::RedisResult<ClusterConnection> {
+        let now = || {
+            self.link
+                .now
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone()
+        };
+        let current = now();
+        if !current.pushes.is_closed() {
+            return Ok(current.inner);
+        }
+        let _one = self.link.reconnecting.lock().await;
+        let current = now();
+        if !current.pushes.is_closed() {
+            return Ok(current.inner);
+        }
+        debug!("the cluster connection went with the runtime it was made on; connecting again");
+        let fresh = open((self.link.builder)()).await?;
+        *self.link.now.lock().unwrap_or_else(PoisonError::into_inner) = fresh.clone();
+        Ok(fresh.inner)
     }
 }
 
@@ -224,9 +322,10 @@ impl Pauses {
 impl ConnectionLike for ClusterConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
-            let mut pauses = Pauses::new(self.patience);
+            let mut inner = self.live().await?;
+            let mut pauses = Pauses::new(self.link.patience);
             loop {
-                match self.inner.req_packed_command(cmd).await {
+                match inner.req_packed_command(cmd).await {
                     Err(e) if unrun(&e) && pauses.wait(&e).await => {}
                     other => return other,
                 }
@@ -242,11 +341,15 @@ impl ConnectionLike for ClusterConn {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
-        self.inner.req_packed_commands(pipeline, offset, count)
+        Box::pin(async move {
+            let mut inner = self.live().await?;
+            inner.req_packed_commands(pipeline, offset, count).await
+        })
     }
 
     fn get_db(&self) -> i64 {
-        self.inner.get_db()
+        // A cluster has database 0 only.
+        0
     }
 }
 
@@ -284,52 +387,39 @@ impl ClusterBackend {
     /// ```
     pub async fn connect_with(nodes: &[&str], config: RedisConfig) -> Result<ClusterBackend> {
         config.validate()?;
-        let (push_tx, push_rx) = mpsc::unbounded_channel::<PushInfo>();
-        let builder = ClusterClientBuilder::new(nodes.to_vec())
-            .use_protocol(ProtocolVersion::RESP3)
-            .push_sender(push_tx)
-            .response_timeout(config.response_timeout)
-            .connection_timeout(config.connection_timeout)
-            // The client would resend a request whose connection dropped or whose reply timed
-            // out, after the server may have run it: a script run twice can answer differently
-            // (a release reporting `NotHeld` for the lease it freed, a job enqueued twice).
-            // `ClusterConn` resends only what the server refused unrun.
-            .retries(0);
-        #[cfg(feature = "tls")]
-        let builder = {
-            // As for one server: ring is the process's crypto provider unless the application
-            // installed another.
-            let _ = rustls::crypto::ring::default_provider().install_default();
-            match &config.tls_root_pem {
-                // `certs` turns TLS on: only for clusters reached by `rediss://`.
-                Some(root) if nodes.first().is_some_and(|n| n.starts_with("rediss://")) => builder
-                    .certs(redis::TlsCertificates {
-                        client_tls: None,
-                        root_cert: Some(root.clone()),
-                    }),
-                _ => builder,
-            }
+        let config_patience = config.response_timeout;
+        let nodes: Arc<[String]> = nodes.iter().map(|n| n.to_string()).collect();
+        let builder: MakeBuilder = {
+            let nodes = nodes.clone();
+            Arc::new(move || client_builder(&nodes, &config))
         };
-        let client = builder.build().map_err(Error::Unavailable)?;
-        let conn = client
-            .get_async_connection()
-            .await
-            .map_err(Error::Unavailable)?;
-        let wakeups = Arc::new(Wakeups::default());
-        tokio::spawn(pushes(push_rx, wakeups.clone()));
-        let (sub_tx, sub_rx) = mpsc::unbounded_channel();
+        let connected = open(builder()).await.map_err(Error::Unavailable)?;
+        let patience = config_patience;
         let conn = ClusterConn {
-            inner: conn,
-            patience: config.response_timeout,
+            link: Arc::new(Link {
+                patience,
+                builder: builder.clone(),
+                now: Mutex::new(connected),
+                reconnecting: tokio::sync::Mutex::new(()),
+            }),
         };
-        tokio::spawn(subscriptions(conn.clone(), sub_rx));
+        let wakeups = Arc::new(Wakeups::default());
+        let subs = Subscriptions::restarting({
+            let (conn, wakeups) = (conn.clone(), wakeups.clone());
+            move || {
+                let (tx, rx) = mpsc::unbounded_channel();
+                let task = subscriber(builder.clone(), conn.clone(), patience, wakeups.clone(), rx);
+                tokio::spawn(task);
+                tx
+            }
+        });
         Ok(ClusterBackend {
             conn,
             scripts: Arc::new(Scripts::new()),
             extend_cross: Arc::new(Script::new(EXTEND_NODE)),
             slots: Arc::default(),
             wakeups,
-            subs: Arc::new(Subscriptions::fixed(sub_tx)),
+            subs: Arc::new(subs),
         })
     }
 
@@ -361,8 +451,9 @@ impl ClusterBackend {
         }
         let reply = self
             .conn
-            .inner
-            .clone()
+            .live()
+            .await
+            .ok()?
             .route_command(
                 redis::cmd("CLUSTER").arg("SLOTS").clone(),
                 RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
@@ -497,7 +588,7 @@ impl ClusterBackend {
             cmd.arg(key.lock_key()).arg(token.as_str());
         }
         let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
-        let mut conn = self.conn.inner.clone();
+        let mut conn = self.conn.live().await?;
         // A routed command reports server errors inside the value; lift them out.
         let mut reply = conn
             .route_command(cmd.clone(), route.clone())
@@ -615,61 +706,143 @@ impl Backend for ClusterBackend {
     }
 }
 
-/// Subscribes and unsubscribes in order, so that a late unsubscribe of a key's last waiter can
-/// never undo the subscribe of its next first waiter.
+/// The subscription task: sharded subscriptions on a cluster connection of their own.
 ///
-/// A subscribe that was refused unrun, or whose connection dropped or timed out, is sent again
-/// after a pause, within the connection's patience: subscribing twice does no harm, so unlike
-/// [`ClusterConn`]'s requests this covers a lost answer too.
-async fn subscriptions(conn: ClusterConn, mut rx: mpsc::UnboundedReceiver<SubCmd>) {
-    let (mut sub, patience) = (conn.inner, conn.patience);
-    while let Some(cmd) = rx.recv().await {
-        match cmd {
-            SubCmd::Subscribe(channel, ack) => {
-                let mut pauses = Pauses::new(patience);
-                loop {
-                    match sub.ssubscribe(&channel).await {
-                        Err(e)
-                            if (unrun(&e) || e.is_connection_dropped() || e.is_timeout())
-                                && pauses.wait(&e).await => {}
-                        Err(e) => {
-                            debug!(error = %e, channel, "sharded subscribe failed; the waiter keeps its timer");
-                            break;
-                        }
-                        Ok(()) => break,
-                    }
+/// Not on the command connection: when a slot with subscribed channels moves away, its node
+/// pushes an unrequested `sunsubscribe` for each, and redis-rs takes a subscription push for
+/// the reply of the oldest request waiting on that node's connection; every later reply would
+/// then answer the request sent before it (a grant reported to the acquire of another key,
+/// a holder's "busy" to a caller whose acquire was granted). Here the only requests are
+/// subscriptions.
+///
+/// Subscribes and unsubscribes in order, so that a late unsubscribe of a key's last waiter can
+/// never undo the subscribe of its next first waiter. Started again on the current runtime when
+/// the one it ran on shut down ([`Subscriptions::restarting`]); it then subscribes every
+/// watched channel and wakes their waiters, since releases in the gap went unseen.
+async fn subscriber(
+    builder: MakeBuilder,
+    commands: ClusterConn,
+    patience: Duration,
+    wakeups: Arc<Wakeups>,
+    mut rx: mpsc::UnboundedReceiver<SubCmd>,
+) {
+    let mut backoff = Duration::from_millis(20);
+    let (mut conn, mut pushes) = loop {
+        let (push_tx, push_rx) = mpsc::unbounded_channel::<PushInfo>();
+        let connected = match builder().push_sender(push_tx).build() {
+            Ok(client) => client.get_async_connection().await,
+            Err(e) => Err(e),
+        };
+        match connected {
+            Ok(conn) => break (conn, push_rx),
+            Err(e) => {
+                debug!(error = %e, "subscription connect failed; waiters keep their timers");
+                if !super::redis::drain_while_down(&mut rx, backoff).await {
+                    return;
                 }
-                let _ = ack.send(());
+                backoff = (backoff * 2).min(Duration::from_secs(1));
             }
-            SubCmd::Unsubscribe(channel) => {
-                let _ = sub.sunsubscribe(&channel).await;
+        }
+    };
+    for channel in wakeups.channels() {
+        subscribe(&mut conn, &channel, patience).await;
+    }
+    wakeups.wake_all();
+    loop {
+        tokio::select! {
+            cmd = rx.recv() => match cmd {
+                None => return,
+                Some(SubCmd::Subscribe(channel, ack)) => {
+                    subscribe(&mut conn, &channel, patience).await;
+                    let _ = ack.send(());
+                }
+                Some(SubCmd::Unsubscribe(channel)) => {
+                    let _ = conn.sunsubscribe(&channel).await;
+                }
+            },
+            Some(push) = pushes.recv() => {
+                let channel = match push.data.first() {
+                    Some(Value::BulkString(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+                    _ => None,
+                };
+                match (push.kind, channel) {
+                    (PushKind::SMessage, Some(ch)) => wakeups.wake(&ch),
+                    // A (re)subscription confirmed: after a reconnect the client resubscribes,
+                    // and releases in the gap went unseen, so that channel's waiters retry.
+                    (PushKind::SSubscribe, Some(ch)) => wakeups.wake(&ch),
+                    // The node dropped the subscription of a channel still waited on: its slot
+                    // moved away (the client forgets such a channel and would not subscribe it
+                    // again). Subscribed again, on the slot's new node, and its waiters retry.
+                    // The reply to this task's own unsubscribe comes here too, for a channel no
+                    // longer waited on, unless a new waiter came since: subscribing twice does
+                    // no harm.
+                    (PushKind::SUnsubscribe, Some(ch)) if wakeups.is_watched(&ch) => {
+                        debug!(channel = ch, "subscription dropped by the node; subscribing again");
+                        subscribe(&mut conn, &ch, patience).await;
+                        wakeups.wake(&ch);
+                    }
+                    // A node connection broke, and releases may have gone unseen. Waiters are
+                    // woken once every watched channel is subscribed again, not at once: the
+                    // command connection to that node most likely broke at the same moment,
+                    // and an attempt sent before it is made again fails, which ends its wait.
+                    // Pushes already queued are covered by the wake-up; several connections
+                    // that broke together cost one round.
+                    (PushKind::Disconnection, _) => {
+                        while pushes.try_recv().is_ok() {}
+                        for channel in wakeups.channels() {
+                            subscribe(&mut conn, &channel, patience).await;
+                        }
+                        reach_every_master(&commands, patience).await;
+                        wakeups.wake_all();
+                    }
+                    _ => {}
+                }
             }
         }
     }
 }
 
-/// Turns the connection's pushes into wake-ups.
-async fn pushes(mut rx: mpsc::UnboundedReceiver<PushInfo>, wakeups: Arc<Wakeups>) {
-    while let Some(push) = rx.recv().await {
-        let channel = || match push.data.first() {
-            Some(Value::BulkString(b)) => Some(String::from_utf8_lossy(b).into_owned()),
-            _ => None,
+/// Waits, within `patience`, until a `PING` through the command connection reaches every
+/// master: a request that fails on a broken node connection is what has redis-rs make it again.
+async fn reach_every_master(commands: &ClusterConn, patience: Duration) {
+    use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy};
+    let route = RoutingInfo::MultiNode((
+        MultipleNodeRoutingInfo::AllMasters,
+        Some(ResponsePolicy::AllSucceeded),
+    ));
+    let mut pauses = Pauses::new(patience);
+    loop {
+        let pinged = match commands.live().await {
+            Ok(mut conn) => conn.route_command(redis::cmd("PING"), route.clone()).await,
+            Err(e) => Err(e),
         };
-        match push.kind {
-            PushKind::SMessage => {
-                if let Some(ch) = channel() {
-                    wakeups.wake(&ch);
-                }
+        match pinged {
+            Ok(_) => return,
+            Err(e) if pauses.wait(&e).await => {}
+            Err(e) => {
+                debug!(error = %e, "a master stayed unreachable; waking the waiters anyway");
+                return;
             }
-            // A (re)subscription confirmed: after a reconnect or a slot move the client
-            // resubscribes, and releases in the gap went unseen, so that channel's waiters retry.
-            PushKind::SSubscribe => {
-                if let Some(ch) = channel() {
-                    wakeups.wake(&ch);
-                }
+        }
+    }
+}
+
+/// Subscribes `channel`. One refused unrun, or whose connection dropped or timed out, is sent
+/// again after a pause, within the connection's patience: subscribing twice does no harm, so
+/// unlike [`ClusterConn`]'s requests this covers a lost answer too. One that fails leaves its
+/// waiters to their timers.
+async fn subscribe(conn: &mut ClusterConnection, channel: &str, patience: Duration) {
+    let mut pauses = Pauses::new(patience);
+    loop {
+        match conn.ssubscribe(channel).await {
+            Err(e)
+                if (unrun(&e) || e.is_connection_dropped() || e.is_timeout())
+                    && pauses.wait(&e).await => {}
+            Err(e) => {
+                debug!(error = %e, channel, "sharded subscribe failed; the waiter keeps its timer");
+                return;
             }
-            PushKind::Disconnection => wakeups.wake_all(),
-            _ => {}
+            Ok(()) => return,
         }
     }
 }

@@ -910,7 +910,10 @@ fn refused(e: &redis::RedisError) -> bool {
 
 /// While disconnected, answer subscribe requests at once (the waiter keeps its timer) and sleep
 /// the backoff. Returns false when the backend is gone.
-async fn drain_while_down(rx: &mut mpsc::UnboundedReceiver<SubCmd>, backoff: Duration) -> bool {
+pub(super) async fn drain_while_down(
+    rx: &mut mpsc::UnboundedReceiver<SubCmd>,
+    backoff: Duration,
+) -> bool {
     let sleep = tokio::time::sleep(backoff);
     tokio::pin!(sleep);
     loop {
