@@ -97,12 +97,20 @@ async fn lost_release_reply(flavor: Flavor) {
     let proxy = Proxy::start(server.port).await;
     let locker = Locker::redis(&proxy.url()).await.expect("connect");
     let lease = locker.try_acquire("rel", &opts()).await.expect("lease");
+    let info = lease.info();
     proxy.drop_replies(RELEASED, 1);
     match lease.release().await {
         Err(Error::OutcomeUnknown { op, .. }) => assert_eq!(op, "release"),
         other => panic!("expected OutcomeUnknown, got {other:?}"),
     }
     assert_eq!(proxy.dropped.load(Ordering::SeqCst), 1);
+    // A release that failed still ends the lease for every view of it: renewal stopped, and
+    // the key may be gone (here it is), so work watching `lost()` must stop now, not at the
+    // lease's deadline.
+    assert!(info.is_lost(), "a view still sees the lease held after its release failed");
+    tokio::time::timeout(Duration::from_millis(100), info.lost())
+        .await
+        .expect("lost() did not resolve after the release failed");
     let k = locker.lock_key("rel").expect("key");
     assert_eq!(server.cmd::<i64>(&["EXISTS", k.lock_key()]), 0);
 }

@@ -315,8 +315,10 @@ impl<B: Backend + Clone> Lease<B> {
         // this point (its caller dropped it mid-call) leaves `done` unset, and `Drop` sends it
         // again in the background: it may not have reached the server.
         self.done = true;
-        let held = answer?;
+        // Ended for every view of it whatever the answer: renewal has stopped, and after a
+        // failed release the key may be gone (or held by another) already.
         self.state.lost.cancel();
+        let held = answer?;
         self.vacate_turn();
         debug!(held, "released");
         Ok(if held {
