@@ -754,6 +754,29 @@ async fn release_without_quorum_is_an_error(flavor: Flavor) {
     }
 }
 
+/// A holder whose copies on a majority expired and were taken by a rival (it was cut off from
+/// them) still has its copy on one member. Its release deletes that copy, but the lease was
+/// not held: `NotHeld`, as on one server, and as an extend in that state says `LeaseLost`.
+/// The rival's copies are untouched.
+async fn release_by_a_minority_is_not_held(flavor: Flavor) {
+    let servers = start(flavor, 3);
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let lease = locker
+        .try_acquire("taken", &opts(5_000).renew(false))
+        .await
+        .expect("all up");
+    let k = locker.lock_key("taken").expect("key");
+    for server in &servers[1..] {
+        let _: () = server.cmd(&["SET", k.lock_key(), "rival", "PX", "5000"]);
+    }
+    assert_eq!(lease.release().await.expect("release"), Release::NotHeld);
+    assert!(!holds(&servers[0], &locker, "taken"), "its own copy stayed");
+    for server in &servers[1..] {
+        let value: String = server.cmd(&["GET", k.lock_key()]);
+        assert_eq!(value, "rival");
+    }
+}
+
 /// Split votes: another holder has 2 of 5 members, one member is down, we get the other 2.
 /// Neither side has a quorum: our 2 grants are released, the round is retried after random
 /// pauses, and the answer is Busy (contention), not an outage. A waiting acquire gets the key
@@ -1110,6 +1133,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn release_without_quorum_is_an_error() {
                 super::release_without_quorum_is_an_error($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn release_by_a_minority_is_not_held() {
+                super::release_by_a_minority_is_not_held($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn split_votes_retry_then_busy() {

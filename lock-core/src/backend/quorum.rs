@@ -774,10 +774,12 @@ impl Backend for QuorumBackend {
         .await
     }
 
-    /// Runs on every member. `true` when at least one member deleted this token's key (the
-    /// copies on unreachable members expire with their TTL); `false` when a quorum answered and
-    /// none held it; [`Error::NoQuorum`] when fewer than a quorum answered and none held it, since
-    /// the lease may then still be valid on the others.
+    /// Runs on every member. `false` when the members that answered show the lease was not
+    /// held by a quorum (however many copies it still had, deleted here: a holder cut off from
+    /// most members, whose key a rival took there, is told `NotHeld`, not `Released`). `true`
+    /// when a quorum deleted it, or some did and the members that did not answer may have made
+    /// up the quorum (their copies expire with their TTL). [`Error::NoQuorum`] when none
+    /// deleted it and those that did not answer may still hold it on a quorum.
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
         let limit = self.inner.config.member_timeout;
         let answers = self
@@ -788,11 +790,15 @@ impl Backend for QuorumBackend {
             .iter()
             .filter(|(_, a)| matches!(a, Ok(true)))
             .count();
-        if released > 0 {
+        let unknown = answers.len() - answered;
+        if released >= self.inner.quorum {
             return Ok(true);
         }
-        if answered >= self.inner.quorum {
+        if released + unknown < self.inner.quorum {
             return Ok(false);
+        }
+        if released > 0 {
+            return Ok(true);
         }
         Err(self.no_quorum("release", key.user(), answered))
     }
