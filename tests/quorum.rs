@@ -393,6 +393,34 @@ async fn one_undecided_lease_does_not_cost_the_others(flavor: Flavor) {
     healthy.release().await.expect("release");
 }
 
+/// As above with the silent member hung (connected, never answering) rather than gone: the
+/// undecided lease must not hold back the answer for the lease a quorum renewed until the hung
+/// member's call times out, after that lease's own alarm.
+async fn a_hung_member_costs_only_the_undecided_lease(flavor: Flavor) {
+    let servers = start(flavor, 3);
+    let (proxies, locker) = through_proxies(&servers).await;
+    let ttl = Duration::from_millis(600);
+    let o = opts(600);
+    let (healthy, victim) = tokio::join!(
+        locker.try_acquire("healthy", &o),
+        locker.try_acquire("victim", &o),
+    );
+    let (healthy, victim) = (healthy.expect("healthy"), victim.expect("victim"));
+    let k = locker.lock_key("victim").expect("key");
+    let _: i64 = servers[1].cmd(&["DEL", k.lock_key()]);
+    proxies[2].stall(true);
+    tokio::time::timeout(ttl * 2, victim.lost())
+        .await
+        .expect("the undecided lease was not reported lost by its deadline");
+    sleep(ttl * 2).await;
+    assert!(
+        !healthy.is_lost(),
+        "lost with two of three members renewing it, beside an undecided lease and a hung member"
+    );
+    proxies[2].stall(false);
+    healthy.release().await.expect("release");
+}
+
 /// A member restarted empty in the middle of a held, renewing lease: the lease survives on the
 /// rest of the quorum, scripts are reloaded on the restarted member, and fences keep rising.
 async fn restart_empty_mid_run(flavor: Flavor) {
@@ -1133,6 +1161,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn release_without_quorum_is_an_error() {
                 super::release_without_quorum_is_an_error($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_hung_member_costs_only_the_undecided_lease() {
+                super::a_hung_member_costs_only_the_undecided_lease($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn release_by_a_minority_is_not_held() {

@@ -107,7 +107,10 @@ async fn lost_release_reply(flavor: Flavor) {
     // A release that failed still ends the lease for every view of it: renewal stopped, and
     // the key may be gone (here it is), so work watching `lost()` must stop now, not at the
     // lease's deadline.
-    assert!(info.is_lost(), "a view still sees the lease held after its release failed");
+    assert!(
+        info.is_lost(),
+        "a view still sees the lease held after its release failed"
+    );
     tokio::time::timeout(Duration::from_millis(100), info.lost())
         .await
         .expect("lost() did not resolve after the release failed");

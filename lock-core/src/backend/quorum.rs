@@ -381,6 +381,7 @@ impl QuorumBackend {
         &self,
         items: &[(LockKey, Token)],
         ttl: Duration,
+        wait: Duration,
     ) -> Result<(Vec<usize>, usize)> {
         crate::types::validate_ttl(ttl)?;
         let started = Instant::now();
@@ -408,7 +409,9 @@ impl QuorumBackend {
         // one that never connected: it was sent no grant, so it holds none.
         let mut unknown = calls.len();
         let mut outstanding = calls.len();
-        while let Some((i, answer)) = calls.next().await {
+        // The members still out when the wait ends stay unknown; their calls run on.
+        let give_up = started + wait.min(limit);
+        while let Ok(Some((i, answer))) = tokio::time::timeout_at(give_up, calls.next()).await {
             outstanding -= 1;
             let answer = match answer {
                 Ok(Ok(answer)) => answer,
@@ -814,7 +817,7 @@ impl Backend for QuorumBackend {
     /// drift), as a single server's renewal would: a large batch on a busy server takes a while,
     /// and giving up early would only send the same work again.
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
-        let (counts, unknown) = self.extend_counts(items, ttl).await?;
+        let (counts, unknown) = self.extend_counts(items, ttl, ttl).await?;
         let decided: Option<Vec<bool>> = counts.iter().map(|&c| self.renewed(c, unknown)).collect();
         decided.ok_or_else(|| {
             let batch_key = items.first().map_or("(batch)", |(k, _)| k.user());
@@ -825,13 +828,16 @@ impl Backend for QuorumBackend {
 
     /// As [`extend`](Backend::extend), one answer per lease: `None` for a lease whose answer
     /// depends on members that did not answer, so that one undecided lease does not count the
-    /// leases a quorum did renew (or certainly did not) as unknown too.
+    /// leases a quorum did renew (or certainly did not) as unknown too. Nor does it hold back
+    /// their answers: it waits at most a quarter of `ttl` for the members it depends on, well
+    /// before the other leases' deadlines, where a hung member's call would run to the
+    /// validity (the renewal driver asks again for the undecided one).
     async fn extend_each(
         &self,
         items: &[(LockKey, Token)],
         ttl: Duration,
     ) -> Result<Vec<Option<bool>>> {
-        let (counts, unknown) = self.extend_counts(items, ttl).await?;
+        let (counts, unknown) = self.extend_counts(items, ttl, ttl / 4).await?;
         Ok(counts
             .into_iter()
             .map(|c| self.renewed(c, unknown))
