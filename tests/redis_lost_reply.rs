@@ -60,6 +60,39 @@ async fn lost_grant_reply_is_resolved(flavor: Flavor) {
     lease.release().await.expect("release");
 }
 
+/// The grant's reply is lost, and its fence key goes before the retry (evicted under an
+/// `allkeys-*` policy, deleted by an operator): the retry still hands out a real fence, from
+/// the clock, never 0, and stores it.
+async fn a_retry_after_the_fence_key_went_gets_a_fence(flavor: Flavor) {
+    let (server, proxy, locker) = through_proxy(flavor).await;
+    let k = locker.lock_key("fence-gone").expect("key");
+    // A slow link: the retry reaches the server well after the first grant, so the fence key
+    // is deleted in between.
+    proxy.set_latency(Duration::from_millis(300));
+    proxy.drop_replies(GRANT, 1);
+    let acquiring = tokio::spawn({
+        let locker = locker.clone();
+        async move { locker.try_acquire("fence-gone", &opts()).await }
+    });
+    let started = Instant::now();
+    while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 0 {
+        assert!(started.elapsed() < Duration::from_secs(2), "never granted");
+        sleep(Duration::from_millis(2)).await;
+    }
+    let deleted: i64 = server.cmd(&["DEL", k.fence_key()]);
+    assert_eq!(deleted, 1, "the retry came first");
+    let lease = acquiring
+        .await
+        .expect("task")
+        .expect("the retry resolves the outcome");
+    assert_eq!(proxy.dropped.load(Ordering::SeqCst), 1, "the reply was lost");
+    assert!(lease.fence().get() > 0, "fence {}", lease.fence());
+    let stored: String = server.cmd(&["GET", k.fence_key()]);
+    assert_eq!(stored.parse::<u64>().expect("fence"), lease.fence().get());
+    proxy.set_latency(Duration::ZERO);
+    lease.release().await.expect("release");
+}
+
 /// Both the grant's reply and the retry's are lost: the caller gets `OutcomeUnknown`, and the
 /// grant that may exist is released in the background, so the key is not left held.
 async fn unresolved_grant_is_released(flavor: Flavor) {
@@ -634,6 +667,10 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_grant_reply_is_resolved() {
                 super::lost_grant_reply_is_resolved($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_retry_after_the_fence_key_went_gets_a_fence() {
+                super::a_retry_after_the_fence_key_went_gets_a_fence($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn unresolved_grant_is_released() {

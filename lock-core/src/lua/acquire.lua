@@ -91,11 +91,18 @@ for i = 1, #KEYS / 2 do
     local stored = redis.pcall('GET', fence_key)
     if type(stored) == 'table' then
       status, value = refusal(stored.err, fence_key, -2)
+    elseif stored and string.match(stored, '^[1-9]%d*$') and exhausted(stored) then
+      redis.pcall('DEL', lock)
+      status, value = -3, 'ERR fence exhausted: the stored fence is 2^64 - 1 or more'
     else
       local renewed = redis.pcall('PEXPIRE', lock, ttl)
-      status, value = 1, 0
-      if stored and string.match(stored, '^[1-9]%d*$') and not exhausted(stored) then
-        value = stored
+      status, value = 1, stored
+      if not (stored and string.match(stored, '^[1-9]%d*$')) then
+        -- The fence key went (evicted, deleted) since the first grant, whose fence the caller
+        -- never saw: a fence from the clock, as after a restart, never 0.
+        status, value = 1, now
+        local set = redis.pcall('SET', fence_key, now_text)
+        if set.err then status, value = -3, set.err end
       end
       if type(renewed) == 'table' then status, value = -3, renewed.err end
     end
