@@ -240,14 +240,17 @@ impl Error {
     /// assert!(!bad.is_transient()); // bad input stays bad
     /// # }
     /// ```
+    ///
+    /// A refusal is transient except "fence exhausted" (the key's stored fence is 2^64 - 1,
+    /// written from outside: no higher fence exists, and asking again cannot change that).
     pub fn is_transient(&self) -> bool {
-        matches!(
-            self,
-            Error::Unavailable(_)
-                | Error::Refused { .. }
-                | Error::OutcomeUnknown { .. }
-                | Error::NoQuorum { .. }
-        )
+        match self {
+            Error::Refused { source, .. } => {
+                !source.to_string().contains(crate::types::FENCE_EXHAUSTED)
+            }
+            Error::Unavailable(_) | Error::OutcomeUnknown { .. } | Error::NoQuorum { .. } => true,
+            _ => false,
+        }
     }
 }
 
