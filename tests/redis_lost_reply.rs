@@ -85,7 +85,11 @@ async fn a_retry_after_the_fence_key_went_gets_a_fence(flavor: Flavor) {
         .await
         .expect("task")
         .expect("the retry resolves the outcome");
-    assert_eq!(proxy.dropped.load(Ordering::SeqCst), 1, "the reply was lost");
+    assert_eq!(
+        proxy.dropped.load(Ordering::SeqCst),
+        1,
+        "the reply was lost"
+    );
     assert!(lease.fence().get() > 0, "fence {}", lease.fence());
     let stored: String = server.cmd(&["GET", k.fence_key()]);
     assert_eq!(stored.parse::<u64>().expect("fence"), lease.fence().get());
