@@ -476,7 +476,12 @@ impl ClusterBackend {
         // it runs on (`allow-cross-slot-keys`), so renewal batches as on a single server. Where
         // the slot map is stale (failover, resharding) the node refuses the batch and its leases
         // are renewed slot by slot instead, routed by the client.
-        let map = self.slot_map().await;
+        // Bounded as the renewal is: the node asked may be the stalled one. Without a map the
+        // leases are renewed slot by slot, routed by the client.
+        let map = tokio::time::timeout(ttl / 4, self.slot_map())
+            .await
+            .ok()
+            .flatten();
         // Every lease is answered for within a quarter of the TTL: a node or slot that is down,
         // failing over or stuck mid-migration leaves its own leases to be retried without
         // holding back the renewal of the others.
@@ -540,7 +545,11 @@ impl ClusterBackend {
                     *self.slots.lock().unwrap_or_else(PoisonError::into_inner) = None;
                 }
                 Err(_) => {
+                    // A node that does not answer may be stalled while its replica takes over:
+                    // the map is fetched again, so that the next round goes to the new master
+                    // rather than to the same address until the leases run out.
                     debug!("renewal timed out on one node; its leases are retried");
+                    *self.slots.lock().unwrap_or_else(PoisonError::into_inner) = None;
                     return (vec![None; chunk.len()], None);
                 }
             }
