@@ -1,5 +1,6 @@
 //! Faults only a real server can show: restarts, script loss, killed connections, foreign key
-//! types (alone and inside a shared script call), a server that goes away. Each runs on Redis and, where installed, on Valkey.
+//! types (alone and inside a shared script call), a server that goes away. Each runs on Redis
+//! and on Valkey (a missing server binary fails the test, never skips it).
 
 mod support;
 
@@ -803,10 +804,11 @@ async fn a_silent_subscription_is_replaced(flavor: Flavor) {
         proxy.black_hole(1)
     })
     .await;
+    // The README's promise: replaced within the 5 s check and the response timeout (0.5 s
+    // here), plus the reconnect and resubscribe.
     assert!(
-        waited < Duration::from_secs(15),
-        "woken {waited:?} after the release: by its timer at the holder's TTL, not by a new \
-         subscription"
+        waited < Duration::from_secs(7),
+        "woken {waited:?} after the release: not within the 5 s check and the response timeout"
     );
     assert!(
         proxy.connections() >= 3,
