@@ -268,6 +268,25 @@ async fn a_result_alias_as_return_type() {
     held.release().await.expect("release");
 }
 
+/// The fence a body sees, and what a task it spawns sees.
+#[locked(key = "spawner", locker = locker)]
+async fn spawner(locker: &Locker) -> Result<(Option<Fence>, Option<Fence>), Error> {
+    let spawned = tokio::spawn(async { current_fence() })
+        .await
+        .expect("spawned task");
+    Ok((current_fence(), spawned))
+}
+
+/// `current_fence()` is task-local, as documented: a task the body spawns does not see it
+/// (it runs outside the lease's scope, and may outlive it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spawned_task_sees_no_fence() {
+    let locker = Locker::memory();
+    let (own, spawned) = spawner(&locker).await.expect("ran");
+    assert!(own.is_some(), "the body sees its fence");
+    assert_eq!(spawned, None, "a spawned task saw the body's fence");
+}
+
 /// A return type that mentions `impl Trait` cannot be named inside the body; the body then
 /// infers against the signature alone, `?` and early `return` included. Parameters may be
 /// named like the macro's own locals.
