@@ -38,6 +38,8 @@ on_every_backend!(
     a_route_param_that_is_not_utf8_is_invalid_even_when_passing_through,
     an_unreadable_request_body_is_not_a_missing_key,
     a_panicking_handler_frees_the_lock,
+    head_is_locked_where_get_is,
+    a_response_without_a_body_frees_the_lease_before_it_goes_out,
 );
 
 // A subset on a 3-master Redis Cluster.
@@ -1189,10 +1191,9 @@ async fn an_invalid_key_is_refused_even_when_passing_through() {
 
 /// `methods([GET])` covers HEAD too: axum runs the GET handler for a HEAD request, which must
 /// not run unlocked beside a GET that holds the key.
-#[tokio::test]
-async fn head_is_locked_where_get_is() {
+async fn head_is_locked_where_get_is(h: Harness) {
     use tower_service::Service;
-    let locker = lock_core::Locker::memory();
+    let locker = h.locker().await;
     let mut app: Router = Router::new()
         .route("/exports/{id}", get(|| async { "exported" }))
         .route_layer(
@@ -1217,10 +1218,9 @@ async fn head_is_locked_where_get_is() {
 /// A response that sends no body (to a HEAD request, or a 204 or 304) frees its lease before
 /// it is returned, not when the server drops the body it never polls: the client's next
 /// request on the key must not find its own lease still held.
-#[tokio::test]
-async fn a_response_without_a_body_frees_the_lease_before_it_goes_out() {
+async fn a_response_without_a_body_frees_the_lease_before_it_goes_out(h: Harness) {
     use tower_service::Service;
-    let locker = lock_core::Locker::memory();
+    let locker = h.locker().await;
     // A body that is not complete at once: otherwise it would be finished, and the lease
     // released, whatever the status.
     let streaming = |status: StatusCode| {
