@@ -164,6 +164,51 @@ async fn cluster_and_quorum_refuse_replicas() {
     }
 }
 
+/// The connections kept aside for acquires that wait for replicas outlive a `CLIENT KILL`
+/// (as a restart or failover would close them): the next replicated acquire is answered as
+/// the first was, on a connection made again, not failed on the dead one it took from the pool.
+async fn pooled_connections_are_made_again(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let not_replicated = |r: &Result<leasehold::Lease, Error>| {
+        matches!(
+            r,
+            Err(Error::NotReplicated {
+                acked: 0,
+                wanted: 1,
+                ..
+            })
+        )
+    };
+    // No replica: refused, and the connection goes back to the pool.
+    let first = locker.try_acquire("pooled", &replicated(50)).await;
+    assert!(not_replicated(&first), "{:?}", first.map(|l| l.fence()));
+    let _: i64 = server.cmd(&["CLIENT", "KILL", "TYPE", "normal"]);
+    // The shared connection is made again at its first failed request (the refused grant is
+    // given back on it): a plain acquire until it works.
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        match locker.try_acquire("plain", &LockOptions::new()).await {
+            Ok(lease) => {
+                lease.release().await.expect("release");
+                break;
+            }
+            Err(e) if e.is_transient() && Instant::now() < give_up => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(e) => panic!("the shared connection did not come back: {e}"),
+        }
+    }
+    for attempt in 0..3 {
+        let again = locker.try_acquire("pooled", &replicated(50)).await;
+        assert!(
+            not_replicated(&again),
+            "attempt {attempt} after the kill: {:?}",
+            again.map(|l| l.fence())
+        );
+    }
+}
+
 macro_rules! replicated_suite {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -175,6 +220,10 @@ macro_rules! replicated_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn missing_replica_refuses_without_stalling() {
                 super::missing_replica_refuses_without_stalling($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn pooled_connections_are_made_again() {
+                super::pooled_connections_are_made_again($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn refused_wait_gives_the_grant_back() {

@@ -625,25 +625,35 @@ struct Dedicated {
 const MAX_IDLE_DEDICATED: usize = 8;
 
 impl Dedicated {
+    /// An idle connection that answers a `PING`, or a new one. A pooled connection does not
+    /// reconnect: one the server closed meanwhile (a restart, a failover, `CLIENT KILL`, or the
+    /// runtime it was made on shut down) would fail the acquire sent on it, with its outcome
+    /// unknown. The `PING` costs a round trip beside the `WAIT` these acquires make anyway. It
+    /// checks the connection is alive, not fast: a closed one fails it at once, and a silent
+    /// one is given as long as making a new connection may take.
     async fn take(&self) -> Result<MultiplexedConnection> {
-        let idle = self
-            .idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop();
-        match idle {
-            Some(conn) => Ok(conn),
-            None => {
-                // No response timeout here: the caller bounds each use, WAIT included.
-                let cfg = redis::AsyncConnectionConfig::new()
-                    .set_connection_timeout(Some(self.config.connection_timeout))
-                    .set_response_timeout(None);
-                self.client
-                    .get_multiplexed_async_connection_with_config(&cfg)
-                    .await
-                    .map_err(Error::Unavailable)
+        loop {
+            let idle = self
+                .idle
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop();
+            let Some(mut conn) = idle else { break };
+            let cmd = redis::cmd("PING");
+            let ping = cmd.query_async::<Value>(&mut conn);
+            match tokio::time::timeout(self.config.connection_timeout, ping).await {
+                Ok(Ok(_)) => return Ok(conn),
+                _ => debug!("a pooled dedicated connection did not answer; dropping it"),
             }
         }
+        // No response timeout here: the caller bounds each use, WAIT included.
+        let cfg = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.config.connection_timeout))
+            .set_response_timeout(None);
+        self.client
+            .get_multiplexed_async_connection_with_config(&cfg)
+            .await
+            .map_err(Error::Unavailable)
     }
 
     fn give_back(&self, conn: MultiplexedConnection) {
