@@ -505,6 +505,71 @@ async fn a_zero_wait_does_not_subscribe(flavor: Flavor) {
     held.release().await.expect("release");
 }
 
+/// Bad input is refused before any round trip, as the README says: not one command reaches
+/// the server for an empty or oversized key, a zero or oversized TTL, or a zero extend.
+async fn bad_input_reaches_no_server(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let held = locker
+        .try_acquire("held", &opts(30_000).renew(false))
+        .await
+        .expect("grant");
+    start_counting(&server, &locker).await;
+    let long_key = "k".repeat(leasehold::MAX_KEY_LEN + 1);
+    let too_long = leasehold::MAX_TTL + Duration::from_millis(1);
+    for (what, r) in [
+        ("empty key", locker.try_acquire("", &opts(1_000)).await),
+        (
+            "long key",
+            locker.try_acquire(&long_key, &opts(1_000)).await,
+        ),
+        (
+            "zero ttl",
+            locker
+                .try_acquire("k", &LockOptions::new().ttl(Duration::ZERO))
+                .await,
+        ),
+        (
+            "long ttl",
+            locker
+                .try_acquire("k", &LockOptions::new().ttl(too_long))
+                .await,
+        ),
+        (
+            "waiting, empty key",
+            locker
+                .acquire("", &opts(1_000).wait(Duration::from_secs(1)))
+                .await,
+        ),
+    ] {
+        assert!(
+            matches!(r, Err(Error::InvalidKey { .. } | Error::InvalidTtl { .. })),
+            "{what}: {:?}",
+            r.map(|l| l.fence())
+        );
+    }
+    let extended = held.extend(Duration::ZERO).await;
+    assert!(
+        matches!(extended, Err(Error::InvalidTtl { .. })),
+        "{extended:?}"
+    );
+    // Every command but this test's own (`CONFIG RESETSTAT`, `INFO`) and those of connections
+    // the locker makes in the background whatever the caller does (the handshake's `HELLO`
+    // and `CLIENT SETINFO`, the subscription's `PING` every 5 s).
+    let stats = server.cmd::<String>(&["INFO", "commandstats"]);
+    let background = ["info:", "ping:", "config|", "client|", "hello:", "select:"];
+    let reached: Vec<&str> = stats
+        .lines()
+        .filter_map(|l| l.strip_prefix("cmdstat_"))
+        .filter(|l| !background.iter().any(|b| l.starts_with(b)))
+        .collect();
+    assert!(
+        reached.is_empty(),
+        "commands reached the server: {reached:?}"
+    );
+    held.release().await.expect("release");
+}
+
 /// Calls of `command` the server has answered since its stats were last reset.
 fn calls(server: &Server, command: &str) -> u64 {
     let stats = server.info_field("commandstats", &format!("cmdstat_{command}"));
@@ -996,6 +1061,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn grants_answered_to_callers_who_left_are_released() {
                 super::grants_answered_to_callers_who_left_are_released($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn bad_input_reaches_no_server() {
+                super::bad_input_reaches_no_server($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_zero_wait_does_not_subscribe() {
