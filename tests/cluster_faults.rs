@@ -210,19 +210,7 @@ async fn waiter_woken_after_resubscribe(flavor: Flavor) {
         (lease.map(|l| l.fence()), started.elapsed())
     });
     let k = holder_side.lock_key("gap").expect("key");
-    let channel = k.channel();
-    let started = Instant::now();
-    while cluster
-        .cmd::<Vec<(String, i64)>>(&["PUBSUB", "SHARDNUMSUB", channel])
-        .first()
-        .is_none_or(|(_, n)| *n == 0)
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "never subscribed"
-        );
-        sleep(Duration::from_millis(10)).await;
-    }
+    assert!(subscribed(&cluster, k.channel()).await, "never subscribed");
     let _: i64 = cluster.cmd(&["DEL", k.lock_key()]);
     // Every client connection of every node: the client reconnects and resubscribes.
     for node in &cluster.nodes {
@@ -875,6 +863,19 @@ async fn the_plain_acl_rule_cannot_connect_to_a_cluster() {
     lease.release().await.expect("and releases it");
 }
 
+/// Waits up to five seconds for `channel` to have a subscriber on the node serving its slot.
+async fn subscribed(cluster: &Cluster, channel: &str) -> bool {
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(5) {
+        let counts = cluster.cmd::<Vec<(String, i64)>>(&["PUBSUB", "SHARDNUMSUB", channel]);
+        if counts.first().is_some_and(|(_, n)| *n > 0) {
+            return true;
+        }
+        sleep(Duration::from_millis(10)).await;
+    }
+    false
+}
+
 /// Subscribers of `channel` on node `i`.
 fn subscribers(cluster: &Cluster, i: usize, channel: &str) -> i64 {
     cluster.nodes[i]
@@ -1078,14 +1079,6 @@ async fn a_moving_watched_slot_confuses_no_reply(flavor: Flavor) {
     }
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
 /// A cluster `Locker` kept beyond the runtime it connected on (in a static, used from one
 /// `#[tokio::test]` runtime after another): on the next runtime it still grants and releases,
 /// and a waiter is woken by a release, the connection and the subscription made again there.
@@ -1094,7 +1087,7 @@ fn a_cluster_locker_outlives_the_runtime_it_connected_on(flavor: Flavor) {
     let cluster = Cluster::start(flavor, 3, 0);
     let urls = cluster.urls();
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
-    let first = runtime();
+    let first = support::runtime();
     let locker = first.block_on(async {
         let locker = Locker::redis_cluster(&urls).await.expect("connect");
         let lease = locker
@@ -1105,7 +1098,7 @@ fn a_cluster_locker_outlives_the_runtime_it_connected_on(flavor: Flavor) {
         locker
     });
     drop(first);
-    runtime().block_on(async {
+    support::runtime().block_on(async {
         let opts = LockOptions::new().ttl(Duration::from_secs(20));
         let lease =
             tokio::time::timeout(Duration::from_secs(10), locker.try_acquire("second", &opts))
@@ -1124,18 +1117,7 @@ fn a_cluster_locker_outlives_the_runtime_it_connected_on(flavor: Flavor) {
             }
         });
         let channel = locker.lock_key("second").expect("key").channel().to_owned();
-        let started = Instant::now();
-        while cluster
-            .cmd::<Vec<(String, i64)>>(&["PUBSUB", "SHARDNUMSUB", &channel])
-            .first()
-            .is_none_or(|(_, n)| *n == 0)
-        {
-            assert!(
-                started.elapsed() < Duration::from_secs(5),
-                "never subscribed"
-            );
-            sleep(Duration::from_millis(10)).await;
-        }
+        assert!(subscribed(&cluster, &channel).await, "never subscribed");
         let released_at = Instant::now();
         assert_eq!(
             lease.release().await.expect("release"),

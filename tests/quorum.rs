@@ -369,6 +369,32 @@ async fn odd_stored_fences(flavor: Flavor) {
 async fn one_undecided_lease_does_not_cost_the_others(flavor: Flavor) {
     let mut servers = start(flavor, 3);
     let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    undecided_beside_healthy(&mut servers, &locker, "a member down", |s| s[2].kill()).await;
+}
+
+/// As above with the silent member hung (connected, never answering) rather than gone: the
+/// undecided lease must not hold back the answer for the lease a quorum renewed until the hung
+/// member's call times out, after that lease's own alarm.
+async fn a_hung_member_costs_only_the_undecided_lease(flavor: Flavor) {
+    let mut servers = start(flavor, 3);
+    let (proxies, locker) = through_proxies(&servers).await;
+    undecided_beside_healthy(&mut servers, &locker, "a member hung", |_| {
+        proxies[2].stall(true)
+    })
+    .await;
+    proxies[2].stall(false);
+}
+
+/// Two leases renewed in one batch; the victim's key goes from member 1, then `silence`
+/// silences member 2. The victim is held on one member, not on another, and the third is
+/// silent: it may still hold a quorum, or may not, so it is lost at its deadline. The healthy
+/// lease, renewed by members 0 and 1, is kept.
+async fn undecided_beside_healthy(
+    servers: &mut [Server],
+    locker: &Locker,
+    what: &str,
+    silence: impl FnOnce(&mut [Server]),
+) {
     let ttl = Duration::from_millis(600);
     // Back to back, so that their renewals go out in one batch.
     let o = opts(600);
@@ -379,45 +405,15 @@ async fn one_undecided_lease_does_not_cost_the_others(flavor: Flavor) {
     let (healthy, victim) = (healthy.expect("healthy"), victim.expect("victim"));
     let k = locker.lock_key("victim").expect("key");
     let _: i64 = servers[1].cmd(&["DEL", k.lock_key()]);
-    servers[2].kill();
-    // The victim is held on one member, not on another, and the third is silent: it may still
-    // hold a quorum, or may not, so it is lost at its deadline.
+    silence(servers);
     tokio::time::timeout(ttl * 2, victim.lost())
         .await
         .expect("the undecided lease was not reported lost by its deadline");
     sleep(ttl * 2).await;
     assert!(
         !healthy.is_lost(),
-        "lost with two of three members renewing it, beside an undecided lease"
+        "{what}: lost with two of three members renewing it, beside an undecided lease"
     );
-    healthy.release().await.expect("release");
-}
-
-/// As above with the silent member hung (connected, never answering) rather than gone: the
-/// undecided lease must not hold back the answer for the lease a quorum renewed until the hung
-/// member's call times out, after that lease's own alarm.
-async fn a_hung_member_costs_only_the_undecided_lease(flavor: Flavor) {
-    let servers = start(flavor, 3);
-    let (proxies, locker) = through_proxies(&servers).await;
-    let ttl = Duration::from_millis(600);
-    let o = opts(600);
-    let (healthy, victim) = tokio::join!(
-        locker.try_acquire("healthy", &o),
-        locker.try_acquire("victim", &o),
-    );
-    let (healthy, victim) = (healthy.expect("healthy"), victim.expect("victim"));
-    let k = locker.lock_key("victim").expect("key");
-    let _: i64 = servers[1].cmd(&["DEL", k.lock_key()]);
-    proxies[2].stall(true);
-    tokio::time::timeout(ttl * 2, victim.lost())
-        .await
-        .expect("the undecided lease was not reported lost by its deadline");
-    sleep(ttl * 2).await;
-    assert!(
-        !healthy.is_lost(),
-        "lost with two of three members renewing it, beside an undecided lease and a hung member"
-    );
-    proxies[2].stall(false);
     healthy.release().await.expect("release");
 }
 

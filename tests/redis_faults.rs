@@ -881,22 +881,13 @@ async fn a_silent_subscription_is_replaced(flavor: Flavor) {
     );
 }
 
-/// A runtime of its own, as each `#[tokio::test]` has.
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
 /// A Redis `Locker` kept beyond the runtime it connected on (in a static, used from one
 /// `#[tokio::test]` runtime after another): on the next runtime it still grants, and a waiter
 /// is still woken by a release, the subscription started again there. Its first subscription
 /// task died with the first runtime, and every later waiter slept to the holder's TTL.
 fn a_locker_outlives_the_runtime_it_connected_on(flavor: Flavor) {
     let server = Server::start(flavor);
-    let first = runtime();
+    let first = support::runtime();
     let locker = first.block_on(async {
         let locker = Locker::redis(&server.url()).await.expect("connect");
         // A wait on the first runtime starts the subscription there.
@@ -905,7 +896,7 @@ fn a_locker_outlives_the_runtime_it_connected_on(flavor: Flavor) {
         locker
     });
     drop(first);
-    runtime().block_on(async {
+    support::runtime().block_on(async {
         let lease = locker
             .try_acquire("second", &opts(5_000))
             .await
@@ -926,9 +917,9 @@ fn a_locker_outlives_the_runtime_it_connected_on(flavor: Flavor) {
 /// wakes their waiters, so the sleeping waiter hears a release from then on.
 fn a_waiter_asleep_when_the_subscription_went_is_heard_again(flavor: Flavor) {
     let server = Server::start(flavor);
-    let first = runtime();
+    let first = support::runtime();
     let locker = first.block_on(async { Locker::redis(&server.url()).await.expect("connect") });
-    let second = runtime();
+    let second = support::runtime();
     let holding = second.block_on(async { Locker::redis(&server.url()).await.expect("connect") });
     let hold = |key: &'static str| {
         second.block_on(async { holding.try_acquire(key, &opts(30_000)).await.expect("hold") })

@@ -36,6 +36,17 @@ pub fn has_binary(name: &str) -> bool {
         .unwrap_or(false)
 }
 
+/// A runtime of its own, as each `#[tokio::test]` has: for tests of a `Locker` used from one
+/// runtime after another.
+#[allow(dead_code)] // Not every test binary that includes this module uses it.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
