@@ -2841,7 +2841,8 @@ async fn a_panicking_handler_frees_the_claim(h: Harness) {
 }
 
 /// On a Redlock quorum the layer has nowhere shared to keep results: a setup problem, so a 500
-/// (`Misconfigured`, no `Retry-After`, since retrying cannot help) and the handler never runs.
+/// (`Misconfigured`, no `Retry-After`, since retrying cannot help) and the handler never runs
+/// for a keyed request; one without a key gets its 400, or passes on where the layer lets it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quorum_backend_is_a_misconfiguration() {
     common::bounded(async {
@@ -2853,7 +2854,7 @@ async fn a_quorum_backend_is_a_misconfiguration() {
         let locker = lock_core::Locker::redlock(&urls).await.expect("connect");
         let runs = Arc::new(AtomicUsize::new(0));
         let addr = serve(counting(
-            DedupeLayer::new(locker),
+            DedupeLayer::new(locker.clone()),
             runs.clone(),
             Duration::ZERO,
         ))
@@ -2870,6 +2871,24 @@ async fn a_quorum_backend_is_a_misconfiguration() {
             );
         }
         assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler ran");
+        // A request without a key is not deduplicated, so it meets no missing store: its 400
+        // as on any backend, or the handler where the layer passes such requests on.
+        let r = send(addr, Method::POST, "/hooks/a", &[], "{}").await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.text());
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler ran");
+        let passing = serve(counting(
+            DedupeLayer::new(locker).pass_through_without_key(),
+            runs.clone(),
+            Duration::ZERO,
+        ))
+        .await;
+        let r = send(passing, Method::POST, "/hooks/a", &[], "{}").await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.text());
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "passed on, the handler ran once"
+        );
     })
     .await
 }
