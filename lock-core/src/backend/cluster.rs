@@ -387,18 +387,14 @@ impl ClusterBackend {
     /// ```
     pub async fn connect_with(nodes: &[&str], config: RedisConfig) -> Result<ClusterBackend> {
         config.validate()?;
-        let config_patience = config.response_timeout;
-        let nodes: Arc<[String]> = nodes.iter().map(|n| n.to_string()).collect();
-        let builder: MakeBuilder = {
-            let nodes = nodes.clone();
-            Arc::new(move || client_builder(&nodes, &config))
-        };
+        let patience = config.response_timeout;
+        let nodes: Vec<String> = nodes.iter().map(|n| n.to_string()).collect();
+        let builder: MakeBuilder = Arc::new(move || client_builder(&nodes, &config));
         let connected = open(builder()).await.map_err(Error::Unavailable)?;
-        let patience = config_patience;
         let conn = ClusterConn {
             link: Arc::new(Link {
                 patience,
-                builder: builder.clone(),
+                builder,
                 now: Mutex::new(connected),
                 reconnecting: tokio::sync::Mutex::new(()),
             }),
@@ -408,8 +404,7 @@ impl ClusterBackend {
             let (conn, wakeups) = (conn.clone(), wakeups.clone());
             move || {
                 let (tx, rx) = mpsc::unbounded_channel();
-                let task = subscriber(builder.clone(), conn.clone(), patience, wakeups.clone(), rx);
-                tokio::spawn(task);
+                tokio::spawn(subscriber(conn.clone(), wakeups.clone(), rx));
                 tx
             }
         });
@@ -729,16 +724,16 @@ impl Backend for ClusterBackend {
 /// the one it ran on shut down ([`Subscriptions::restarting`]); it then subscribes every
 /// watched channel and wakes their waiters, since releases in the gap went unseen.
 async fn subscriber(
-    builder: MakeBuilder,
     commands: ClusterConn,
-    patience: Duration,
     wakeups: Arc<Wakeups>,
     mut rx: mpsc::UnboundedReceiver<SubCmd>,
 ) {
+    // The same builder and patience as the command connection's.
+    let patience = commands.link.patience;
     let mut backoff = Duration::from_millis(20);
     let (mut conn, mut pushes) = loop {
         let (push_tx, push_rx) = mpsc::unbounded_channel::<PushInfo>();
-        let connected = match builder().push_sender(push_tx).build() {
+        let connected = match (commands.link.builder)().push_sender(push_tx).build() {
             Ok(client) => client.get_async_connection().await,
             Err(e) => Err(e),
         };
