@@ -699,6 +699,85 @@ async fn a_stuck_slot_costs_only_its_own_leases(flavor: Flavor) {
     lease.release().await.expect("release");
 }
 
+/// The renewal of many leases is batched per master, one script call per 256 leases (README:
+/// "one script call per node and 256 leases"), and the slot map it routes by is fetched once
+/// and kept. Also on a one-node cluster, whose node names its own host "" in `CLUSTER SLOTS`:
+/// routed to that literal address, every batch failed, the map was dropped and fetched again,
+/// and the leases were renewed slot by slot, a call per slot per round.
+async fn renewal_is_batched_per_master(flavor: Flavor, masters: usize) {
+    let cluster = Cluster::start(flavor, masters, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = Locker::redis_cluster(&urls).await.expect("connect");
+    let ttl = Duration::from_millis(900);
+    let opts = LockOptions::new().ttl(ttl);
+    let names: Vec<String> = (0..300).map(|i| format!("batched-{i}")).collect();
+    let leases =
+        futures_util::future::try_join_all(names.iter().map(|n| locker.try_acquire(n, &opts)))
+            .await
+            .expect("grants");
+    // Past the first renewal round, which fetches the map.
+    sleep(ttl / 2).await;
+    for node in &cluster.nodes {
+        let _: () = node.cmd(&["CONFIG", "RESETSTAT"]);
+    }
+    let window = Instant::now();
+    sleep(ttl * 2).await;
+    let rounds = window.elapsed().as_millis() / (ttl / 3).as_millis() + 1;
+    let calls = |i: usize, stat: &str| -> u128 {
+        let line = cluster.nodes[i].info_field("commandstats", stat);
+        line.split(',')
+            .find_map(|f| f.strip_prefix("calls="))
+            .map_or(0, |n| n.parse().expect("a count"))
+    };
+    let lock_keys: std::collections::HashSet<String> = names
+        .iter()
+        .map(|n| locker.lock_key(n).expect("key").lock_key().to_owned())
+        .collect();
+    let mut per_node = Vec::new();
+    for i in 0..cluster.nodes.len() {
+        let keys: Vec<String> = cluster.nodes[i].cmd(&["KEYS", "*batched-*"]);
+        let held: u128 = keys
+            .iter()
+            .filter(|k| lock_keys.contains(*k))
+            .count()
+            .try_into()
+            .expect("a count");
+        per_node.push((
+            held,
+            calls(i, "cmdstat_evalsha"),
+            calls(i, "cmdstat_cluster|slots"),
+        ));
+    }
+    assert_eq!(
+        per_node.iter().map(|n| n.0).sum::<u128>(),
+        300,
+        "{per_node:?}"
+    );
+    for (held, scripts, maps) in &per_node {
+        // A round may be split in two where leases fall due a moment apart; slot by slot it
+        // is a call for nearly every lease.
+        let batches = held.div_ceil(256);
+        assert!(
+            *scripts <= 2 * batches * rounds,
+            "{scripts} renewal calls for {held} leases in {rounds} rounds: {per_node:?}"
+        );
+        assert!(
+            *maps <= 1,
+            "the slot map was fetched {maps} times: {per_node:?}"
+        );
+    }
+    assert!(leases.iter().all(|l| !l.is_lost()), "a lease was lost");
+}
+
+async fn renewal_is_batched_per_master_of_three(flavor: Flavor) {
+    renewal_is_batched_per_master(flavor, 3).await
+}
+
+async fn renewal_is_batched_on_a_one_node_cluster(flavor: Flavor) {
+    renewal_is_batched_per_master(flavor, 1).await
+}
+
 /// A queue's slot migrated (resharding) while a delayed job is due and a lease has expired: a
 /// queue script reaches job keys it does not declare, so once a job key has moved, a claim or a
 /// reap fails with the server's error. It fails before that job is changed: the job stays in
@@ -826,6 +905,8 @@ on_each_flavor!(
     an_unanswered_extend_is_of_unknown_outcome,
     a_waiter_follows_its_channel_to_a_moved_slot,
     a_moving_watched_slot_confuses_no_reply,
+    renewal_is_batched_per_master_of_three,
+    renewal_is_batched_on_a_one_node_cluster,
 );
 
 /// The README's ACL section says the plain `leasehold` rule cannot even connect to a cluster

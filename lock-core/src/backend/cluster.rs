@@ -8,7 +8,7 @@ use std::time::Duration;
 use redis::aio::ConnectionLike;
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, ProtocolVersion, PushInfo, PushKind, RedisFuture, Script, Value};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -64,7 +64,8 @@ pub struct ClusterBackend {
 struct SlotMap {
     /// For each slot, an index into `nodes`.
     owner: Vec<usize>,
-    nodes: Vec<(String, u16)>,
+    /// Each master by its advertised address, with one slot it serves.
+    nodes: Vec<((String, u16), u16)>,
 }
 
 impl SlotMap {
@@ -92,19 +93,37 @@ impl SlotMap {
                 return None;
             };
             let node = (host, u16::try_from(*port).ok()?);
-            let idx = match map.nodes.iter().position(|n| *n == node) {
+            let (start, end) = (usize::try_from(*start).ok()?, usize::try_from(*end).ok()?);
+            let idx = match map.nodes.iter().position(|n| n.0 == node) {
                 Some(i) => i,
                 None => {
-                    map.nodes.push(node);
+                    map.nodes.push((node, u16::try_from(start).ok()?));
                     map.nodes.len() - 1
                 }
             };
-            let (start, end) = (usize::try_from(*start).ok()?, usize::try_from(*end).ok()?);
             for slot in map.owner.get_mut(start..=end)? {
                 *slot = idx;
             }
         }
         Some(map)
+    }
+
+    /// Where a batch for node `at` goes: to its address, which stays right when the client's
+    /// own slot map is stale (a stalled master's replica took over), or, for an address no
+    /// one can connect to, to the master of a slot it serves. A node that does not know its
+    /// own IP (a one-node cluster) advertises "" (others "?" or a wildcard), which only the
+    /// client, knowing whom it asked, can resolve; routed to ":port", every batch failed.
+    fn route(&self, at: usize) -> Option<RoutingInfo> {
+        let ((host, port), slot) = self.nodes.get(at)?;
+        let unknown = ["", "?", "0.0.0.0", "::"].contains(&host.as_str());
+        Some(RoutingInfo::SingleNode(if unknown {
+            SingleNodeRoutingInfo::SpecificNode(Route::new(*slot, SlotAddr::Master))
+        } else {
+            SingleNodeRoutingInfo::ByAddress {
+                host: host.clone(),
+                port: *port,
+            }
+        }))
     }
 }
 
@@ -491,10 +510,7 @@ impl ClusterBackend {
         });
         let mut jobs = Vec::new();
         for (&(kind, at), g) in &groups {
-            let node = map
-                .as_ref()
-                .filter(|_| kind == 0)
-                .and_then(|m| m.nodes.get(at).cloned());
+            let node = map.as_ref().filter(|_| kind == 0).and_then(|m| m.route(at));
             for (places, chunk) in g
                 .places
                 .chunks(EXTEND_CHUNK)
@@ -520,18 +536,18 @@ impl ClusterBackend {
         (out, first_error)
     }
 
-    /// Renews `chunk` on `node` in one call, or slot by slot when there is no node or the node
+    /// Renews `chunk` in one call on `node`, or slot by slot when there is no node or the node
     /// refused (then the slot map is dropped, to be fetched again). An answer per lease, `None`
     /// where its node or slot failed or did not answer by `deadline`, and the first error.
     async fn extend_chunk(
         &self,
-        node: Option<(String, u16)>,
+        node: Option<RoutingInfo>,
         chunk: &[(LockKey, Token)],
         ttl: Duration,
         deadline: Instant,
     ) -> (Vec<Option<bool>>, Option<Error>) {
-        if let Some((host, port)) = node {
-            match tokio::time::timeout_at(deadline, self.extend_on(host, port, chunk, ttl)).await {
+        if let Some(node) = node {
+            match tokio::time::timeout_at(deadline, self.extend_on(node, chunk, ttl)).await {
                 Ok(Ok(answers)) if answers.len() == chunk.len() => {
                     return (answers.into_iter().map(|n| Some(n == 1)).collect(), None);
                 }
@@ -575,12 +591,11 @@ impl ClusterBackend {
         (out, first_error)
     }
 
-    /// One batched renewal script call on the node at `host:port`, loading the script there
+    /// One batched renewal script call on the node `route` leads to, loading the script there
     /// if the node does not know it.
     async fn extend_on(
         &self,
-        host: String,
-        port: u16,
+        route: RoutingInfo,
         chunk: &[(LockKey, Token)],
         ttl: Duration,
     ) -> redis::RedisResult<Vec<i64>> {
@@ -591,7 +606,6 @@ impl ClusterBackend {
         for (key, token) in chunk {
             cmd.arg(key.lock_key()).arg(token.as_str());
         }
-        let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
         let mut conn = self.conn.live().await?;
         // A routed command reports server errors inside the value; lift them out.
         let mut reply = conn
