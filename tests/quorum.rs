@@ -335,7 +335,7 @@ async fn odd_stored_fences(flavor: Flavor) {
     }
     let refused = locker.try_acquire("odd", &opts(5_000)).await;
     assert!(
-        matches!(&refused, Err(e @ Error::Refused { .. }) if !e.is_transient()),
+        matches!(&refused, Err(e @ Error::FenceExhausted { .. }) if !e.is_transient()),
         "an acquire past the largest fence, refused for good: {refused:?}"
     );
     for s in &servers {

@@ -72,7 +72,7 @@ async fn fence_ahead_of_the_clock_rises_by_one(flavor: Flavor) {
     // stored fence kept, rather than a grant with a fence no client can read holding the key.
     let refused = locker.try_acquire("ahead", &opts(30_000)).await;
     assert!(
-        matches!(&refused, Err(e @ Error::Refused { .. }) if !e.is_transient()),
+        matches!(&refused, Err(e @ Error::FenceExhausted { .. }) if !e.is_transient()),
         "an acquire past the largest fence, refused for good: {refused:?}"
     );
     assert_eq!(server.cmd::<i64>(&["EXISTS", k.lock_key()]), 0);

@@ -67,6 +67,14 @@ pub enum Error {
         /// The highest fence the resource has accepted.
         highest: Fence,
     },
+    /// The key's stored fence is 2^64 - 1 (or more), written from outside: no higher fence
+    /// exists, so the acquire was refused and nothing is held. Asking again cannot change that;
+    /// the fence key (`LockKey::fence_key`) has to be reset by whoever set it.
+    #[error("no fence is left for `{key}`: its stored fence is 2^64 - 1 or more")]
+    FenceExhausted {
+        /// The key whose fence is exhausted.
+        key: String,
+    },
     /// The key is empty, too long or contains a forbidden character.
     #[error("invalid key: {reason}")]
     InvalidKey {
@@ -240,17 +248,14 @@ impl Error {
     /// assert!(!bad.is_transient()); // bad input stays bad
     /// # }
     /// ```
-    ///
-    /// A refusal is transient except "fence exhausted" (the key's stored fence is 2^64 - 1,
-    /// written from outside: no higher fence exists, and asking again cannot change that).
     pub fn is_transient(&self) -> bool {
-        match self {
-            Error::Refused { source, .. } => {
-                !source.to_string().contains(crate::types::FENCE_EXHAUSTED)
-            }
-            Error::Unavailable(_) | Error::OutcomeUnknown { .. } | Error::NoQuorum { .. } => true,
-            _ => false,
-        }
+        matches!(
+            self,
+            Error::Refused { .. }
+                | Error::Unavailable(_)
+                | Error::OutcomeUnknown { .. }
+                | Error::NoQuorum { .. }
+        )
     }
 }
 

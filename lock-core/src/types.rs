@@ -159,10 +159,6 @@ impl fmt::Debug for Token {
     }
 }
 
-/// What the server's refusal says when a key's stored fence leaves no higher one (the scripts
-/// and the quorum backend answer with it).
-pub(crate) const FENCE_EXHAUSTED: &str = "fence exhausted";
-
 /// Checks a user key before any round trip.
 pub(crate) fn validate_key(key: &str) -> Result<()> {
     if key.is_empty() {

@@ -647,12 +647,8 @@ impl QuorumBackend {
             let _ = self
                 .on_members(&may_hold, limit, |m| m.release(key, token))
                 .await;
-            return Round::Refused(Error::Refused {
-                op: "acquire",
+            return Round::Refused(Error::FenceExhausted {
                 key: key.user().to_owned(),
-                source: crate::error::error_reply(
-                    "ERR fence exhausted: the stored fence is 2^64 - 1 or more",
-                ),
             });
         }
         if granted.len() >= quorum && Instant::now() < valid_until {

@@ -424,6 +424,9 @@ pub(super) mod ops {
                 found: text(value),
             }),
             Some(-3) => Err(classify("acquire", key.user(), refusal(value))),
+            Some(-4) => Err(Error::FenceExhausted {
+                key: key.user().to_owned(),
+            }),
             _ => Err(unexpected()),
         }
     }

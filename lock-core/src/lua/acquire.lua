@@ -6,7 +6,8 @@
 -- commands): 1, fence: granted (an integer, or a decimal string when it comes from a stored
 -- fence ahead of the clock); 0, pttl: held by another; -1, type or -2, type: the item's
 -- lock or fence key holds a foreign type (nothing written); -3, error: the server refused a
--- command (OOM, NOPERM, MISCONF...), its own error passed on.
+-- command (OOM, NOPERM, MISCONF...), its own error passed on; -4, stored fence: the stored
+-- fence is 2^64 - 1 or more, no higher one exists (nothing written).
 -- Each redis.call costs the server far more than the command itself, so a grant is two calls
 -- beside one TIME for the whole batch, and the items run inline, not as a function called per
 -- item: SET NX GET on the lock, SET GET on the fence.
@@ -74,7 +75,7 @@ for i = 1, #KEYS / 2 do
           -- client can read (and leave the key held by a grant nobody has).
           redis.pcall('SET', fence_key, stored)
           redis.pcall('DEL', lock)
-          status, value = -3, 'ERR fence exhausted: the stored fence is 2^64 - 1 or more'
+          status, value = -4, stored
         else
           -- The stored fence is ahead of the clock (a clock stepped back, or grants within one
           -- microsecond): it still rises by one.
@@ -100,7 +101,7 @@ for i = 1, #KEYS / 2 do
       status, value = refusal(stored.err, fence_key, -2)
     elseif stored and string.match(stored, '^[1-9]%d*$') and exhausted(stored) then
       redis.pcall('DEL', lock)
-      status, value = -3, 'ERR fence exhausted: the stored fence is 2^64 - 1 or more'
+      status, value = -4, stored
     else
       local renewed = redis.pcall('PEXPIRE', lock, ttl)
       status, value = 1, stored
