@@ -778,6 +778,46 @@ async fn renewal_is_batched_on_a_one_node_cluster(flavor: Flavor) {
     renewal_is_batched_per_master(flavor, 1).await
 }
 
+/// The master serving a renewing lease stalls (SIGSTOP: its connections stay open and nothing
+/// answers) and its replica takes over: the lease is renewed on the new master before its
+/// validity runs out, and is not lost.
+async fn a_renewing_lease_outlives_a_stalled_masters_failover(flavor: Flavor) {
+    let cluster = Cluster::start(flavor, 3, 1);
+    // The other shards keep serving while the stalled one fails over.
+    for node in &cluster.nodes {
+        let _: () = node.cmd(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
+    }
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = Locker::redis_cluster(&urls).await.expect("connect");
+    let ttl = Duration::from_secs(10);
+    let lease = locker
+        .try_acquire("stalled", &LockOptions::new().ttl(ttl))
+        .await
+        .expect("grant");
+    let key = locker.lock_key("stalled").expect("key");
+    let slot: i64 = cluster.nodes[0].cmd(&["CLUSTER", "KEYSLOT", key.lock_key()]);
+    let slot = slot.to_string();
+    // The master holding the lease (its replica holds it too, once replicated).
+    let serving = |skip: Option<usize>| {
+        cluster.nodes.iter().enumerate().position(|(i, n)| {
+            Some(i) != skip
+                && n.info_field("replication", "role") == "master"
+                && n.cmd::<i64>(&["CLUSTER", "COUNTKEYSINSLOT", &slot]) > 0
+        })
+    };
+    let master = serving(None).expect("a master holding the lease");
+    // Past the first renewal (a third of the TTL), which fetches the slot map it then keeps.
+    sleep(ttl / 2).await;
+    let paused = cluster.nodes[master].pause();
+    sleep(ttl * 2).await;
+    assert!(!lease.is_lost(), "lost when its master failed over");
+    let promoted = serving(Some(master)).expect("a replica took over the lease's slot");
+    let pttl: i64 = cluster.nodes[promoted].cmd(&["PTTL", key.lock_key()]);
+    assert!(pttl > 0, "the new master does not hold it (PTTL {pttl})");
+    drop(paused);
+}
+
 /// A queue's slot migrated (resharding) while a delayed job is due and a lease has expired: a
 /// queue script reaches job keys it does not declare, so once a job key has moved, a claim or a
 /// reap fails with the server's error. It fails before that job is changed: the job stays in
@@ -907,6 +947,7 @@ on_each_flavor!(
     a_moving_watched_slot_confuses_no_reply,
     renewal_is_batched_per_master_of_three,
     renewal_is_batched_on_a_one_node_cluster,
+    a_renewing_lease_outlives_a_stalled_masters_failover,
 );
 
 /// The README's ACL section says the plain `leasehold` rule cannot even connect to a cluster

@@ -8,7 +8,9 @@ use std::time::Duration;
 use redis::aio::ConnectionLike;
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, ResponsePolicy, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
+};
 use redis::{Cmd, ProtocolVersion, PushInfo, PushKind, RedisFuture, Script, Value};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -468,9 +470,16 @@ impl ClusterBackend {
             .live()
             .await
             .ok()?
+            // Every master is asked and the first answer taken: the map is fetched again after
+            // a node stopped answering, and a node picked at random may be that stalled one,
+            // which would leave the next round without a map, routed by the client's own map,
+            // which names the stalled node until it answers again.
             .route_command(
                 redis::cmd("CLUSTER").arg("SLOTS").clone(),
-                RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+                RoutingInfo::MultiNode((
+                    MultipleNodeRoutingInfo::AllMasters,
+                    Some(ResponsePolicy::OneSucceeded),
+                )),
             )
             .await
             .ok()?;
