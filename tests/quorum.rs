@@ -312,9 +312,9 @@ async fn renewal_without_a_majority_is_lost(flavor: Flavor) {
 }
 
 /// Fences stored on the members by someone else: near 2^64 - 1 they still rise by one per
-/// grant, at 2^64 - 1 the acquire is refused (nothing left held) rather than granted a fence
-/// equal to the last, and a value that is no canonical fence counts as none and is overwritten
-/// by the grant's fence.
+/// grant, at 2^64 - 1 or above (a wider decimal) the acquire is refused (nothing left held)
+/// rather than granted a fence lower than the stored one, and a value that is no canonical
+/// fence counts as none and is overwritten by the grant's fence, as on a single server.
 async fn odd_stored_fences(flavor: Flavor) {
     let servers = start(flavor, 3);
     let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
@@ -333,19 +333,27 @@ async fn odd_stored_fences(flavor: Flavor) {
         assert_eq!(lease.fence().get(), want);
         lease.release().await.expect("release");
     }
-    let refused = locker.try_acquire("odd", &opts(5_000)).await;
-    assert!(
-        matches!(&refused, Err(e @ Error::FenceExhausted { .. }) if !e.is_transient()),
-        "an acquire past the largest fence, refused for good: {refused:?}"
-    );
-    for s in &servers {
-        assert!(!holds(s, &locker, "odd"), "a member still holds the key");
-    }
-    // Leading zeros, and a number wider than 64 bits: no fence.
-    for odd in [
-        "000000000000000000000000000001",
+    for exhausted in [
+        u64::MAX.to_string().as_str(),
         "123456789012345678901234567890",
     ] {
+        set_all(exhausted);
+        let refused = locker.try_acquire("odd", &opts(5_000)).await;
+        assert!(
+            matches!(&refused, Err(e @ Error::FenceExhausted { .. }) if !e.is_transient()),
+            "an acquire past the largest fence ({exhausted}), refused for good: {refused:?}"
+        );
+        for s in &servers {
+            assert!(!holds(s, &locker, "odd"), "a member still holds the key");
+            assert_eq!(
+                s.cmd::<String>(&["GET", k.fence_key()]),
+                exhausted,
+                "the stored fence changed"
+            );
+        }
+    }
+    // Leading zeros, and things that are no number: no fence.
+    for odd in ["000000000000000000000000000001", "-5", "+5", "12ab"] {
         set_all(odd);
         let lease = locker
             .try_acquire("odd", &opts(5_000))

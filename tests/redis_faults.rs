@@ -78,6 +78,15 @@ async fn fence_ahead_of_the_clock_rises_by_one(flavor: Flavor) {
     assert_eq!(server.cmd::<i64>(&["EXISTS", k.lock_key()]), 0);
     let kept: String = server.cmd(&["GET", k.fence_key()]);
     assert_eq!(kept, u64::MAX.to_string());
+    // A decimal wider than 64 bits is above every fence as well (a quorum agrees).
+    let wide = "123456789012345678901234567890";
+    let _: () = server.cmd(&["SET", k.fence_key(), wide]);
+    let refused = locker.try_acquire("ahead", &opts(30_000)).await;
+    assert!(
+        matches!(&refused, Err(Error::FenceExhausted { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(server.cmd::<String>(&["GET", k.fence_key()]), wide);
 }
 
 async fn acquire_retrying(locker: &Locker, key: &str) -> leasehold::Lease {

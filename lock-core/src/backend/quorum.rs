@@ -533,13 +533,16 @@ impl QuorumBackend {
         };
         match (items.first().and_then(int), items.len()) {
             (Some(1), 4) => {
-                // A fence key holding anything but a canonical decimal of at most 2^64 - 1 counts
-                // as no fence, as on a single server (and the write-back overwrites it).
+                // As on a single server: a fence key holding anything but a canonical decimal
+                // counts as no fence (and the write-back overwrites it); a canonical decimal
+                // above 2^64 - 1 leaves no higher fence, so the acquire is refused.
                 let raw = text(&items[1]);
-                let stored = if raw.starts_with('0') {
-                    0
-                } else {
-                    raw.parse::<u64>().unwrap_or(0)
+                let canonical = !raw.starts_with('0') && raw.bytes().all(|b| b.is_ascii_digit());
+                let stored = match raw.parse::<u64>() {
+                    _ if !canonical => 0,
+                    Ok(n) => n,
+                    Err(e) if *e.kind() == std::num::IntErrorKind::PosOverflow => u64::MAX,
+                    Err(_) => 0,
                 };
                 let (secs, micros) = match (int(&items[2]), int(&items[3])) {
                     (Some(s), Some(u)) => (s.max(0) as u64, u.max(0) as u64),
