@@ -443,7 +443,8 @@ async fn holder_crash_frees_on_expiry(h: Harness) {
 }
 
 /// Scenario 9: renewal keeps a lease alive well past its TTL; deleting it from outside makes the
-/// holder lose it (and renewal does not recreate it).
+/// holder lose it at the next renewal (README: "loss is seen at renewal (every ttl/3)"), not
+/// only at its deadline, and renewal does not recreate it.
 async fn renewal_and_loss(h: Harness) {
     let locker = h.locker().await;
     let a = locker.try_acquire("renew", &opts(150)).await.expect("a");
@@ -461,6 +462,26 @@ async fn renewal_and_loss(h: Harness) {
     assert!(
         !h.exists(&locker, "renew"),
         "renewal recreated a deleted key"
+    );
+
+    // A TTL long enough to tell the next renewal (at most ttl/3 = 1 s after the deletion) from
+    // the deadline (at least 2 s after it: the last renewal came at most ttl/3 before).
+    let ttl = Duration::from_secs(3);
+    let b = locker
+        .try_acquire("renew-slow", &LockOptions::new().ttl(ttl))
+        .await
+        .expect("b");
+    // Past the first renewal, so the deletion falls between two.
+    sleep(ttl / 2).await;
+    h.delete(&locker, "renew-slow");
+    let deleted = Instant::now();
+    tokio::time::timeout(ttl, b.lost())
+        .await
+        .expect("lost fires after the key was deleted");
+    let seen = deleted.elapsed();
+    assert!(
+        seen < ttl / 3 + Duration::from_millis(500),
+        "loss seen {seen:?} after the deletion: not at the next renewal"
     );
 }
 
