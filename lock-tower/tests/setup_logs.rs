@@ -4,6 +4,8 @@
 
 #[path = "../../tests/support/captured.rs"]
 mod captured;
+#[path = "../../tests/support/mod.rs"]
+mod support;
 
 use std::time::Duration;
 
@@ -43,7 +45,7 @@ where
     }
 }
 
-#[tokio::test(flavor = "current_thread")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_setup_problem_is_logged_once_per_layer() {
     let log = Captured::default();
     tracing_subscriber::fmt()
@@ -84,5 +86,24 @@ async fn a_setup_problem_is_logged_once_per_layer() {
             count(&log, "DEBUG", retention)
         ),
         (1, 2)
+    );
+
+    // On a Redlock quorum, which has no store for results (lock-tower's README: "logged at
+    // `error` once per layer and at `debug` after").
+    let servers: Vec<support::Server> = (0..3)
+        .map(|_| support::Server::start(support::Flavor::Redis))
+        .collect();
+    let urls: Vec<String> = servers.iter().map(support::Server::url).collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let quorum = lock_core::Locker::redlock(&urls).await.expect("connect");
+    let store = "the layer's backend cannot keep results";
+    let layer = DedupeLayer::new(quorum);
+    let mut svc = layer.layer(ok.into_service());
+    refused(&mut svc, 3).await;
+    let mut again = layer.layer(ok.into_service());
+    refused(&mut again, 1).await;
+    assert_eq!(
+        (count(&log, "ERROR", store), count(&log, "DEBUG", store)),
+        (1, 3)
     );
 }
