@@ -706,10 +706,23 @@ async fn a_stuck_slot_costs_only_its_own_leases(flavor: Flavor) {
 /// and the leases were renewed slot by slot, a call per slot per round.
 async fn renewal_is_batched_per_master(flavor: Flavor, masters: usize) {
     let cluster = Cluster::start(flavor, masters, 0);
+    if masters == 1 {
+        // The case this covers: the node does not know its own address.
+        let slots: Vec<(i64, i64, Vec<::redis::Value>)> =
+            cluster.nodes[0].cmd(&["CLUSTER", "SLOTS"]);
+        let host = slots[0].2.first().expect("a host");
+        assert_eq!(
+            ::redis::from_redis_value_ref::<String>(host).expect("text"),
+            "",
+            "{slots:?}"
+        );
+    }
     let urls = cluster.urls();
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     let locker = Locker::redis_cluster(&urls).await.expect("connect");
-    let ttl = Duration::from_millis(900);
+    // Each round has a quarter of it to answer: long enough for a loaded machine, where a
+    // round that times out would fetch the map again.
+    let ttl = Duration::from_secs(2);
     let opts = LockOptions::new().ttl(ttl);
     let names: Vec<String> = (0..300).map(|i| format!("batched-{i}")).collect();
     let leases =
@@ -809,9 +822,26 @@ async fn a_renewing_lease_outlives_a_stalled_masters_failover(flavor: Flavor) {
     let master = serving(None).expect("a master holding the lease");
     // Past the first renewal (a third of the TTL), which fetches the slot map it then keeps.
     sleep(ttl / 2).await;
+    let maps = |i: usize| -> u64 {
+        let line = cluster.nodes[i].info_field("commandstats", "cmdstat_cluster|slots");
+        line.split(',')
+            .find_map(|f| f.strip_prefix("calls="))
+            .map_or(0, |n| n.parse().expect("a count"))
+    };
+    let others: Vec<usize> = (0..cluster.nodes.len())
+        .filter(|&i| i != master && cluster.nodes[i].info_field("replication", "role") == "master")
+        .collect();
+    let before: Vec<u64> = others.iter().map(|&i| maps(i)).collect();
     let paused = cluster.nodes[master].pause();
     sleep(ttl * 2).await;
     assert!(!lease.is_lost(), "lost when its master failed over");
+    // The renewal that timed out had the map fetched again from every master that answers,
+    // not from one node picked at random, which may be the stalled one.
+    let after: Vec<u64> = others.iter().map(|&i| maps(i)).collect();
+    assert!(
+        before.iter().zip(&after).all(|(b, a)| a > b),
+        "the slot map was not asked of every other master: {before:?} -> {after:?}"
+    );
     let promoted = serving(Some(master)).expect("a replica took over the lease's slot");
     let pttl: i64 = cluster.nodes[promoted].cmd(&["PTTL", key.lock_key()]);
     assert!(pttl > 0, "the new master does not hold it (PTTL {pttl})");

@@ -352,17 +352,27 @@ async fn odd_stored_fences(flavor: Flavor) {
             );
         }
     }
-    // Leading zeros, and things that are no number: no fence.
-    for odd in ["000000000000000000000000000001", "-5", "+5", "12ab"] {
+    // Leading zeros, a sign (which Rust's `u64` parse would take), and things that are no
+    // number: no fence, so the grant's fence is the clock's.
+    for odd in [
+        "000000000000000000000000000001",
+        "-5",
+        "+18446744073709551614",
+        "12ab",
+    ] {
         set_all(odd);
+        let before = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_micros();
         let lease = locker
             .try_acquire("odd", &opts(5_000))
             .await
             .expect("grant");
         let f = lease.fence().get();
         assert!(
-            f > 1_000_000_000_000_000,
-            "fence {f} after {odd}: not the clock's"
+            (before - 5_000_000..before + 5_000_000).contains(&u128::from(f)),
+            "fence {f} after {odd}: not the clock's ({before} us)"
         );
         lease.release().await.expect("release");
         for s in &servers {

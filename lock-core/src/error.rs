@@ -67,9 +67,11 @@ pub enum Error {
         /// The highest fence the resource has accepted.
         highest: Fence,
     },
-    /// The key's stored fence is 2^64 - 1 (or more), written from outside: no higher fence
-    /// exists, so the acquire was refused and nothing is held. Asking again cannot change that;
-    /// the fence key (`LockKey::fence_key`) has to be reset by whoever set it.
+    /// The key's stored fence is 2^64 - 1 (or a decimal above it): no higher fence exists, so
+    /// the acquire was refused and nothing is held. Asking again cannot change that. Fences
+    /// come from the clock in microseconds, so only a fence key written from outside (or
+    /// grants following one set near the top) gets here; resetting it
+    /// (`LockKey::fence_key`) gives up the guarantee that fences only rise.
     #[error("no fence is left for `{key}`: its stored fence is 2^64 - 1 or more")]
     FenceExhausted {
         /// The key whose fence is exhausted.

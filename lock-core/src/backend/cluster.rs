@@ -66,8 +66,19 @@ pub struct ClusterBackend {
 struct SlotMap {
     /// For each slot, an index into `nodes`.
     owner: Vec<usize>,
-    /// Each master by its advertised address, with one slot it serves.
-    nodes: Vec<((String, u16), u16)>,
+    nodes: Vec<Master>,
+}
+
+/// A master as `CLUSTER SLOTS` names it.
+struct Master {
+    /// Its node id, or its advertised address where the reply has no id: several nodes may
+    /// advertise the same unusable address ("" or "?" on one port).
+    id: String,
+    /// Its advertised host ("" when the reply has none) and port.
+    host: String,
+    port: u16,
+    /// One slot it serves.
+    slot: u16,
 }
 
 impl SlotMap {
@@ -79,6 +90,11 @@ impl SlotMap {
         let Value::Array(ranges) = reply else {
             return None;
         };
+        let text = |v: &Value| match v {
+            Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+            Value::SimpleString(s) => Some(s.clone()),
+            _ => None,
+        };
         for range in ranges {
             let Value::Array(r) = range else { return None };
             let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(master))) =
@@ -86,20 +102,30 @@ impl SlotMap {
             else {
                 return None;
             };
+            // A null host (`cluster-preferred-endpoint-type unknown-endpoint`) is as unusable
+            // as "".
             let host = match master.first()? {
-                Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
-                Value::SimpleString(s) => s.clone(),
-                _ => return None,
+                Value::Nil => String::new(),
+                v => text(v)?,
             };
             let Value::Int(port) = master.get(1)? else {
                 return None;
             };
-            let node = (host, u16::try_from(*port).ok()?);
+            let port = u16::try_from(*port).ok()?;
+            let id = master
+                .get(2)
+                .and_then(text)
+                .unwrap_or_else(|| format!("{host}:{port}"));
             let (start, end) = (usize::try_from(*start).ok()?, usize::try_from(*end).ok()?);
-            let idx = match map.nodes.iter().position(|n| n.0 == node) {
+            let idx = match map.nodes.iter().position(|n| n.id == id) {
                 Some(i) => i,
                 None => {
-                    map.nodes.push((node, u16::try_from(start).ok()?));
+                    map.nodes.push(Master {
+                        id,
+                        host,
+                        port,
+                        slot: u16::try_from(start).ok()?,
+                    });
                     map.nodes.len() - 1
                 }
             };
@@ -113,17 +139,18 @@ impl SlotMap {
     /// Where a batch for node `at` goes: to its address, which stays right when the client's
     /// own slot map is stale (a stalled master's replica took over), or, for an address no
     /// one can connect to, to the master of a slot it serves. A node that does not know its
-    /// own IP (a one-node cluster) advertises "" (others "?" or a wildcard), which only the
-    /// client, knowing whom it asked, can resolve; routed to ":port", every batch failed.
+    /// own IP (a one-node cluster) advertises "" (others "?", a wildcard or no host), which
+    /// only the client, knowing whom it asked, can resolve; routed to ":port", every batch
+    /// failed.
     fn route(&self, at: usize) -> Option<RoutingInfo> {
-        let ((host, port), slot) = self.nodes.get(at)?;
-        let unknown = ["", "?", "0.0.0.0", "::"].contains(&host.as_str());
+        let node = self.nodes.get(at)?;
+        let unknown = ["", "?", "0.0.0.0", "::"].contains(&node.host.as_str());
         Some(RoutingInfo::SingleNode(if unknown {
-            SingleNodeRoutingInfo::SpecificNode(Route::new(*slot, SlotAddr::Master))
+            SingleNodeRoutingInfo::SpecificNode(Route::new(node.slot, SlotAddr::Master))
         } else {
             SingleNodeRoutingInfo::ByAddress {
-                host: host.clone(),
-                port: *port,
+                host: node.host.clone(),
+                port: node.port,
             }
         }))
     }
@@ -878,6 +905,69 @@ async fn subscribe(conn: &mut ClusterConnection, channel: &str, patience: Durati
 mod tests {
     use super::*;
     use crate::error::error_reply as reply;
+
+    /// A `CLUSTER SLOTS` entry: slots `start..=end` served by the master `host:port` (`None`:
+    /// a null host) with node id `id` (`None`: an old server that sends none).
+    fn range(start: i64, end: i64, host: Option<&str>, port: i64, id: Option<&str>) -> Value {
+        let mut master = vec![
+            host.map_or(Value::Nil, |h| Value::BulkString(h.into())),
+            Value::Int(port),
+        ];
+        master.extend(id.map(|i| Value::BulkString(i.into())));
+        Value::Array(vec![
+            Value::Int(start),
+            Value::Int(end),
+            Value::Array(master),
+        ])
+    }
+
+    fn routed(map: &SlotMap, slot: u16) -> Option<RoutingInfo> {
+        map.route(map.owner[usize::from(slot)])
+    }
+
+    #[test]
+    fn batches_go_by_address_or_by_a_slot_of_the_node() {
+        let by_slot = |slot| {
+            Some(RoutingInfo::SingleNode(
+                SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master)),
+            ))
+        };
+        let map = SlotMap::parse(&Value::Array(vec![
+            range(0, 99, Some("10.0.0.1"), 7000, Some("a")),
+            range(100, 199, Some(""), 7000, Some("b")),
+            // Two nodes advertising the same unusable address stay two nodes.
+            range(200, 299, Some("?"), 7000, Some("c")),
+            range(300, 399, Some("?"), 7000, Some("d")),
+            range(400, 499, None, 7001, Some("e")),
+            range(500, 16383, Some("10.0.0.1"), 7002, None),
+            // A second range of node b: one node, routed by its first slot.
+            range(16000, 16383, Some(""), 7000, Some("b")),
+        ]))
+        .expect("parsed");
+        assert_eq!(map.nodes.len(), 6);
+        assert_eq!(
+            routed(&map, 50),
+            Some(RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                host: "10.0.0.1".into(),
+                port: 7000
+            }))
+        );
+        assert_eq!(routed(&map, 150), by_slot(100));
+        assert_eq!(routed(&map, 16100), by_slot(100));
+        assert_eq!(routed(&map, 250), by_slot(200));
+        assert_eq!(routed(&map, 350), by_slot(300));
+        assert_eq!(routed(&map, 450), by_slot(400));
+        assert_eq!(
+            routed(&map, 600),
+            Some(RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                host: "10.0.0.1".into(),
+                port: 7002
+            }))
+        );
+        // A reply in a shape not understood gives no map (renewal then goes slot by slot).
+        assert!(SlotMap::parse(&Value::Array(vec![Value::Int(1)])).is_none());
+        assert!(SlotMap::parse(&Value::Nil).is_none());
+    }
 
     #[test]
     fn only_refusals_that_ran_nothing_are_sent_again() {

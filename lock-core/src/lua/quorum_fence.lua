@@ -21,11 +21,10 @@ if type(stored) == 'table' and stored.err then
   return 0
 end
 -- Decimal strings without leading zeros compare by length, then lexically: no float rounding.
--- Anything but a canonical decimal of at most 2^64 - 1 counts as no fence stored (the client
--- read it so) and is overwritten: kept, it would claim a fence this member never agreed to.
-local MAX = '18446744073709551615'
+-- Anything but a canonical decimal counts as no fence stored (the client read it so) and is
+-- overwritten: kept, it would claim a fence this member never agreed to. A canonical decimal
+-- above the fence, also one wider than 2^64 - 1 (which the client reads as exhausted), is kept.
 local canonical = stored and string.match(stored, '^[1-9]%d*$')
-  and (#stored < #MAX or (#stored == #MAX and stored <= MAX))
 local f = ARGV[2]
 if not canonical or #stored < #f or (#stored == #f and stored < f) then
   redis.call('SET', KEYS[2], f)
