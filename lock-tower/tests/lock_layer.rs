@@ -1337,3 +1337,68 @@ async fn the_declared_length_ends_the_lease_over_http1_only() {
         assert_eq!(free, freed, "{version:?}");
     }
 }
+
+/// HTTP/2, where requests are streams of one connection: a second stream for a held key gets
+/// its 409 while the first waits in its handler; a stream the client resets (its response
+/// future dropped: `RST_STREAM`, the connection stays open) frees the key, and the next
+/// request on the same connection gets it. On HTTP/1.1 only a closed connection tells the
+/// server the client went away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_streams_lock_and_a_reset_stream_releases() {
+    common::bounded(async {
+        let (tx, mut entered) = mpsc::unbounded_channel();
+        let go = Arc::new(Semaphore::new(0));
+        let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::route_param("id"))
+            .ttl(Duration::from_secs(60));
+        let addr = serve(gated(layer, tx, go.clone())).await;
+        let stream = TcpStream::connect(addr).await.expect("connect");
+        let (mut h2, conn) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(stream),
+        )
+        .await
+        .expect("HTTP/2 handshake");
+        let connection = tokio::spawn(conn);
+        let request = || {
+            http::Request::post(format!("http://{addr}/accounts/5/withdraw"))
+                .body(http_body_util::Full::new(Bytes::new()))
+                .expect("request")
+        };
+        let first = h2.send_request(request());
+        let first = tokio::spawn(first);
+        entered
+            .recv()
+            .await
+            .expect("the first stream entered its handler");
+        let second = h2.send_request(request()).await.expect("second stream");
+        assert_eq!(second.status(), StatusCode::CONFLICT);
+        assert_eq!(second.version(), http::Version::HTTP_2);
+        // Dropping the response future resets the stream; the connection stays up.
+        first.abort();
+        // No permit is given until a new request is in the handler: the first stream, were it
+        // still running, would stay in the gate holding the key, and every try would get 409.
+        let freed = eventually(Duration::from_secs(10), async || {
+            let mut call = tokio::spawn(h2.send_request(request()));
+            tokio::select! {
+                answered = &mut call => {
+                    let status = answered.expect("join").expect("response").status();
+                    assert_eq!(status, StatusCode::CONFLICT);
+                    false
+                }
+                _ = entered.recv() => {
+                    go.add_permits(1);
+                    let done = call.await.expect("join").expect("response");
+                    assert_eq!(done.status(), StatusCode::OK);
+                    true
+                }
+            }
+        })
+        .await;
+        assert!(freed, "the key stayed held after its stream was reset");
+        assert!(
+            !connection.is_finished(),
+            "the connection closed: the release came from that, not from the reset"
+        );
+    })
+    .await
+}
