@@ -44,7 +44,9 @@ pub enum Reason {
     WaitTimeout,
     /// The lease was lost while the handler ran; the handler was cancelled (default 503).
     LeaseLost,
-    /// The lock backend could not be reached (default 503, with `Retry-After`).
+    /// The lock backend could not be reached (default 503, with `Retry-After`), or can never
+    /// lock this key (its stored fence is 2^64 - 1, `Error::FenceExhausted`: 503 without
+    /// `Retry-After`, logged at `error`).
     Unavailable,
     /// Dedupe only: the key was seen before with a different request (method, path or body;
     /// default 422).

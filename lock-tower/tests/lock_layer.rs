@@ -1402,3 +1402,25 @@ async fn http2_streams_lock_and_a_reset_stream_releases() {
     })
     .await
 }
+
+/// A key whose stored fence is 2^64 - 1 (set from outside) can never be granted: 503 without
+/// `Retry-After`, since retrying cannot help, and the handler does not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_fence_is_503_without_retry_after() {
+    common::bounded(async {
+        let server = support::Server::start(support::Flavor::Redis);
+        let locker = lock_core::Locker::redis(&server.url())
+            .await
+            .expect("connect");
+        let key = locker.lock_key("9").expect("key");
+        let _: () = server.cmd(&["SET", key.fence_key(), &u64::MAX.to_string()]);
+        let (tx, mut entered) = mpsc::unbounded_channel();
+        let layer = LockLayer::new(locker, KeyExtractor::route_param("id"));
+        let addr = serve(gated(layer, tx, Arc::new(Semaphore::new(0)))).await;
+        let r = post_to(addr, "/accounts/9/withdraw").await;
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
+        assert_eq!(r.header("retry-after"), None, "retrying cannot help");
+        assert!(entered.try_recv().is_err(), "the handler ran");
+    })
+    .await
+}

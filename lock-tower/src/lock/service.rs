@@ -410,6 +410,17 @@ pub(crate) fn refuse<B>(
             e.to_string(),
         ),
         Error::InvalidKey { .. } => reject(rejections, Reason::InvalidKey, None, e.to_string()),
+        // The key's stored fence is 2^64 - 1: no grant is possible, now or later, so no
+        // `Retry-After`, and an operator has to look.
+        Error::FenceExhausted { .. } => {
+            tracing::error!(error = %e, "no fence is left for the key; it cannot be locked");
+            reject(
+                rejections,
+                Reason::Unavailable,
+                None,
+                "the lock service cannot lock this key",
+            )
+        }
         Error::InvalidTtl { .. } | Error::InvalidDuration { .. } => {
             rejections
                 .setup_logged
