@@ -468,9 +468,15 @@ fn moved_answers(cluster: &Cluster, i: usize) -> u64 {
 
 /// Script calls (`EVALSHA`) node `i` has refused so far.
 fn failed_scripts(cluster: &Cluster, i: usize) -> u64 {
-    let stat = cluster.nodes[i].info_field("commandstats", "cmdstat_evalsha");
-    stat.split(',')
-        .find_map(|f| f.strip_prefix("failed_calls="))
+    command_stat(cluster, i, "evalsha", "failed_calls")
+}
+
+/// A count from node `i`'s `INFO commandstats` line for `command` (`calls`, `failed_calls`);
+/// 0 before the command's first call.
+fn command_stat(cluster: &Cluster, i: usize, command: &str, count: &str) -> u64 {
+    let line = cluster.nodes[i].info_field("commandstats", &format!("cmdstat_{command}"));
+    line.split(',')
+        .find_map(|f| f.strip_prefix(count)?.strip_prefix('='))
         .map_or(0, |n| n.parse().expect("a count"))
 }
 
@@ -737,12 +743,7 @@ async fn renewal_is_batched_per_master(flavor: Flavor, masters: usize) {
     let window = Instant::now();
     sleep(ttl * 2).await;
     let rounds = window.elapsed().as_millis() / (ttl / 3).as_millis() + 1;
-    let calls = |i: usize, stat: &str| -> u128 {
-        let line = cluster.nodes[i].info_field("commandstats", stat);
-        line.split(',')
-            .find_map(|f| f.strip_prefix("calls="))
-            .map_or(0, |n| n.parse().expect("a count"))
-    };
+    let calls = |i: usize, command: &str| u128::from(command_stat(&cluster, i, command, "calls"));
     let lock_keys: std::collections::HashSet<String> = names
         .iter()
         .map(|n| locker.lock_key(n).expect("key").lock_key().to_owned())
@@ -756,11 +757,7 @@ async fn renewal_is_batched_per_master(flavor: Flavor, masters: usize) {
             .count()
             .try_into()
             .expect("a count");
-        per_node.push((
-            held,
-            calls(i, "cmdstat_evalsha"),
-            calls(i, "cmdstat_cluster|slots"),
-        ));
+        per_node.push((held, calls(i, "evalsha"), calls(i, "cluster|slots")));
     }
     assert_eq!(
         per_node.iter().map(|n| n.0).sum::<u128>(),
@@ -822,12 +819,7 @@ async fn a_renewing_lease_outlives_a_stalled_masters_failover(flavor: Flavor) {
     let master = serving(None).expect("a master holding the lease");
     // Past the first renewal (a third of the TTL), which fetches the slot map it then keeps.
     sleep(ttl / 2).await;
-    let maps = |i: usize| -> u64 {
-        let line = cluster.nodes[i].info_field("commandstats", "cmdstat_cluster|slots");
-        line.split(',')
-            .find_map(|f| f.strip_prefix("calls="))
-            .map_or(0, |n| n.parse().expect("a count"))
-    };
+    let maps = |i: usize| command_stat(&cluster, i, "cluster|slots", "calls");
     let others: Vec<usize> = (0..cluster.nodes.len())
         .filter(|&i| i != master && cluster.nodes[i].info_field("replication", "role") == "master")
         .collect();
