@@ -15,8 +15,9 @@ use http_body_util::Full;
 /// ```
 /// use lock_tower::Reason;
 ///
-/// // The reasons whose rejections say when to come back (`Retry-After`). `Reason` is
-/// // `#[non_exhaustive]`, so a match needs a catch-all arm.
+/// // The reasons whose rejections say when to come back (`Retry-After`; `Unavailable` has
+/// // none for a key whose fence is exhausted). `Reason` is `#[non_exhaustive]`, so a match
+/// // needs a catch-all arm.
 /// fn come_back_later(reason: Reason) -> bool {
 ///     match reason {
 ///         Reason::Busy | Reason::WaitTimeout | Reason::Unavailable => true,
@@ -245,7 +246,8 @@ impl Rejection {
     pub fn status(&self) -> StatusCode {
         self.status
     }
-    /// When the client may usefully try again, for `Busy`, `WaitTimeout` and `Unavailable`.
+    /// When the client may usefully try again, for `Busy`, `WaitTimeout` and `Unavailable`
+    /// (but not for a key whose fence is exhausted, which no retry can lock).
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};

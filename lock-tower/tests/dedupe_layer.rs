@@ -2892,3 +2892,34 @@ async fn a_quorum_backend_is_a_misconfiguration() {
     })
     .await
 }
+
+/// A claim whose stored fence is 2^64 - 1 (set from outside) can never be taken: 503 without
+/// `Retry-After`, since no retry can succeed, and the handler does not run; other keys are
+/// served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_claim_fence_is_503_without_retry_after() {
+    common::bounded(async {
+        let server = support::Server::start(support::Flavor::Redis);
+        let locker = lock_core::Locker::redis(&server.url())
+            .await
+            .expect("connect");
+        let claim = claims(&locker)
+            .lock_key(&claim_name("", "spent"))
+            .expect("key");
+        let _: () = server.cmd(&["SET", claim.fence_key(), &u64::MAX.to_string()]);
+        let runs = Arc::new(AtomicUsize::new(0));
+        let addr = serve(counting(
+            DedupeLayer::new(locker),
+            runs.clone(),
+            Duration::ZERO,
+        ))
+        .await;
+        let r = deliver(addr, r#""spent""#, "{}").await;
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
+        assert_eq!(r.header("retry-after"), None, "retrying cannot help");
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler ran");
+        let fresh = deliver(addr, r#""fresh""#, "{}").await;
+        assert_eq!(fresh.status, StatusCode::CREATED, "{}", fresh.text());
+    })
+    .await
+}

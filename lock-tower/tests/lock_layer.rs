@@ -1387,7 +1387,13 @@ async fn http2_streams_lock_and_a_reset_stream_releases() {
                 }
                 _ = entered.recv() => {
                     go.add_permits(1);
-                    let done = call.await.expect("join").expect("response");
+                    // Were the first stream still in the gate (the key freed some other way),
+                    // the permit would go to it, first in line, and this one would wait on.
+                    let done = tokio::time::timeout(Duration::from_secs(5), call)
+                        .await
+                        .expect("the permit went to a first stream that was never cancelled")
+                        .expect("join")
+                        .expect("response");
                     assert_eq!(done.status(), StatusCode::OK);
                     true
                 }
@@ -1416,7 +1422,8 @@ async fn an_exhausted_fence_is_503_without_retry_after() {
         let _: () = server.cmd(&["SET", key.fence_key(), &u64::MAX.to_string()]);
         let (tx, mut entered) = mpsc::unbounded_channel();
         let layer = LockLayer::new(locker, KeyExtractor::route_param("id"));
-        let addr = serve(gated(layer, tx, Arc::new(Semaphore::new(0)))).await;
+        // One permit: a handler that ran would finish and answer 200, not hang.
+        let addr = serve(gated(layer, tx, Arc::new(Semaphore::new(1)))).await;
         let r = post_to(addr, "/accounts/9/withdraw").await;
         assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
         assert_eq!(r.header("retry-after"), None, "retrying cannot help");

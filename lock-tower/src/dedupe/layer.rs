@@ -145,6 +145,7 @@ impl DedupeConfig {
 /// | result store write fails (backend refuses it or is down) | the first caller still gets the handler's answer; nothing is stored; the claim is released (with the backend down, it expires with its TTL), so a retry runs the handler again |
 /// | result store unreachable when a request arrives | 503 with `Retry-After: 1`; the handler does not run |
 /// | [`retention`](Self::retention) (1 ms to a year) or [`claim_ttl`](Self::claim_ttl) (lock-core's `MIN_TTL` to `MAX_TTL`) out of range | 500 ([`Reason::Misconfigured`]), logged at `error`; the handler does not run |
+/// | the claim's stored fence is 2^64 - 1 (`Error::FenceExhausted`: no claim is possible) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error`; the handler does not run |
 /// | a backend with no result store (a Redlock quorum) | 500 ([`Reason::Misconfigured`], no `Retry-After`), logged at `error`; the handler does not run |
 /// | request with a key, body above the cap (1 MiB) | 413 (the body is read only for a keyed request's fingerprint: without a key in the request head (header, path, route parameter, closure), the request is answered or passed through unread; a JSON-body key is looked for in the body, up to the cap) |
 /// | response body fails while the layer reads it, or ends before its declared `Content-Length` | 500 ([`Reason::ResponseFailed`]); nothing stored, claim released (past the cap: the caller sees a cut-off body) |

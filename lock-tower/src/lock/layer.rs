@@ -87,6 +87,7 @@ impl LockConfig {
 /// | lease lost while the handler ran | handler cancelled (its future dropped), 503 |
 /// | lease lost while the body streamed | the body ends with an error (the response is cut off) |
 /// | lock backend unreachable | 503 with `Retry-After: 1` |
+/// | the key's stored fence is 2^64 - 1 (`Error::FenceExhausted`: no grant is possible) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error` |
 /// | the layer's [`ttl`](Self::ttl) out of range (below `MIN_TTL`, above `MAX_TTL`), or a [`key_prefix`](Self::key_prefix) no key can follow | 500 ([`Reason::Misconfigured`]), logged at `error` |
 ///
 /// Every status is configurable ([`reject_status`](Self::reject_status)); bodies are
