@@ -639,22 +639,24 @@ async fn handler_panic_before_its_future_is_retried(h: Harness) {
 
 /// A handler that blocks its thread past its lease (CPU work, a synchronous call) keeps the
 /// lease: renewal runs on a task of its own, so the job is not reaped and handed to another
-/// worker while the handler still runs.
+/// worker while the handler still runs. The handler blocks for 2.5 TTLs; the TTL is long
+/// enough for a renewal round trip on a loaded 2-core machine with one thread blocked (at
+/// 1 s the cluster variant lost the lease once in a CI run).
 async fn a_blocking_handler_keeps_its_lease(h: Harness) {
     let q = h.open(Queue::builder("blocking")).await;
     let id = q.enqueue(b"crunch").await.expect("enqueue");
     let w = Worker::new(q.clone())
-        .ttl(ms(1_000))
+        .ttl(ms(2_000))
         .reap_every(Duration::from_secs(3_600))
         .start(|_job| async move {
-            std::thread::sleep(Duration::from_millis(2_500));
+            std::thread::sleep(Duration::from_millis(5_000));
             Ok(())
         })
         .expect("start");
     until_running(&w).await;
     let mut stolen = None;
     let started = tokio::time::Instant::now();
-    while w.report().completed == 0 && started.elapsed() < Duration::from_secs(10) {
+    while w.report().completed == 0 && started.elapsed() < Duration::from_secs(15) {
         q.reap().await.expect("reap");
         if let Some(c) = q.claim(Duration::from_secs(30)).await.expect("claim") {
             stolen = Some(c.attempts());
