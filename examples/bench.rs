@@ -137,6 +137,7 @@ async fn fenced_cycle(
         .key(&names[1])
         .arg(token.as_str())
         .arg(30_000)
+        .arg(0) // the fence kept for ever, as leasehold's default
         .invoke_async(conn)
         .await?;
     if granted != 1 {

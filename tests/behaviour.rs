@@ -132,6 +132,24 @@ impl Harness {
     }
 }
 
+impl Harness {
+    /// The fence key's time left in ms, as `PTTL` answers it (-1: no expiry, -2: gone); `None`
+    /// on the in-memory backend, which has no fence key to ask about. On a quorum, the
+    /// longest any member reports.
+    fn fence_pttl(&self, locker: &Locker, key: &str) -> Option<i64> {
+        let k = locker.lock_key(key).expect("key");
+        let pttl = ["PTTL", k.fence_key()];
+        match self {
+            Harness::Memory(_) => None,
+            Harness::Server(s) | Harness::Acl(s) => Some(s.cmd(&pttl)),
+            #[cfg(feature = "tls")]
+            Harness::Tls(s) => Some(s.cmd(&pttl)),
+            Harness::Cluster(c) | Harness::ClusterAcl(c) => Some(c.cmd(&pttl)),
+            Harness::Quorum(members) => members.iter().map(|s| s.cmd::<i64>(&pttl)).max(),
+        }
+    }
+}
+
 fn opts(ttl_ms: u64) -> LockOptions {
     LockOptions::new().ttl(Duration::from_millis(ttl_ms))
 }
@@ -283,6 +301,59 @@ async fn fences_strictly_increase(h: Harness) {
         last = l.fence();
         l.release().await.expect("release");
     }
+}
+
+/// `keep_fence`: the fence key outlives a grant by the keep (at least the TTL) and then goes,
+/// while fences still rise; a grant without it keeps the fence for ever again. A quorum keeps
+/// fences for ever whatever the option says (documented).
+async fn kept_fences_are_forgotten(h: Harness) {
+    let locker = h.locker().await;
+    let brief = opts(100)
+        .renew(false)
+        .keep_fence(Duration::from_millis(300));
+    let first = locker.try_acquire("once", &brief).await.expect("acquire");
+    let f1 = first.fence();
+    assert_eq!(first.release().await.expect("release"), Release::Released);
+    let forgets = !matches!(h, Harness::Quorum(_));
+    if let Some(pttl) = h.fence_pttl(&locker, "once") {
+        if forgets {
+            assert!(
+                (1..=300).contains(&pttl),
+                "fence key PTTL {pttl} after a 300 ms keep"
+            );
+        } else {
+            assert_eq!(pttl, -1, "a quorum keeps fences for ever");
+        }
+    }
+    // The keep counts from the grant, and is at least the TTL.
+    let longer = opts(400).renew(false).keep_fence(Duration::from_millis(10));
+    let held = locker.try_acquire("long", &longer).await.expect("acquire");
+    if let Some(pttl) = h.fence_pttl(&locker, "long")
+        && forgets
+    {
+        assert!(
+            (300..=400).contains(&pttl),
+            "fence key PTTL {pttl}: not the 400 ms TTL"
+        );
+    }
+    held.release().await.expect("release");
+    sleep(Duration::from_millis(500)).await;
+    if let Some(pttl) = h.fence_pttl(&locker, "once") {
+        assert_eq!(pttl == -2, forgets, "fence key PTTL {pttl} after its keep");
+    }
+    // Forgotten, the fence comes from the clock, which has moved on: still higher.
+    let second = locker
+        .try_acquire("once", &opts(1_000))
+        .await
+        .expect("acquire");
+    assert!(second.fence() > f1, "{:?} then {:?}", f1, second.fence());
+    if let Some(pttl) = h.fence_pttl(&locker, "once") {
+        assert_eq!(
+            pttl, -1,
+            "a grant without keep_fence keeps the fence for ever"
+        );
+    }
+    second.release().await.expect("release");
 }
 
 /// Scenario 3: holders paused past their TTL cannot get a stale write past the fence gate, and
@@ -853,6 +924,28 @@ async fn bad_input(h: Harness) {
         locker.fence_gate(""),
         Err(Error::InvalidKey { .. })
     ));
+    let year = Duration::from_secs(365 * 86_400);
+    for (keep, ok) in [
+        (Duration::ZERO, false),
+        (Duration::from_micros(999), false),
+        (Duration::from_millis(1), true),
+        (year, true),
+        (year + Duration::from_millis(1), false),
+        (Duration::MAX, false),
+    ] {
+        let got = locker
+            .try_acquire("kept", &o.clone().renew(false).keep_fence(keep))
+            .await;
+        match got {
+            Ok(lease) if ok => {
+                lease.release().await.expect("release");
+            }
+            Err(Error::InvalidDuration {
+                what: "fence keep", ..
+            }) if !ok => {}
+            other => panic!("keep_fence({keep:?}): {other:?}"),
+        }
+    }
     // A wait of `Duration::MAX` means as long as it takes: granted at once when free, waiting
     // (not panicking on the deadline's arithmetic) when held.
     let forever = o.clone().ttl(Duration::from_secs(5)).wait(Duration::MAX);
@@ -1078,6 +1171,10 @@ macro_rules! suite {
                 super::fences_strictly_increase(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn kept_fences_are_forgotten() {
+                super::kept_fences_are_forgotten(harness()).await;
+            }
+            #[tokio::test]
             async fn fenced_writes_under_pauses() {
                 super::fenced_writes_under_pauses(harness()).await
             }
@@ -1200,3 +1297,26 @@ suite!(
     valkey_quorum,
     Harness::Quorum((0..3).map(|_| Server::start(Flavor::Valkey)).collect())
 );
+
+/// The in-memory backend forgets kept fences in sweeps: keys locked once each with
+/// `keep_fence` stay within about twice the keys still in use, where without it every key ever
+/// locked stays (one entry each). Which entries a sweep keeps: a unit test in `memory.rs`.
+#[tokio::test]
+async fn memory_forgets_kept_fences_in_sweeps() {
+    let memory = MemoryBackend::new();
+    let locker = Locker::new(leasehold::AnyBackend::Memory(memory.clone()));
+    let once = opts(10).renew(false).keep_fence(Duration::from_millis(1));
+    for round in 0..10 {
+        for i in 0..1_000 {
+            let lease = locker
+                .try_acquire(&format!("delivery:{round}:{i}"), &once)
+                .await
+                .expect("acquire");
+            lease.release().await.expect("release");
+        }
+        // Past every grant's keep (the 10 ms TTL, the longer of the two).
+        sleep(Duration::from_millis(20)).await;
+    }
+    let kept = memory.kept_keys();
+    assert!(kept <= 2_048, "{kept} of 10000 once-used keys still kept");
+}

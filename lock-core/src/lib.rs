@@ -36,5 +36,5 @@ pub use locker::{DEFAULT_PREFIX, FenceGate, LockOptions, Locker};
 #[doc(hidden)]
 pub use scope::__private;
 pub use scope::{current_fence, current_lease, default_locker, set_default_locker};
-pub use types::{Fence, LockKey, MAX_KEY_LEN, MAX_TTL, MIN_TTL, Token};
+pub use types::{Fence, LockKey, MAX_KEEP_FENCE, MAX_KEY_LEN, MAX_TTL, MIN_TTL, Token};
 pub use wake::{Wakeups, Watch};

@@ -34,6 +34,7 @@ pub struct LockOptions {
     renew: bool,
     replicas: u32,
     replica_timeout: Duration,
+    keep_fence: Option<Duration>,
 }
 
 impl Default for LockOptions {
@@ -44,6 +45,7 @@ impl Default for LockOptions {
             renew: true,
             replicas: 0,
             replica_timeout: Duration::from_millis(100),
+            keep_fence: None,
         }
     }
 }
@@ -163,9 +165,56 @@ impl LockOptions {
         self.replica_timeout = timeout;
         self
     }
+    /// Keeps the key's fence only `keep` past each grant (or the lease's TTL, if longer)
+    /// instead of for ever, for keys used once or a few times: delivery ids, request ids, job
+    /// ids. By default a fence key stays for good, one small value per key ever locked (on the
+    /// in-memory backend, one map entry), which keys without end would pile up.
+    ///
+    /// What it costs: a grant after the fence was forgotten takes its fence from the clock
+    /// alone (the server's in microseconds, or this process's on the in-memory backend), so
+    /// fences stay rising only if that clock does not step back by more than the time since
+    /// the key's previous grant. Within `keep`, the stored fence covers such steps as it
+    /// always does. The in-memory backend forgets in sweeps, so its entries can stay a while
+    /// past `keep` (it keeps at most about twice the keys still in use). A quorum and an
+    /// acquire that waits for [`replicas`](Self::replicas) keep the fence for ever, as
+    /// without this option. From 1 ms to [`MAX_KEEP_FENCE`](crate::MAX_KEEP_FENCE) (a year),
+    /// else [`Error::InvalidDuration`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{LockOptions, Locker};
+    /// use std::time::Duration;
+    ///
+    /// let locker = Locker::memory();
+    /// let once = LockOptions::new().keep_fence(Duration::from_secs(24 * 3600));
+    /// let lease = locker.try_acquire("delivery:msg_2Jx9", &once).await?;
+    /// // ... handle the delivery, writing with lease.fence() ...
+    /// lease.release().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn keep_fence(mut self, keep: Duration) -> Self {
+        self.keep_fence = Some(keep);
+        self
+    }
     /// Checks the options before any round trip.
     fn validate(&self) -> Result<()> {
         validate_ttl(self.ttl)?;
+        if let Some(keep) = self.keep_fence {
+            let reason = if keep < Duration::from_millis(1) {
+                "below 1 ms"
+            } else if keep > crate::MAX_KEEP_FENCE {
+                "above MAX_KEEP_FENCE (a year)"
+            } else {
+                ""
+            };
+            if !reason.is_empty() {
+                return Err(Error::InvalidDuration {
+                    what: "fence keep",
+                    value: keep,
+                    reason,
+                });
+            }
+        }
         if self.replicas > 0 {
             let reason = if self.replica_timeout < Duration::from_millis(1) {
                 // `WAIT n 0` would block until the replicas answer, however long that takes.
@@ -740,6 +789,23 @@ impl<B: Backend + Clone> Locker<B> {
     }
 
     /// One acquire round trip.
+    /// One acquire on the backend, keeping the fence as the options say.
+    async fn grant(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        opts: &LockOptions,
+    ) -> Result<AcquireReply> {
+        match opts.keep_fence {
+            None => self.core.backend.acquire(key, token, opts.ttl).await,
+            Some(keep) => {
+                (self.core.backend)
+                    .acquire_keeping_fence(key, token, opts.ttl, keep)
+                    .await
+            }
+        }
+    }
+
     async fn attempt(
         &self,
         key: &LockKey,
@@ -765,7 +831,7 @@ impl<B: Backend + Clone> Locker<B> {
             if opts.replicas > 0 {
                 return Box::pin(self.attempt_replicated(key, token, opts)).await;
             }
-            match self.core.backend.acquire(key, token, opts.ttl).await {
+            match self.grant(key, token, opts).await {
                 Err(Error::OutcomeUnknown { .. }) => {
                     // The script is idempotent per token: asking again tells us whether the
                     // first one landed. If even that fails, free whatever we may have been
@@ -779,7 +845,7 @@ impl<B: Backend + Clone> Locker<B> {
                         // Unless the guard above is armed already.
                         armed: self.core.backend.undoes_abandoned_grants(),
                     };
-                    let again = Box::pin(self.core.backend.acquire(key, token, opts.ttl)).await;
+                    let again = Box::pin(self.grant(key, token, opts)).await;
                     retry_abandoned.armed = false;
                     if again.is_err() {
                         self.release_in_background(key, token);

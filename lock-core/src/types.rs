@@ -37,6 +37,19 @@ pub const MIN_TTL: Duration = Duration::from_millis(10);
 /// ```
 pub const MAX_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 
+/// Longest [`LockOptions::keep_fence`](crate::LockOptions::keep_fence) accepted: a year.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use lock_core::{Error, LockOptions, Locker, MAX_KEEP_FENCE};
+/// use std::time::Duration;
+/// let opts = LockOptions::new().keep_fence(MAX_KEEP_FENCE + Duration::from_secs(1));
+/// let refused = Locker::memory().try_acquire("k", &opts).await;
+/// assert!(matches!(refused, Err(Error::InvalidDuration { what: "fence keep", .. })));
+/// # }
+/// ```
+pub const MAX_KEEP_FENCE: Duration = Duration::from_secs(365 * 86_400);
+
 /// The number a grant carries: strictly increasing per key across grants.
 ///
 /// Pass it to the resource you protect and let the resource refuse writes with a lower fence

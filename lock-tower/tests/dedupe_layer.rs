@@ -40,6 +40,7 @@ on_every_backend!(
     client_hangs_up_while_the_result_is_collected,
     client_hangs_up_while_the_handler_runs,
     results_expire_after_the_retention,
+    deliveries_leave_nothing_behind_after_the_retention,
     a_failing_body_stores_nothing,
     a_body_above_the_cap_that_fails_stores_nothing,
     a_relay_that_dies_cuts_the_body,
@@ -1548,6 +1549,60 @@ async fn results_expire_after_the_retention(h: Harness) {
     assert!(ran_again, "still replayed 10 s after a 2 s retention");
     assert_eq!(again.status, StatusCode::CREATED);
     assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// Delivery ids come without end, so nothing a delivery leaves may outlive its retention: not
+/// the result, and not the claim's fence either (which lock-core otherwise keeps for ever, one
+/// per key ever locked). On a server every key of the deliveries is gone; in memory the store's
+/// entries stay within what its sweeps allow, not one per delivery.
+async fn deliveries_leave_nothing_behind_after_the_retention(h: Harness) {
+    // In memory, batches each longer than the retention, so that sweeps find the earlier
+    // ones over; on a server one batch well within it, so that its keys are all seen first.
+    let (batches, per_batch, retention) = match h {
+        Harness::Memory(_) => (3, 1_000, Duration::from_millis(100)),
+        _ => (1, 100, Duration::from_secs(2)),
+    };
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = DedupeLayer::new(h.locker().await)
+        .retention(retention)
+        .claim_ttl(Duration::from_millis(100));
+    let addr = serve(counting(layer, runs.clone(), Duration::ZERO)).await;
+    for batch in 0..batches {
+        for i in 0..per_batch {
+            let key = format!(r#""d-{batch}-{i}""#);
+            assert_eq!(deliver(addr, &key, "{}").await.status, StatusCode::CREATED);
+        }
+        if let Harness::Server(_) = h {
+            let dbsize: i64 = server_cmd(&h, &["DBSIZE"]);
+            assert!(
+                dbsize >= 2 * per_batch,
+                "{dbsize} keys: the results and fences"
+            );
+        }
+        tokio::time::sleep(retention * 2).await;
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        batches as usize * per_batch as usize
+    );
+    match &h {
+        Harness::Memory(m) => {
+            let kept = m.kept_keys();
+            assert!(
+                kept <= 2_048,
+                "{kept} claim entries kept for 3000 deliveries"
+            );
+        }
+        _ => {
+            let mut left = -1;
+            let gone = eventually(Duration::from_secs(5), async || {
+                left = server_cmd(&h, &["DBSIZE"]);
+                left == 0
+            })
+            .await;
+            assert!(gone, "{left} keys left on the server after the retention");
+        }
+    }
 }
 
 /// By default a result is kept 24 hours: the TTL of its key on the server.

@@ -706,7 +706,19 @@ impl Backend for ClusterBackend {
 
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
         crate::types::validate_ttl(ttl)?;
-        ops::acquire(&mut self.conn.clone(), &self.scripts, key, token, ttl).await
+        ops::acquire(&mut self.conn.clone(), &self.scripts, key, token, ttl, None).await
+    }
+
+    async fn acquire_keeping_fence(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Duration,
+        keep: Duration,
+    ) -> Result<AcquireReply> {
+        crate::types::validate_ttl(ttl)?;
+        let mut conn = self.conn.clone();
+        ops::acquire(&mut conn, &self.scripts, key, token, ttl, Some(keep)).await
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {

@@ -44,15 +44,38 @@ struct Inner {
 #[derive(Default)]
 struct State {
     /// One slot per key ever locked: the holder (if any) beside the key's last fence, which
-    /// outlives every holder. One map, so an acquire or a release hashes the key once.
+    /// outlives every holder, unless its grant let it be forgotten (`keep_fence`). One map, so
+    /// an acquire or a release hashes the key once.
     keys: HashMap<LockKey, Slot, KeyHash>,
+    /// The size `keys` may reach before the next sweep for forgettable slots.
+    sweep_above: usize,
     gates: HashMap<String, u64>,
+}
+
+/// The fewest slots worth sweeping for: below it a sweep would run on nearly every acquire.
+const SWEEP_FLOOR: usize = 1024;
+
+impl State {
+    /// Drops the slots no lease holds whose fence may be forgotten by now, once the map has
+    /// doubled since the last sweep: a full pass each time the map doubles costs each acquire
+    /// a constant share, and the map stays within about twice the keys still in use.
+    fn sweep(&mut self, now: Instant) {
+        if self.keys.len() <= self.sweep_above {
+            return;
+        }
+        self.keys.retain(|_, slot| {
+            slot.live(now).is_some() || slot.forget_at.is_none_or(|forget| forget > now)
+        });
+        self.sweep_above = (2 * self.keys.len()).max(SWEEP_FLOOR);
+    }
 }
 
 #[derive(Default)]
 struct Slot {
     holder: Option<(Token, Instant)>,
     fence: u64,
+    /// When the fence may be forgotten, as a fence key's expiry on a server; `None`: never.
+    forget_at: Option<Instant>,
 }
 
 impl Slot {
@@ -151,6 +174,25 @@ impl MemoryBackend {
             .is_some_and(|slot| slot.live(now).is_some())
     }
 
+    /// How many keys the store keeps an entry for: every key held, and every key whose fence
+    /// it remembers, which is every key ever locked unless its grants let the fence be
+    /// forgotten ([`LockOptions::keep_fence`](crate::LockOptions::keep_fence); forgotten
+    /// entries go in sweeps, so some stay a while past their time). For tests and metrics.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{AnyBackend, LockOptions, Locker, MemoryBackend};
+    ///
+    /// let memory = MemoryBackend::new();
+    /// let locker = Locker::new(AnyBackend::Memory(memory.clone()));
+    /// locker.try_acquire("report", &LockOptions::new()).await?.release().await?;
+    /// assert_eq!(memory.kept_keys(), 1); // its fence stays, for the next grant
+    /// # Ok(()) }
+    /// ```
+    pub fn kept_keys(&self) -> usize {
+        self.state().keys.len()
+    }
+
     /// Deletes a lease whoever holds it, as an operator's `DEL` would; returns whether there
     /// was an unexpired one. For tests and tools. Waiters are not woken, as by a `DEL`.
     ///
@@ -175,20 +217,20 @@ impl MemoryBackend {
     }
 }
 
-fn now_micros() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_micros() as u64)
-        .unwrap_or(0)
-}
-
-impl Backend for MemoryBackend {
-    const NAME: &'static str = "in-memory";
-
-    async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
+impl MemoryBackend {
+    /// An acquire; `keep` is how long the fence outlives the grant (at least `ttl`), `None`
+    /// for ever.
+    fn grant(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Duration,
+        keep: Option<Duration>,
+    ) -> Result<AcquireReply> {
         crate::types::validate_ttl(ttl)?;
         let now = Instant::now();
         let mut st = self.state();
+        st.sweep(now);
         let slot = st.keys.entry(key.clone()).or_default();
         let fence = slot.fence;
         if let Some((holder, expires)) = slot.live(now) {
@@ -202,7 +244,34 @@ impl Backend for MemoryBackend {
         }
         slot.fence = (slot.fence + 1).max(now_micros());
         slot.holder = Some((token.clone(), now + ttl));
+        // A keep too long to add is as good as for ever (it is at most a year anyway).
+        slot.forget_at = keep.and_then(|keep| now.checked_add(keep.max(ttl)));
         Ok(AcquireReply::Granted { fence: slot.fence })
+    }
+}
+
+fn now_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+impl Backend for MemoryBackend {
+    const NAME: &'static str = "in-memory";
+
+    async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
+        self.grant(key, token, ttl, None)
+    }
+
+    async fn acquire_keeping_fence(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Duration,
+        keep: Duration,
+    ) -> Result<AcquireReply> {
+        self.grant(key, token, ttl, Some(keep))
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
@@ -305,5 +374,37 @@ mod tests {
         assert!(Arc::ptr_eq(&outer.0, &store.shared::<Part>()));
         assert!(Arc::ptr_eq(&outer, &store.shared::<Outer>()));
         assert_eq!(outer.0.0, 0);
+    }
+
+    /// A sweep drops exactly the entries no lease holds whose keep is over, and runs only
+    /// once the map has grown past its threshold.
+    #[test]
+    fn a_sweep_keeps_what_is_held_or_remembered() {
+        let locker = crate::Locker::memory();
+        let key = |k: &str| locker.lock_key(k).expect("key");
+        let now = Instant::now();
+        let (past, future) = (now - Duration::from_millis(1), now + Duration::from_secs(1));
+        let slot = |expires: Option<Instant>, forget_at| Slot {
+            holder: expires.map(|e| (Token::generate(), e)),
+            fence: 1,
+            forget_at,
+        };
+        let mut st = State::default();
+        st.keys.insert(key("forever"), slot(None, None));
+        st.keys.insert(key("forgotten"), slot(None, Some(past)));
+        st.keys
+            .insert(key("holder-expired"), slot(Some(past), Some(past)));
+        st.keys.insert(key("remembered"), slot(None, Some(future)));
+        st.keys
+            .insert(key("held-past-keep"), slot(Some(future), Some(past)));
+        st.sweep_above = 4;
+        st.sweep(now);
+        let mut left: Vec<&str> = st.keys.keys().map(LockKey::user).collect();
+        left.sort_unstable();
+        assert_eq!(left, ["forever", "held-past-keep", "remembered"]);
+        assert_eq!(st.sweep_above, SWEEP_FLOOR);
+        st.keys.insert(key("forgotten"), slot(None, Some(past)));
+        st.sweep(now);
+        assert_eq!(st.keys.len(), 4, "swept below the threshold");
     }
 }

@@ -89,6 +89,21 @@ pub trait Backend: Send + Sync + 'static {
         ttl: Duration,
     ) -> impl Future<Output = Result<AcquireReply>> + Send;
 
+    /// As [`acquire`](Backend::acquire), but a grant keeps the key's fence only for `keep`
+    /// (or the lease's `ttl`, if longer) instead of for ever; see
+    /// [`LockOptions::keep_fence`](crate::LockOptions::keep_fence). The default keeps it for
+    /// ever, which is always safe: only the storage grows.
+    fn acquire_keeping_fence(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Duration,
+        keep: Duration,
+    ) -> impl Future<Output = Result<AcquireReply>> + Send {
+        let _ = keep;
+        self.acquire(key, token, ttl)
+    }
+
     /// As [`acquire`](Backend::acquire), then waits up to `timeout` for `replicas` replicas to
     /// acknowledge the writes (`WAIT`); returns the reply and how many acknowledged. Backends
     /// without replicas answer [`Error::Unsupported`](crate::Error::Unsupported). An acquire
@@ -213,6 +228,15 @@ macro_rules! dispatch_boxed {
 impl Backend for AnyBackend {
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
         dispatch_boxed!(self, b => b.acquire(key, token, ttl))
+    }
+    async fn acquire_keeping_fence(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Duration,
+        keep: Duration,
+    ) -> Result<AcquireReply> {
+        dispatch_boxed!(self, b => b.acquire_keeping_fence(key, token, ttl, keep))
     }
     async fn acquire_replicated(
         &self,

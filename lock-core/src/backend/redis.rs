@@ -156,12 +156,15 @@ struct Sender {
 struct Acquires(Sender);
 
 impl Flush for Acquires {
-    type Item = (LockKey, Token, Duration);
+    /// The key, the token, the lease's TTL and how long to keep the fence (`None`: for ever).
+    type Item = (LockKey, Token, Duration, Option<Duration>);
     type Reply = AcquireReply;
     const SEND_ABANDONED: bool = false;
 
     async fn flush(&self, items: &[Self::Item]) -> Vec<Result<AcquireReply>> {
-        let items = items.iter().map(|(key, token, ttl)| (key, token, *ttl));
+        let items = items
+            .iter()
+            .map(|(key, token, ttl, keep)| (key, token, *ttl, *keep));
         ops::acquire_many(&mut self.0.conn.clone(), &self.0.scripts, items).await
     }
 
@@ -359,15 +362,18 @@ pub(super) mod ops {
         key: &LockKey,
         token: &Token,
         ttl: Duration,
+        keep: Option<Duration>,
     ) -> Result<AcquireReply> {
-        let mut answers = acquire_many(conn, scripts, [(key, token, ttl)].into_iter()).await;
+        let items = [(key, token, ttl, keep)].into_iter();
+        let mut answers = acquire_many(conn, scripts, items).await;
         answers
             .pop()
             .unwrap_or_else(|| Err(unexpected("acquire", &Value::Nil)))
     }
 
     /// One script call granting each of `items` (all in one slot on a cluster): one answer per
-    /// item, in order.
+    /// item, in order. An item's `keep` is how long its fence key outlives the grant (at least
+    /// its TTL); `None` keeps it for ever.
     pub(crate) async fn acquire_many<'a, C, I>(
         conn: &mut C,
         scripts: &Scripts,
@@ -375,23 +381,26 @@ pub(super) mod ops {
     ) -> Vec<Result<AcquireReply>>
     where
         C: ConnectionLike,
-        I: ExactSizeIterator<Item = (&'a LockKey, &'a Token, Duration)> + Clone,
+        I: ExactSizeIterator<Item = (&'a LockKey, &'a Token, Duration, Option<Duration>)> + Clone,
     {
         let mut inv = scripts.acquire.prepare_invoke();
-        for (key, token, ttl) in items.clone() {
+        for (key, token, ttl, keep) in items.clone() {
+            // 0: kept for ever. TTLs and keeps are bounded (a day, a year), so no overflow.
+            let keep = keep.map_or(0, |keep| keep.max(ttl).as_millis() as u64);
             inv.key(key.lock_key())
                 .key(key.fence_key())
                 .arg(token.as_str())
-                .arg(ttl.as_millis() as u64);
+                .arg(ttl.as_millis() as u64)
+                .arg(keep);
         }
         match inv.invoke_async::<Value>(conn).await {
             Ok(Value::Array(replies)) if replies.len() == 2 * items.len() => items
                 .zip(replies.chunks_exact(2))
-                .map(|((key, _, _), reply)| acquire_reply(key, &reply[0], &reply[1]))
+                .map(|((key, ..), reply)| acquire_reply(key, &reply[0], &reply[1]))
                 .collect(),
             Ok(reply) => items.map(|_| Err(unexpected("acquire", &reply))).collect(),
             Err(e) => items
-                .map(|(key, _, _)| Err(classify("acquire", key.user(), e.clone())))
+                .map(|(key, ..)| Err(classify("acquire", key.user(), e.clone())))
                 .collect(),
         }
     }
@@ -558,7 +567,8 @@ impl RedisBackend {
                 redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut)),
             )
         };
-        let reply = tokio::time::timeout(bound, ops::acquire(conn, &self.scripts, key, token, ttl))
+        let grant = ops::acquire(conn, &self.scripts, key, token, ttl, None);
+        let reply = tokio::time::timeout(bound, grant)
             .await
             .map_err(|_| timed_out("acquire"))??;
         if !matches!(reply, AcquireReply::Granted { .. }) || gone() {
@@ -670,7 +680,19 @@ impl Dedicated {
 impl Backend for RedisBackend {
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
         crate::types::validate_ttl(ttl)?;
-        let item = (key.clone(), token.clone(), ttl);
+        let item = (key.clone(), token.clone(), ttl, None);
+        (self.acquires.run(item).await).unwrap_or_else(|| Err(unanswered("acquire", key)))
+    }
+
+    async fn acquire_keeping_fence(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Duration,
+        keep: Duration,
+    ) -> Result<AcquireReply> {
+        crate::types::validate_ttl(ttl)?;
+        let item = (key.clone(), token.clone(), ttl, Some(keep));
         (self.acquires.run(item).await).unwrap_or_else(|| Err(unanswered("acquire", key)))
     }
 

@@ -1,7 +1,8 @@
 -- Grants many leases in one call: a busy Locker sends the acquires that queue while others are
 -- in flight together (group commit), so the script's fixed cost is paid once for all of them.
--- KEYS[2i-1] lock key and KEYS[2i] fence key of item i (same hash tag); ARGV[2i-1] its token,
--- ARGV[2i] its ttl in ms.
+-- KEYS[2i-1] lock key and KEYS[2i] fence key of item i (same hash tag); ARGV[3i-2] its token,
+-- ARGV[3i-1] its ttl in ms, ARGV[3i] how long its fence key is kept in ms ('0': for ever; a
+-- write without PX also clears the expiry an earlier grant's keep left).
 -- Returns two values per item, flat (a table per item costs the server more than its
 -- commands): 1, fence: granted (an integer, or a decimal string when it comes from a stored
 -- fence ahead of the clock); 0, pttl: held by another; -1, type or -2, type: the item's
@@ -22,6 +23,12 @@ local function refusal(err, key, status)
   local t = redis.pcall('TYPE', key)
   if t.err then return -3, t.err end
   return status, t.ok
+end
+
+-- The fence key written by every path but the common one: with the item's keep.
+local function put_fence(key, value, keep)
+  if keep == '0' then return redis.pcall('SET', key, value) end
+  return redis.pcall('SET', key, value, 'PX', keep)
 end
 
 -- A canonical decimal string plus one, exactly: fences go to 2^64 - 1, and Lua numbers are
@@ -53,12 +60,18 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now_text = string.format('%d', now)
 
 for i = 1, #KEYS / 2 do
-  local lock, fence_key, token, ttl = KEYS[2 * i - 1], KEYS[2 * i], ARGV[2 * i - 1], ARGV[2 * i]
+  local lock, fence_key = KEYS[2 * i - 1], KEYS[2 * i]
+  local token, ttl, keep = ARGV[3 * i - 2], ARGV[3 * i - 1], ARGV[3 * i]
   local status, value
   -- SET NX GET (Redis 7+, Valkey): sets only when free and returns the value found either way.
   local current = redis.pcall('SET', lock, token, 'NX', 'PX', ttl, 'GET')
   if not current then
-    local stored = redis.pcall('SET', fence_key, now_text, 'GET')
+    local stored
+    if keep == '0' then
+      stored = redis.pcall('SET', fence_key, now_text, 'GET')
+    else
+      stored = redis.pcall('SET', fence_key, now_text, 'PX', keep, 'GET')
+    end
     if type(stored) == 'table' then
       -- The lock key was free a moment ago and holds our token: taking it back leaves nothing
       -- written.
@@ -73,19 +86,19 @@ for i = 1, #KEYS / 2 do
         if exhausted(stored) then
           -- No higher fence exists: refuse, taking the lock back, rather than grant a fence no
           -- client can read (and leave the key held by a grant nobody has).
-          redis.pcall('SET', fence_key, stored)
+          put_fence(fence_key, stored, keep)
           redis.pcall('DEL', lock)
           status, value = -4, stored
         else
           -- The stored fence is ahead of the clock (a clock stepped back, or grants within one
           -- microsecond): it still rises by one.
           value = plus_one(stored)
-          local set = redis.pcall('SET', fence_key, value)
+          local set = put_fence(fence_key, value, keep)
           if set.err then
             -- As every other refusal: nothing left written, the stored fence put back (the
             -- SET GET above left the clock's, lower) and the lock taken back. Not reached
             -- today (a script that has written is not refused), kept in line for when it is.
-            redis.pcall('SET', fence_key, stored)
+            put_fence(fence_key, stored, keep)
             redis.pcall('DEL', lock)
             status, value = -3, set.err
           end
@@ -109,7 +122,7 @@ for i = 1, #KEYS / 2 do
         -- The fence key went (evicted, deleted) since the first grant, whose fence the caller
         -- never saw: a fence from the clock, as after a restart, never 0.
         status, value = 1, now
-        local set = redis.pcall('SET', fence_key, now_text)
+        local set = put_fence(fence_key, now_text, keep)
         if set.err then status, value = -3, set.err end
       end
       if type(renewed) == 'table' then status, value = -3, renewed.err end

@@ -221,7 +221,9 @@ impl DedupeLayer {
                 claims,
                 key: KeyExtractor::idempotency_key(),
                 scope: String::new(),
-                claim: LockOptions::new(),
+                // Delivery ids come without end: each claim's fence is forgotten with its
+                // result instead of kept for ever.
+                claim: LockOptions::new().keep_fence(DEFAULT_RETENTION),
                 wait: false,
                 methods: Some(vec![
                     Method::POST,
@@ -313,7 +315,9 @@ impl DedupeLayer {
     }
 
     /// How long a completed result is replayed (default 24 h). Standard Webhooks suggests at
-    /// least 5 minutes. From 1 ms to [`MAX_RETENTION`]; out of that range every keyed request
+    /// least 5 minutes. Each claim's fence is kept as long too
+    /// ([`LockOptions::keep_fence`](lock_core::LockOptions::keep_fence)), then forgotten with the
+    /// result: delivery ids come without end, and none leaves anything behind for good. From 1 ms to [`MAX_RETENTION`]; out of that range every keyed request
     /// the layer would dedupe (see [`methods`](Self::methods)) is answered 500
     /// ([`Reason::Misconfigured`]) before the handler runs (a request without a key is answered
     /// as usual: 400, or passed on where the layer lets it).
@@ -341,7 +345,10 @@ impl DedupeLayer {
     /// # Ok(()) }
     /// ```
     pub fn retention(self, retention: Duration) -> Self {
-        self.with(|c| c.retention = retention)
+        self.with(|c| {
+            c.retention = retention;
+            c.claim = c.claim.clone().keep_fence(retention);
+        })
     }
 
     /// The claim's lease TTL (default 30 s, renewed while the handler runs). From lock-core's
