@@ -842,20 +842,30 @@ async fn a_dropped_shutdown_still_stops_the_worker(h: Harness) {
             .await;
         let id = q.enqueue(b"stuck").await.expect("enqueue");
         let dropped = Arc::new(AtomicBool::new(false));
-        let d = dropped.clone();
+        let started = Arc::new(AtomicBool::new(false));
+        let (d, s) = (dropped.clone(), started.clone());
         let w = Worker::new(q.clone())
             .ttl(ms(300))
             .reap_every(Duration::from_secs(3_600))
             .start(move |_job| {
-                let d = d.clone();
+                let (d, s) = (d.clone(), s.clone());
                 async move {
                     let _guard = OnDrop(d);
+                    s.store(true, Ordering::SeqCst);
                     std::future::pending::<()>().await;
                     Ok(())
                 }
             })
             .expect("start");
-        until_running(&w).await;
+        // Not only claimed (`in_flight` counts a job before its handler is first polled): a
+        // handler cut off before its body ran would hold no guard to tell of its drop.
+        assert!(
+            eventually(Duration::from_secs(10), || async {
+                started.load(Ordering::SeqCst)
+            })
+            .await,
+            "the handler never started"
+        );
         let shutdown = w.shutdown(Duration::from_secs(10));
         if polled {
             assert!(
@@ -970,16 +980,33 @@ async fn shutdown_is_graceful(h: Harness) {
     let r = w.shutdown(ms(200)).await;
     assert_eq!((r.completed, r.in_flight), (0, 1), "{r:?}");
     assert_eq!(q.job(b).await.expect("job").state, JobState::Active);
-    // Nothing claims after shutdown.
-    let c = q.enqueue(b"c").await.expect("enqueue");
+}
+
+/// Claiming stops when `shutdown` is called, not when its future is first polled: a job
+/// enqueued while the future sits unpolled stays pending. (The worker of the test before is
+/// gone by the time anything is enqueued, so that cannot tell.)
+async fn claiming_stops_when_shutdown_is_called(h: Harness) {
+    let q = h.open(Queue::builder("shutdown_called")).await;
+    let w = Worker::new(q.clone())
+        .start(|_| async { Ok(()) })
+        .expect("start");
+    // The worker, on another thread of the runtime, finds nothing and waits for an enqueue.
+    sleep(ms(100)).await;
+    let stopping = w.shutdown(Duration::from_secs(5));
+    let id = q.enqueue(b"x").await.expect("enqueue");
     sleep(ms(300)).await;
-    assert_eq!(q.job(c).await.expect("job").state, JobState::Pending);
+    assert_eq!(q.job(id).await.expect("job").state, JobState::Pending);
+    let r = stopping.await;
+    assert_eq!(r.claimed, 0, "{r:?}");
+    assert_eq!(q.job(id).await.expect("job").state, JobState::Pending);
 }
 
 /// A stop that comes together with a wake-up claims nothing. On memory an enqueue's wake-up is
 /// delivered before `enqueue` returns, so with the worker asleep in its claim wait and the stop
-/// sent right after, both are ready at the worker's next poll. Twenty rounds; a wait that
-/// picked between the two at random would claim in about half of them.
+/// sent right after, both are ready at the worker's next poll. Two guards see to it: the wait
+/// looks at the stop first (`biased`), and the claim loop looks again before each claim; this
+/// fails only when neither holds (a wait then picking between the two at random would claim
+/// in about half of the twenty rounds).
 #[tokio::test(flavor = "current_thread")]
 async fn a_stop_with_a_wake_up_claims_nothing() {
     for round in 0..20 {
@@ -1187,6 +1214,11 @@ async fn retry_delay_is_bounded(h: Harness) {
         at >= before + year - 60_000 && at <= before + year + 60_000,
         "due at {at}, not a year after {before}"
     );
+    // Under a millisecond, the stores' unit, is still a delay, not an immediate retry.
+    q.enqueue(b"y").await.expect("enqueue");
+    let c = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    let state = c.retry(Duration::from_micros(500)).await.expect("retry");
+    assert_eq!(state, JobState::Delayed);
 }
 
 /// A lease past its deadline that no reap has returned still holds (the module's limits say
@@ -1470,6 +1502,10 @@ macro_rules! suite {
                 $make
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn claiming_stops_when_shutdown_is_called() {
+                super::claiming_stops_when_shutdown_is_called(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn fifo_claim_complete() {
                 super::fifo_claim_complete(harness()).await
             }
@@ -1614,3 +1650,37 @@ suite!(
     redis_cluster_acl,
     Harness::ClusterAcl(Cluster::start(Flavor::Redis, 3, 0))
 );
+
+/// `max_attempts` is stored with each job at enqueue: a handle opened later with another limit
+/// changes neither the jobs already queued nor, through them, how soon they die. (Server
+/// queues: a memory queue is one object, whose builder is used once.)
+async fn max_attempts_is_fixed_at_enqueue(s: Server) {
+    let url = s.url();
+    let open = |n| Queue::builder("fixed").max_attempts(n).redis(&url);
+    let one = open(1).await.expect("connect");
+    let five = open(5).await.expect("connect");
+    let dies = one.enqueue(b"x").await.expect("enqueue");
+    let c = five.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert_eq!(c.id(), dies);
+    assert_eq!(
+        c.retry(Duration::ZERO).await.expect("retry"),
+        JobState::Dead
+    );
+    let lives = five.enqueue(b"y").await.expect("enqueue");
+    let c = one.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert_eq!(c.id(), lives);
+    assert_eq!(
+        c.retry(Duration::ZERO).await.expect("retry"),
+        JobState::Pending
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_attempts_is_fixed_at_enqueue_on_redis() {
+    max_attempts_is_fixed_at_enqueue(Server::start(Flavor::Redis)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_attempts_is_fixed_at_enqueue_on_valkey() {
+    max_attempts_is_fixed_at_enqueue(Server::start(Flavor::Valkey)).await;
+}

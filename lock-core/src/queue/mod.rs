@@ -45,6 +45,9 @@
 //! - Payloads are at most [`MAX_PAYLOAD`] bytes; errors are stored cut to [`MAX_ERROR_LEN`].
 //! - `max_attempts` is stored with each job at enqueue; changing the builder later does not
 //!   change jobs already queued.
+//! - The scripts write step by step and a server does not roll a script back: an ACL rule that
+//!   denies one of their later commands (not the first) can leave a job out of every set. The
+//!   rule in `docs/leasehold.acl` grants them all.
 //! - On a cluster ([`QueueBuilder::cluster`]) a queue lives in one slot (one hash tag), so it
 //!   gets one shard's throughput; spread load over several queues.
 //! - On a single Redis primary with asynchronous replicas, a failover can lose the latest
@@ -876,8 +879,11 @@ impl Queue {
     /// warning in the log, and the claim goes on to the next job. So is a job whose `attempts`
     /// field was overwritten with something not an integer (it has no fence to give): it goes
     /// to the dead set with the reason as its error, the field kept as it was found. Any other
-    /// refusal by the server (out of memory, an ACL rule) fails the claim and leaves the job
-    /// pending.
+    /// refusal by the server (out of memory, an ACL rule denying the script's first command)
+    /// fails the claim and leaves the job pending. An ACL rule that denies a later command of
+    /// the script (`ZADD`, `HSET`) is not undone that way: the server does not roll a script
+    /// back, so the job can be left out of every set. Give the queue's user the whole rule of
+    /// `docs/leasehold.acl`.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
@@ -1173,7 +1179,8 @@ impl Queue {
     ) -> Result<JobState> {
         validate_retry_delay(delay)?;
         let op = Op::Retry {
-            delay_ms: ms(delay),
+            // The stores count in whole milliseconds: a delay under one is still a delay.
+            delay_ms: ms(delay).max(u64::from(!delay.is_zero())),
             error: clip(error),
         };
         Ok(self.settle(id, attempts, holder, op).await?.state)

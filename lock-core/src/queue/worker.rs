@@ -255,12 +255,19 @@ impl Worker {
     }
 
     fn delay_for(&self, attempts: u64) -> Duration {
-        let shift = u32::try_from(attempts.saturating_sub(1))
-            .unwrap_or(u32::MAX)
-            .min(30);
-        self.backoff
-            .saturating_mul(1u32 << shift)
-            .min(self.max_backoff)
+        // Doubled step by step rather than by one shift: a shift wide enough for late attempts
+        // overflows its multiplier, and one narrow enough stops short of a far cap. The steps
+        // end once the cap is reached, so there are at most about a hundred (a nanosecond
+        // doubled to `Duration::MAX`).
+        let mut delay = self.backoff;
+        for _ in 1..attempts {
+            // Zero doubles to zero: no step changes it.
+            if delay >= self.max_backoff || delay.is_zero() {
+                break;
+            }
+            delay = delay.saturating_mul(2);
+        }
+        delay.min(self.max_backoff)
     }
 
     /// Starts claiming and running jobs on the current runtime. Fails at once with
@@ -613,5 +620,28 @@ async fn keep_alive(
             }
             Err(e) => return e,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `backoff × 2^(attempts-1)`, capped at `max_backoff`, at every attempt count: also a far
+    /// cap reached only after more than 30 doublings, and attempts past any shift width.
+    #[test]
+    fn delays_double_up_to_the_cap() {
+        let q = Queue::builder("q").memory().expect("queue");
+        let us = Duration::from_micros;
+        let w = Worker::new(q).backoff(us(1), Duration::from_secs(3600));
+        assert_eq!(w.delay_for(0), us(1));
+        assert_eq!(w.delay_for(1), us(1));
+        assert_eq!(w.delay_for(2), us(2));
+        assert_eq!(w.delay_for(31), us(1 << 30));
+        assert_eq!(w.delay_for(32), us(1 << 31));
+        assert_eq!(w.delay_for(33), Duration::from_secs(3600));
+        assert_eq!(w.delay_for(u64::MAX), Duration::from_secs(3600));
+        let w = w.backoff(Duration::ZERO, Duration::from_secs(1));
+        assert_eq!(w.delay_for(u64::MAX), Duration::ZERO);
     }
 }
