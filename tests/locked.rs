@@ -268,6 +268,40 @@ async fn a_result_alias_as_return_type() {
     held.release().await.expect("release");
 }
 
+/// Arguments handed on by a `macro_rules!` (`$t:expr` fragments arrive in invisible groups)
+/// are read as written: a key template still captures, a duration string is still parsed.
+macro_rules! locked_job {
+    ($name:ident, $id:ident, $key:expr, $ttl:expr) => {
+        #[locked(key = $key, ttl = $ttl, locker = locker)]
+        async fn $name(locker: &Locker, $id: u64) -> Result<Duration, Error> {
+            Ok(current_lease().expect("a lease").remaining())
+        }
+    };
+}
+// The captured parameter is named by the caller too: the template's `{id}` is the caller's
+// token, and macro hygiene would not let it see a name the macro made up.
+locked_job!(forwarded, id, "forwarded:{id}", "5s");
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn arguments_through_macro_rules() {
+    let locker = Locker::memory();
+    // The 5 s TTL less the drift allowance, not the 30 s default.
+    let left = forwarded(&locker, 7).await.expect("ran");
+    assert!(
+        left > Duration::from_secs(4) && left <= Duration::from_secs(5),
+        "{left:?}"
+    );
+    let held = locker
+        .try_acquire("forwarded:7", &LockOptions::default())
+        .await
+        .expect("held");
+    assert!(matches!(
+        forwarded(&locker, 7).await,
+        Err(Error::Busy { .. })
+    ));
+    held.release().await.expect("release");
+}
+
 /// The fence a body sees, and what a task it spawns sees.
 #[locked(key = "spawner", locker = locker)]
 async fn spawner(locker: &Locker) -> Result<(Option<Fence>, Option<Fence>), Error> {

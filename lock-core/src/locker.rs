@@ -330,6 +330,11 @@ impl<B: Backend + Clone> Drop for Abandoned<'_, B> {
 /// Takes leases on one backend. Cheap to clone; clones share the backend, the renewal driver and
 /// the wake-up subscription.
 ///
+/// The renewal driver is a task on the runtime that first used the locker (started again on a
+/// later one once that runtime has shut down): use a locker from one runtime at a time, and
+/// give runtimes that run side by side a locker each. Leases taken on a second runtime are
+/// renewed only while the first one is driven.
+///
 /// ```
 /// use lock_core::{Locker, LockOptions};
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {

@@ -65,7 +65,7 @@ fn parse_args(args: TokenStream2) -> syn::Result<Args> {
                 if out.key.is_some() {
                     return Err(duplicate());
                 }
-                out.key = Some(match meta.value()?.parse::<Expr>()? {
+                out.key = Some(match ungroup(meta.value()?.parse::<Expr>()?) {
                     Expr::Lit(ExprLit {
                         lit: Lit::Str(s), ..
                     }) => Key::Format(s),
@@ -81,7 +81,7 @@ fn parse_args(args: TokenStream2) -> syn::Result<Args> {
                 if slot.is_some() {
                     return Err(duplicate());
                 }
-                let d = match meta.value()?.parse::<Expr>()? {
+                let d = match ungroup(meta.value()?.parse::<Expr>()?) {
                     Expr::Lit(ExprLit {
                         lit: Lit::Str(s), ..
                     }) => {
@@ -139,6 +139,15 @@ fn parse_args(args: TokenStream2) -> syn::Result<Args> {
 }
 
 /// Refuses a `ttl` literal that lock-core would refuse with `InvalidTtl` on every call.
+/// An argument as written: a `macro_rules!` fragment (`$t:expr`) arrives wrapped in an
+/// invisible group, and a literal passed through one must still be read as a literal.
+fn ungroup(e: Expr) -> Expr {
+    match e {
+        Expr::Group(g) => ungroup(*g.expr),
+        e => e,
+    }
+}
+
 fn check_ttl(ttl: std::time::Duration) -> Result<(), String> {
     use ttl_bounds::{MAX_TTL, MIN_TTL};
     let range = || {

@@ -7,6 +7,9 @@ async fn run() -> impl Debug {
     42
 }
 
+/// Takes only a future whose output is `Debug`, as `run` is written.
+fn debug_output<T: Debug>(_: impl std::future::Future<Output = T>) {}
+
 fn main() {
-    let _ = run();
+    debug_output(run());
 }

@@ -6,5 +6,5 @@ fn run() -> Result<(), Error> {
 }
 
 fn main() {
-    let _ = run();
+    let _: Result<(), Error> = run();
 }

@@ -6,5 +6,5 @@ async fn run() -> Result<(), Error> {
 }
 
 fn main() {
-    let _ = run();
+    let _: &dyn std::future::Future<Output = Result<(), Error>> = &run();
 }
