@@ -1330,6 +1330,42 @@ mod tests {
         lease.release().await.expect("release");
     }
 
+    /// An extend answered after the lease's alarm reports it lost, and the driver renews it no
+    /// more: the holder was told to stop, and a renewal would keep the key from everyone for
+    /// another TTL. (The extend ran on the server at once and holds the key to 21 s; answered
+    /// at 20.5 s, past the alarm at about 20.3 s. The renewal put off while it travelled came
+    /// a quarter second later, and set the key to expire 30 s on.)
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_lost_to_a_late_extend_is_not_renewed() {
+        let memory = MemoryBackend::new();
+        let backend = SlowReply {
+            inner: memory.clone(),
+            slow_ttl: Duration::from_secs(20),
+            delay: Duration::from_millis(19_500),
+            slowed: Arc::default(),
+            pending: Arc::default(),
+            overtook: Arc::default(),
+        };
+        let locker = Locker::new(backend);
+        let lease = locker
+            .try_acquire("k", &opts(Duration::from_secs(30)))
+            .await
+            .expect("acquire");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let extended = lease.extend(Duration::from_secs(20)).await;
+        assert!(
+            matches!(extended, Err(Error::LeaseLost { .. })),
+            "{extended:?}"
+        );
+        assert!(lease.is_lost());
+        // The guard is kept (a dropped one is released anyway): past the extend's expiry on
+        // the server, the key must be free.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let key = locker.lock_key("k").expect("key");
+        assert!(!memory.is_held(&key), "renewed after it was reported lost");
+        drop(lease);
+    }
+
     /// A wait of zero is over at once, yet a free key is still tried once and taken, however
     /// the timer and the free turn are polled (a paused clock fires the timer on its first
     /// poll).

@@ -218,15 +218,7 @@ impl LeaseState {
     }
 
     fn renewal_answered(&self, sent: Instant, deadline: Instant, ahead: Duration) -> Option<Times> {
-        if self.is_lost() {
-            self.times
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .renewal_settled();
-            self.lost.cancel();
-            return None;
-        }
-        Some(self.answered(sent, deadline, ahead, None))
+        self.answered(sent, deadline, ahead, None)
     }
 
     /// An explicit extend sent at `sent` succeeded: the server's expiry is now the one it set,
@@ -241,12 +233,7 @@ impl LeaseState {
         ahead: Duration,
         ttl: Duration,
     ) -> bool {
-        if self.is_lost() {
-            self.lost.cancel();
-            return false;
-        }
-        let _ = self.answered(sent, deadline, ahead, Some(ttl));
-        true
+        self.answered(sent, deadline, ahead, Some(ttl)).is_some()
     }
 
     /// An explicit extend about to be sent: from then on it may land and set the server's expiry
@@ -305,16 +292,28 @@ impl LeaseState {
         self.earlier.notify_waiters();
     }
 
-    /// A renewal or an extend (`extend_ttl`: its TTL) sent at `sent` succeeded with `deadline`.
+    /// A renewal or an extend (`extend_ttl`: its TTL) sent at `sent` succeeded with `deadline`;
+    /// `None` (and the lease marked lost for good) when it already counted as lost.
     fn answered(
         &self,
         sent: Instant,
         deadline: Instant,
         ahead: Duration,
         extend_ttl: Option<Duration>,
-    ) -> Times {
+    ) -> Option<Times> {
         let explicit = extend_ttl.is_some();
         let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
+        // Judged under the lock that moves the alarm: looked at before taking it, the alarm
+        // could pass in between, a reader see the lease lost, and this reply then move the
+        // alarm on and make it look held again.
+        if self.lost.is_cancelled() || t.alarm <= Instant::now() {
+            if !explicit {
+                t.renewal_settled();
+            }
+            drop(t);
+            self.lost.cancel();
+            return None;
+        }
         let asked = deadline;
         let mut deadline = deadline;
         if explicit {
@@ -373,7 +372,7 @@ impl LeaseState {
         if earlier {
             self.earlier.notify_waiters();
         }
-        after
+        Some(after)
     }
 
     /// Resolves once the lease is lost: cancelled by the driver or a failed extend, or its
@@ -399,14 +398,28 @@ impl LeaseState {
         }
     }
 
+    /// Whether the lease counts as lost. Seen once, for good: a lease whose alarm a reader saw
+    /// pass is marked lost, so that a renewal answered a moment later cannot make it look held
+    /// again (the reader may have stopped its work already).
     pub(crate) fn is_lost(&self) -> bool {
-        self.lost.is_cancelled() || self.alarm() <= Instant::now()
+        if self.lost.is_cancelled() {
+            return true;
+        }
+        if self.alarm() <= Instant::now() {
+            self.lost.cancel();
+            return true;
+        }
+        false
     }
 
     pub(crate) fn remaining(&self) -> Duration {
         let t = self.times();
         let now = Instant::now();
-        if self.lost.is_cancelled() || t.alarm <= now {
+        if self.lost.is_cancelled() {
+            return Duration::ZERO;
+        }
+        if t.alarm <= now {
+            self.lost.cancel();
             return Duration::ZERO;
         }
         t.deadline.saturating_duration_since(now)
@@ -724,6 +737,7 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
         let sent_at = Instant::now();
         let first_due = d.renews.first().is_some_and(|(t, _)| *t <= now);
         let mut deferred = Vec::new();
+        let mut lost = Vec::new();
         while let Some(&(at, id)) = d.renews.first() {
             if !first_due || at > now + BATCH_WINDOW {
                 break;
@@ -731,6 +745,13 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
             d.renews.remove(&(at, id));
             if let Some(e) = d.entries.get_mut(&id) {
                 e.filed_renew = None;
+                // Counted lost already (an extend answered after the alarm, a holder that saw
+                // the alarm pass): renewed no more, as its holder may have stopped; a renewal
+                // would only keep the key from others for another TTL.
+                if e.state.is_lost() {
+                    lost.push(id);
+                    continue;
+                }
                 let Some(ttl) = e.state.renewal_ttl(e.ttl, sent_at) else {
                     deferred.push((id, e.ttl));
                     continue;
@@ -738,6 +759,11 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
                 let slot = due.entry(ttl).or_default();
                 slot.0.push(id);
                 slot.1.push((e.key.clone(), e.token.clone()));
+            }
+        }
+        for id in lost {
+            if let Some(e) = d.remove(id) {
+                debug!(key = e.key.user(), "lease already lost; not renewed");
             }
         }
         for (id, ttl) in deferred.drain(..) {
