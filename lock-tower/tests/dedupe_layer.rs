@@ -42,6 +42,7 @@ on_every_backend!(
     results_expire_after_the_retention,
     deliveries_leave_nothing_behind_after_the_retention,
     a_failing_body_stores_nothing,
+    a_stalled_body_is_bounded_by_a_body_timeout,
     a_body_above_the_cap_that_fails_stores_nothing,
     a_relay_that_dies_cuts_the_body,
     an_empty_webhook_id_counts_as_absent,
@@ -306,6 +307,21 @@ async fn same_key_different_request_is_422(h: Harness) {
     .await;
     assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // So is another method with the same key, path and body.
+    let things = Arc::new(AtomicUsize::new(0));
+    let any_addr = serve(any_method(
+        DedupeLayer::new(locker.clone()).scope("methods"),
+        things.clone(),
+    ))
+    .await;
+    let key = [("idempotency-key", r#""m""#)];
+    let r = send(any_addr, Method::POST, "/things", &key, "{}").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    let r = send(any_addr, Method::PUT, "/things", &key, "{}").await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.text());
+    let r = send(any_addr, Method::POST, "/things", &key, "{}").await;
+    assert_eq!(r.header("idempotent-replayed"), Some("true"));
+    assert_eq!(things.load(Ordering::SeqCst), 1);
 
     let layer = DedupeLayer::new(locker)
         .scope("conflicting")
@@ -1333,6 +1349,54 @@ async fn a_failing_body_stores_nothing(h: Harness) {
             runs.load(Ordering::SeqCst),
             run,
             "the handler did not run again"
+        );
+    }
+}
+
+/// The README's advice for a response body that stalls, as it is written: tower-http's
+/// `ResponseBodyTimeoutLayer` inside `DedupeLayer`, as a `.layer` call of its own (axum boxes
+/// the body between the two; `DedupeLayer` needs an `Unpin` body, which tower-http's
+/// `TimeoutBody` is not). A body that sends a chunk and then never ends fails at the timeout:
+/// the caller gets 500, nothing is stored, and the claim is released, so the sender's retry runs
+/// the handler again instead of getting 409 for as long as the body stalls.
+async fn a_stalled_body_is_bounded_by_a_body_timeout(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let app = Router::new().route(
+        "/hooks/stalled",
+        post(move || {
+            r.fetch_add(1, Ordering::SeqCst);
+            async {
+                Response::new(Body::new(common::Lingering(Some(Bytes::from_static(
+                    b"partial",
+                )))))
+            }
+        })
+        .layer::<_, std::convert::Infallible>(tower_http::timeout::ResponseBodyTimeoutLayer::new(
+            Duration::from_millis(300),
+        ))
+        .layer(DedupeLayer::new(h.locker().await)),
+    );
+    let addr = serve(app).await;
+    for run in 1..=2 {
+        let started = tokio::time::Instant::now();
+        let res = tokio::time::timeout(
+            Duration::from_secs(10),
+            deliver_to(addr, "/hooks/stalled", r#""stalled""#),
+        )
+        .await
+        .expect("the stalled body held the answer past its timeout");
+        assert_eq!(
+            res.status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "run {run}: {}",
+            res.text()
+        );
+        assert!(started.elapsed() >= Duration::from_millis(300), "run {run}");
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            run,
+            "the retry did not run again"
         );
     }
 }
@@ -2964,7 +3028,7 @@ async fn an_exhausted_claim_fence_is_503_without_retry_after() {
         let _: () = server.cmd(&["SET", claim.fence_key(), &u64::MAX.to_string()]);
         let runs = Arc::new(AtomicUsize::new(0));
         let addr = serve(counting(
-            DedupeLayer::new(locker),
+            DedupeLayer::new(locker.clone()),
             runs.clone(),
             Duration::ZERO,
         ))
@@ -2975,6 +3039,17 @@ async fn an_exhausted_claim_fence_is_503_without_retry_after() {
         assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler ran");
         let fresh = deliver(addr, r#""fresh""#, "{}").await;
         assert_eq!(fresh.status, StatusCode::CREATED, "{}", fresh.text());
+        // A result stored before the fence ran out is still replayed: the store is read
+        // before any claim is taken.
+        let fresh_claim = claims(&locker)
+            .lock_key(&claim_name("", "fresh"))
+            .expect("key");
+        let _: () = server.cmd(&["SET", fresh_claim.fence_key(), &u64::MAX.to_string()]);
+        let replay = deliver(addr, r#""fresh""#, "{}").await;
+        assert_eq!(replay.status, StatusCode::CREATED, "{}", replay.text());
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+        assert_eq!(replay.body, fresh.body);
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
     })
     .await
 }
