@@ -302,6 +302,39 @@ async fn arguments_through_macro_rules() {
     held.release().await.expect("release");
 }
 
+/// `#[tracing::instrument]` above `#[locked]`, and below it.
+#[tracing::instrument(skip(locker))]
+#[locked(key = "traced:{id}", locker = locker)]
+async fn traced_outside(locker: &Locker, id: u64) -> Result<Option<Fence>, Error> {
+    Ok(current_fence())
+}
+
+#[locked(key = "traced:{id}", locker = locker)]
+#[tracing::instrument(skip(locker))]
+async fn traced_inside(locker: &Locker, id: u64) -> Result<Option<Fence>, Error> {
+    Ok(current_fence())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instrument_on_either_side() {
+    let locker = Locker::memory();
+    assert!(traced_outside(&locker, 1).await.expect("ran").is_some());
+    assert!(traced_inside(&locker, 1).await.expect("ran").is_some());
+    let held = locker
+        .try_acquire("traced:2", &LockOptions::default())
+        .await
+        .expect("held");
+    assert!(matches!(
+        traced_outside(&locker, 2).await,
+        Err(Error::Busy { .. })
+    ));
+    assert!(matches!(
+        traced_inside(&locker, 2).await,
+        Err(Error::Busy { .. })
+    ));
+    held.release().await.expect("release");
+}
+
 /// The fence a body sees, and what a task it spawns sees.
 #[locked(key = "spawner", locker = locker)]
 async fn spawner(locker: &Locker) -> Result<(Option<Fence>, Option<Fence>), Error> {

@@ -413,8 +413,15 @@ impl<B: Backend + Clone> Drop for Lease<B> {
             rt.spawn(async move {
                 let _ = core.backend.release(&pair.0, &pair.1).await;
             });
+        } else {
+            // Outside a runtime this thread cannot run the release, but the driver may be
+            // running on another one (a multi-thread runtime's workers go on without this
+            // thread); with none, the lease expires with its TTL.
+            self.core.send(Cmd::Remove {
+                id: self.id,
+                release: Some(pair),
+            });
         }
-        // Outside a runtime nothing can run the release; the lease expires with its TTL.
     }
 }
 

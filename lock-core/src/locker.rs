@@ -1484,6 +1484,37 @@ mod tests {
         assert!(!lease.is_lost(), "the lease on {key} was not renewed");
     }
 
+    /// A guard dropped on a thread outside any runtime (a `Drop` in synchronous code) does
+    /// not panic, and is released by the renewal driver on the runtime's own threads: the key
+    /// is free long before its 60 s TTL. Renewing or not.
+    #[test]
+    fn a_guard_dropped_outside_a_runtime_is_released() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let locker = Locker::memory();
+        for renew in [true, false] {
+            let lease = rt
+                .block_on(locker.try_acquire("k", &opts(Duration::from_secs(60)).renew(renew)))
+                .expect("acquire");
+            if !renew {
+                // The driver runs on the runtime's worker, as it would once any lease renewed.
+                let warm = rt.block_on(locker.try_acquire("warm", &opts(Duration::from_secs(60))));
+                drop(warm);
+            }
+            assert!(tokio::runtime::Handle::try_current().is_err());
+            drop(lease);
+            let again = rt.block_on(async {
+                let wait = opts(Duration::from_secs(1)).wait(Duration::from_secs(2));
+                locker.acquire("k", &wait).await
+            });
+            let again = again.unwrap_or_else(|e| panic!("renew {renew}: not released: {e}"));
+            rt.block_on(again.release()).expect("release");
+        }
+    }
+
     /// A `Locker` outlives the runtime its renewal driver started on (kept in a static, used
     /// by one test runtime after another): the next runtime's leases are renewed all the same,
     /// by a driver started there. Also when the first runtime ended before its driver task was
