@@ -1484,6 +1484,67 @@ mod tests {
         assert!(!lease.is_lost(), "the lease on {key} was not renewed");
     }
 
+    /// The memory backend whose every extend fails (a server that stopped answering renewals,
+    /// while the key stays held on it).
+    #[derive(Clone)]
+    struct DeadExtends {
+        inner: MemoryBackend,
+    }
+
+    impl Backend for DeadExtends {
+        fn acquire(
+            &self,
+            key: &LockKey,
+            token: &Token,
+            ttl: Duration,
+        ) -> impl Future<Output = Result<AcquireReply>> + Send {
+            self.inner.acquire(key, token, ttl)
+        }
+        fn release(
+            &self,
+            key: &LockKey,
+            token: &Token,
+        ) -> impl Future<Output = Result<bool>> + Send {
+            self.inner.release(key, token)
+        }
+        async fn extend(&self, _: &[(LockKey, Token)], _: Duration) -> Result<Vec<bool>> {
+            Err(Error::Unavailable(redis::RedisError::from((
+                redis::ErrorKind::Io,
+                "renewals fail",
+            ))))
+        }
+        forward_to_memory!();
+    }
+
+    /// `with_lock` on a lost lease drops its body, returns `LeaseLost`, and releases the key:
+    /// lost because renewals failed, the key is still held on the store, and is free before
+    /// its TTL would have freed it.
+    #[tokio::test(start_paused = true)]
+    async fn with_lock_releases_a_lease_it_lost() {
+        let memory = MemoryBackend::new();
+        let locker = Locker::new(DeadExtends {
+            inner: memory.clone(),
+        });
+        let key = locker.lock_key("k").expect("key");
+        let started = Instant::now();
+        let ttl = Duration::from_secs(2);
+        let out = locker
+            .with_lock("k", &opts(ttl), |_| std::future::pending::<()>())
+            .await;
+        assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+        let lost_at = started.elapsed();
+        assert!(lost_at < ttl, "lost at {lost_at:?}");
+        let free = async {
+            while memory.is_held(&key) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_millis(20), free)
+            .await
+            .expect("still held after with_lock returned");
+        assert!(started.elapsed() < ttl, "freed only by its TTL");
+    }
+
     /// A guard dropped on a thread outside any runtime (a `Drop` in synchronous code) does
     /// not panic, and is released by the renewal driver on the runtime's own threads: the key
     /// is free long before its 60 s TTL. Renewing or not.
