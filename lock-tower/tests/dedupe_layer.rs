@@ -3053,3 +3053,47 @@ async fn an_exhausted_claim_fence_is_503_without_retry_after() {
     })
     .await
 }
+
+/// A response whose first frame alone is over the stored-body cap is handed on as it came,
+/// not copied into the layer's buffer first (a 300 KiB `Bytes` here; a handler's large body
+/// would otherwise take twice its size while it passes): the caller's frame is the handler's
+/// own buffer. Nothing is stored but the status (`Idempotent-Body-Omitted` on replay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_first_frame_is_handed_on_uncopied() {
+    use http_body_util::BodyExt;
+    use tower_service::Service;
+    static BIG: [u8; 300 * 1024] = [7; 300 * 1024];
+    let mut app: Router = Router::new()
+        .route(
+            "/hooks/big",
+            post(|| async { Body::from(Bytes::from_static(&BIG)) }),
+        )
+        .layer(DedupeLayer::new(lock_core::Locker::memory()));
+    let req = || {
+        http::Request::post("/hooks/big")
+            .header("idempotency-key", r#""big""#)
+            .body(Body::empty())
+            .expect("request")
+    };
+    let res = app.call(req()).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::OK);
+    let mut body = res.into_body();
+    let frame = body
+        .frame()
+        .await
+        .expect("a frame")
+        .expect("no error")
+        .into_data()
+        .expect("data");
+    assert_eq!(frame.len(), BIG.len());
+    assert_eq!(frame.as_ptr(), BIG.as_ptr(), "the frame was copied");
+    drop(body);
+    let replay = app.call(req()).await.expect("infallible");
+    assert_eq!(
+        replay
+            .headers()
+            .get("idempotent-body-omitted")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+}

@@ -347,6 +347,8 @@ impl Completion {
     {
         let cfg = &self.cfg;
         let mut buf = BytesMut::new();
+        // A first frame over the cap on its own, handed on as it came rather than copied.
+        let mut whole = None;
         let mut overflow = false;
         // A body with a declared length ends at its last byte: the server stops polling it
         // there, so one that stays pending after it (a stream whose sender lingers) must not
@@ -371,6 +373,11 @@ impl Completion {
                         if let Some(d) = declared {
                             data.truncate(usize::try_from(d).unwrap_or(usize::MAX) - buf.len());
                         }
+                        if buf.is_empty() && data.len() > cfg.stored_limit {
+                            whole = Some(data);
+                            overflow = true;
+                            break;
+                        }
                         buf.extend_from_slice(&data);
                         if buf.len() > cfg.stored_limit {
                             overflow = true;
@@ -391,7 +398,7 @@ impl Completion {
                 }
             }
         }
-        let buf = buf.freeze();
+        let buf = whole.unwrap_or_else(|| buf.freeze());
         let rec = Record {
             fingerprint: self.fingerprint.clone(),
             status: head.status.as_u16(),
