@@ -417,7 +417,7 @@ impl<B: Backend + Clone> Drop for Lease<B> {
             // Outside a runtime this thread cannot run the release, but the driver may be
             // running on another one (a multi-thread runtime's workers go on without this
             // thread); with none, the lease expires with its TTL.
-            self.core.send(Cmd::Remove {
+            let _ = self.core.send_if_running(Cmd::Remove {
                 id: self.id,
                 release: Some(pair),
             });

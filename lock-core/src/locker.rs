@@ -171,10 +171,10 @@ impl LockOptions {
     /// in-memory backend, one map entry), which keys without end would pile up.
     ///
     /// What it costs: a grant after the fence was forgotten takes its fence from the clock
-    /// alone (the server's in microseconds, or this process's on the in-memory backend), so
-    /// fences stay rising only if that clock does not step back by more than the time since
-    /// the key's previous grant. Within `keep`, the stored fence covers such steps as it
-    /// always does. The in-memory backend forgets in sweeps, so its entries can stay a while
+    /// alone (the server's in microseconds, or this process's on the in-memory backend). A
+    /// fence is kept until the clock has passed it by `keep` (one ahead of the clock, as
+    /// after a step back, stays that much longer; an exhausted one stays for good), so fences
+    /// keep rising unless the clock steps back by more than `keep` after that. The in-memory backend forgets in sweeps, so its entries can stay a while
     /// past `keep` (it keeps at most about twice the keys still in use). A quorum and an
     /// acquire that waits for [`replicas`](Self::replicas) keep the fence for ever, as
     /// without this option. From 1 ms to [`MAX_KEEP_FENCE`](crate::MAX_KEEP_FENCE) (a year),
@@ -278,6 +278,19 @@ impl<B: Backend + Clone> Core<B> {
             renew::spawn(&runtime, self.backend.clone(), inbox.clone());
         }
         inbox.push(cmd);
+    }
+
+    /// Hands a command to a renewal driver that already runs, and returns whether it did: with
+    /// none (and no runtime here to start one on), nothing would ever take it, and queued it
+    /// would stay for the locker's life.
+    pub(crate) fn send_if_running(&self, cmd: Cmd) -> bool {
+        match self.driver.get() {
+            Some(inbox) if inbox.running.load(Ordering::Acquire) => {
+                inbox.push(cmd);
+                true
+            }
+            _ => false,
+        }
     }
 }
 
@@ -1556,6 +1569,18 @@ mod tests {
             .build()
             .expect("runtime");
         let locker = Locker::memory();
+        // With no driver running yet (no lease of this locker renewed), a guard without
+        // renewal dropped here has nothing to hand its release to: it is left to its TTL, and
+        // nothing is queued for a driver that may never come.
+        for i in 0..100 {
+            let once = opts(Duration::from_secs(60)).renew(false);
+            let lease = rt
+                .block_on(locker.try_acquire(&format!("once:{i}"), &once))
+                .expect("acquire");
+            drop(lease);
+        }
+        let queued = locker.core.driver.get().map_or(0, |inbox| inbox.queued());
+        assert_eq!(queued, 0, "releases queued with no driver to take them");
         for renew in [true, false] {
             let lease = rt
                 .block_on(locker.try_acquire("k", &opts(Duration::from_secs(60)).renew(renew)))

@@ -63,10 +63,21 @@ impl State {
         if self.keys.len() <= self.sweep_above {
             return;
         }
+        // A fence the clock has not passed yet (grants within one microsecond, a clock stepped
+        // back) is kept whatever its keep says: forgotten, the next grant would take a lower
+        // one from the clock.
+        let clock = now_micros();
         self.keys.retain(|_, slot| {
-            slot.live(now).is_some() || slot.forget_at.is_none_or(|forget| forget > now)
+            slot.live(now).is_some()
+                || slot.forget_at.is_none_or(|forget| forget > now)
+                || slot.fence >= clock
         });
         self.sweep_above = (2 * self.keys.len()).max(SWEEP_FLOOR);
+        // The table after a burst of one-use keys would otherwise stay at its peak size, and
+        // every later sweep would walk it.
+        if self.keys.capacity() > 4 * self.sweep_above {
+            self.keys.shrink_to(self.sweep_above);
+        }
     }
 }
 
@@ -389,6 +400,10 @@ mod tests {
             fence: 1,
             forget_at,
         };
+        let ahead = Slot {
+            fence: now_micros() + 60_000_000,
+            ..slot(None, Some(past))
+        };
         let mut st = State::default();
         st.keys.insert(key("forever"), slot(None, None));
         st.keys.insert(key("forgotten"), slot(None, Some(past)));
@@ -397,14 +412,48 @@ mod tests {
         st.keys.insert(key("remembered"), slot(None, Some(future)));
         st.keys
             .insert(key("held-past-keep"), slot(Some(future), Some(past)));
-        st.sweep_above = 4;
+        st.keys.insert(key("ahead-of-the-clock"), ahead);
+        st.sweep_above = 5;
         st.sweep(now);
         let mut left: Vec<&str> = st.keys.keys().map(LockKey::user).collect();
         left.sort_unstable();
-        assert_eq!(left, ["forever", "held-past-keep", "remembered"]);
+        assert_eq!(
+            left,
+            [
+                "ahead-of-the-clock",
+                "forever",
+                "held-past-keep",
+                "remembered"
+            ]
+        );
         assert_eq!(st.sweep_above, SWEEP_FLOOR);
         st.keys.insert(key("forgotten"), slot(None, Some(past)));
         st.sweep(now);
-        assert_eq!(st.keys.len(), 4, "swept below the threshold");
+        assert_eq!(st.keys.len(), 5, "swept below the threshold");
+    }
+
+    /// After a burst of one-use keys the table shrinks with the sweep, rather than staying at
+    /// its peak size for every later sweep to walk.
+    #[test]
+    fn a_sweep_gives_back_the_table() {
+        let locker = crate::Locker::memory();
+        let now = Instant::now();
+        let mut st = State::default();
+        for i in 0..100_000 {
+            let key = locker.lock_key(&format!("once:{i}")).expect("key");
+            let slot = Slot {
+                holder: None,
+                fence: 1,
+                forget_at: Some(now - Duration::from_millis(1)),
+            };
+            st.keys.insert(key, slot);
+        }
+        st.sweep(now);
+        assert!(st.keys.is_empty());
+        assert!(
+            st.keys.capacity() <= 4 * SWEEP_FLOOR,
+            "capacity {}",
+            st.keys.capacity()
+        );
     }
 }

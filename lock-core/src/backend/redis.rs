@@ -385,8 +385,11 @@ pub(super) mod ops {
     {
         let mut inv = scripts.acquire.prepare_invoke();
         for (key, token, ttl, keep) in items.clone() {
-            // 0: kept for ever. TTLs and keeps are bounded (a day, a year), so no overflow.
-            let keep = keep.map_or(0, |keep| keep.max(ttl).as_millis() as u64);
+            // 0: kept for ever. Bounded here too (the trait method is public; `LockOptions`
+            // refuses more than a year before any round trip), so no overflow.
+            let keep = keep.map_or(0, |keep| {
+                keep.min(crate::MAX_KEEP_FENCE).max(ttl).as_millis() as u64
+            });
             inv.key(key.lock_key())
                 .key(key.fence_key())
                 .arg(token.as_str())

@@ -25,10 +25,16 @@ local function refusal(err, key, status)
   return status, t.ok
 end
 
--- The fence key written by every path but the common one: with the item's keep.
-local function put_fence(key, value, keep)
+-- The fence key written by every path but the common one: with the item's keep, counted from
+-- when the clock (`now`, microseconds) reaches `value`. A fence ahead of the clock forgotten
+-- sooner would let the next grant take a lower one from the clock; one more than a year ahead
+-- (set from outside, or a clock far behind) is kept for ever.
+local function put_fence(key, value, keep, now)
   if keep == '0' then return redis.pcall('SET', key, value) end
-  return redis.pcall('SET', key, value, 'PX', keep)
+  local ahead_ms = math.ceil((tonumber(value) - now) / 1000)
+  if ahead_ms > 31536000000 then return redis.pcall('SET', key, value) end
+  local px = tonumber(keep) + math.max(ahead_ms, 0)
+  return redis.pcall('SET', key, value, 'PX', string.format('%d', px))
 end
 
 -- A canonical decimal string plus one, exactly: fences go to 2^64 - 1, and Lua numbers are
@@ -86,19 +92,20 @@ for i = 1, #KEYS / 2 do
         if exhausted(stored) then
           -- No higher fence exists: refuse, taking the lock back, rather than grant a fence no
           -- client can read (and leave the key held by a grant nobody has).
-          put_fence(fence_key, stored, keep)
+          -- Put back as it was found, without the keep's expiry: exhausted is for good.
+          redis.pcall('SET', fence_key, stored)
           redis.pcall('DEL', lock)
           status, value = -4, stored
         else
           -- The stored fence is ahead of the clock (a clock stepped back, or grants within one
           -- microsecond): it still rises by one.
           value = plus_one(stored)
-          local set = put_fence(fence_key, value, keep)
+          local set = put_fence(fence_key, value, keep, now)
           if set.err then
             -- As every other refusal: nothing left written, the stored fence put back (the
             -- SET GET above left the clock's, lower) and the lock taken back. Not reached
             -- today (a script that has written is not refused), kept in line for when it is.
-            put_fence(fence_key, stored, keep)
+            redis.pcall('SET', fence_key, stored)
             redis.pcall('DEL', lock)
             status, value = -3, set.err
           end
@@ -122,7 +129,7 @@ for i = 1, #KEYS / 2 do
         -- The fence key went (evicted, deleted) since the first grant, whose fence the caller
         -- never saw: a fence from the clock, as after a restart, never 0.
         status, value = 1, now
-        local set = put_fence(fence_key, now_text, keep)
+        local set = put_fence(fence_key, now_text, keep, now)
         if set.err then status, value = -3, set.err end
       end
       if type(renewed) == 'table' then status, value = -3, renewed.err end
