@@ -371,11 +371,15 @@ where
                     *this.hold = None;
                     return Poll::Ready(Some(Err(e)));
                 }
-                Some(Ok(f)) if !at_end && !completes_declared(this.hold, &f) => {
+                // Trailers are a body's last frame: servers send them and drop the body without
+                // polling it again, whatever `is_end_stream` says.
+                Some(Ok(f))
+                    if !at_end && !f.is_trailers() && !completes_declared(this.hold, &f) =>
+                {
                     return Poll::Ready(Some(Ok(f)));
                 }
-                // The body is complete (it ended, or its declared length is reached): release
-                // first (if holding), then hand on the last frame.
+                // The body is complete (it ended, its declared length is reached, or its
+                // trailers came): release first (if holding), then hand on the last frame.
                 end => {
                     let pending = match end {
                         Some(Ok(f)) => Some(f),

@@ -42,6 +42,7 @@ on_every_backend!(
     results_expire_after_the_retention,
     deliveries_leave_nothing_behind_after_the_retention,
     a_failing_body_stores_nothing,
+    a_body_ending_in_trailers_is_stored,
     a_stalled_body_is_bounded_by_a_body_timeout,
     a_body_above_the_cap_that_fails_stores_nothing,
     a_relay_that_dies_cuts_the_body,
@@ -1398,6 +1399,36 @@ async fn a_stalled_body_is_bounded_by_a_body_timeout(h: Harness) {
             run,
             "the retry did not run again"
         );
+    }
+}
+
+/// A body that ends with trailers and never says it ended after them: the trailers are its
+/// end, so the result is stored and answered (the trailers themselves are not stored), rather
+/// than the layer waiting for a frame that never comes.
+async fn a_body_ending_in_trailers_is_stored(h: Harness) {
+    use http_body_util::BodyExt;
+    use tower_service::Service;
+    let mut app: Router = Router::new()
+        .route(
+            "/hooks/trailers",
+            post(|| async { Body::new(common::ThenTrailers(0)) }),
+        )
+        .layer(DedupeLayer::new(h.locker().await));
+    let req = || {
+        http::Request::post("/hooks/trailers")
+            .header("idempotency-key", r#""trailers""#)
+            .body(Body::empty())
+            .expect("request")
+    };
+    for replayed in [false, true] {
+        let res = tokio::time::timeout(Duration::from_secs(5), app.call(req()))
+            .await
+            .expect("the layer waited past the trailers")
+            .expect("infallible");
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(res.headers().contains_key("idempotent-replayed"), replayed);
+        let body = res.into_body().collect().await.expect("body").to_bytes();
+        assert_eq!(body, "x");
     }
 }
 

@@ -20,6 +20,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, mpsc};
 
 on_every_backend!(
+    a_body_ending_in_trailers_frees_the_lease_before_they_go_out,
     held_key_gets_409_with_retry_after,
     sequential_requests_see_increasing_fences,
     concurrent_requests_run_one_at_a_time,
@@ -355,12 +356,20 @@ async fn client_disconnect_during_handler_releases(h: Harness) {
         StatusCode::CONFLICT
     );
     drop(conn);
+    // The gate opens only for a request that got into the handler, so the first handler, if
+    // it were still running, could never finish and free the key itself.
     let freed = eventually(Duration::from_secs(10), async || {
-        let call = tokio::spawn(async move { post_to(addr, "/accounts/5/withdraw").await });
-        // A request that got in waits in the gate; let it through.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        go.add_permits(1);
-        call.await.expect("join").status == StatusCode::OK
+        let mut call = tokio::spawn(async move { post_to(addr, "/accounts/5/withdraw").await });
+        tokio::select! {
+            _ = entered.recv() => {
+                go.add_permits(1);
+                call.await.expect("join").status == StatusCode::OK
+            }
+            answered = &mut call => {
+                assert_eq!(answered.expect("join").status, StatusCode::CONFLICT);
+                false
+            }
+        }
     })
     .await;
     assert!(freed, "the key stayed held after the client hung up");
@@ -1257,6 +1266,42 @@ async fn a_response_without_a_body_frees_the_lease_before_it_goes_out(h: Harness
         assert!(free.is_ok(), "{method} {uri}: the lease is still held");
         drop(res);
     }
+}
+
+/// A body that ends with trailers (and does not say it ended after them, as a stream body
+/// does not): the lease is released before the trailers are handed on, since the server sends
+/// them and drops the body without polling it again.
+async fn a_body_ending_in_trailers_frees_the_lease_before_they_go_out(h: Harness) {
+    use http_body_util::BodyExt;
+    use tower_service::Service;
+    let locker = h.locker().await;
+    let mut app: Router = Router::new()
+        .route(
+            "/exports/{id}",
+            post(|| async { Body::new(common::ThenTrailers(0)) }),
+        )
+        .route_layer(LockLayer::new(
+            locker.clone(),
+            KeyExtractor::route_param("id"),
+        ));
+    let req = http::Request::post("/exports/9")
+        .body(Body::empty())
+        .expect("request");
+    let mut body = app.call(req).await.expect("infallible").into_body();
+    let data = body.frame().await.expect("a frame").expect("no error");
+    assert!(data.is_data());
+    let held = locker
+        .try_acquire("9", &lock_core::LockOptions::new())
+        .await;
+    assert!(held.is_err(), "released before the body ended");
+    let trailers = body.frame().await.expect("a frame").expect("no error");
+    assert!(trailers.is_trailers());
+    // The body is kept, as a server that sent the trailers keeps it until it drops it.
+    let free = locker
+        .try_acquire("9", &lock_core::LockOptions::new())
+        .await;
+    assert!(free.is_ok(), "the lease is still held after the trailers");
+    drop(body);
 }
 
 /// `path_segment` counts segments as axum's router does, empty ones included: a request with

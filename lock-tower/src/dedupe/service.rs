@@ -365,6 +365,14 @@ impl Completion {
                     return self.cut_short().await;
                 }
                 None => break,
+                // Trailers are a body's last frame, whatever `is_end_stream` says after them
+                // (servers send them and drop the body): an end like `None`.
+                Some(Ok(frame)) if frame.is_trailers() => {
+                    if declared.is_some_and(|d| (buf.len() as u64) < d) {
+                        return self.cut_short().await;
+                    }
+                    break;
+                }
                 Some(Ok(frame)) => {
                     // Trailers are not stored or replayed; data frames are.
                     if let Ok(mut data) = frame.into_data() {
@@ -467,9 +475,12 @@ impl Completion {
             match next_frame(&mut body).await {
                 None => break,
                 Some(Ok(frame)) => {
-                    // As below the cap, trailers are neither stored nor handed on.
-                    let Ok(mut data) = frame.into_data() else {
-                        continue;
+                    // As below the cap, trailers are neither stored nor handed on; they are
+                    // the body's last frame, whatever `is_end_stream` says after them.
+                    let mut data = match frame.into_data() {
+                        Ok(data) => data,
+                        Err(frame) if frame.is_trailers() => break,
+                        Err(_) => continue,
                     };
                     if let Some(l) = &mut left {
                         data.truncate(usize::try_from(*l).unwrap_or(usize::MAX));

@@ -244,6 +244,31 @@ impl Body for Lingering {
     }
 }
 
+/// A response body that yields `x`, then trailers, then stays pending: it never says it
+/// ended, as a stream body that sent its trailers does not.
+pub struct ThenTrailers(pub u8);
+
+impl Body for ThenTrailers {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0 += 1;
+        match self.0 {
+            1 => Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"x"))))),
+            2 => {
+                let mut trailers = http::HeaderMap::new();
+                trailers.insert("x-checksum", http::HeaderValue::from_static("1"));
+                Poll::Ready(Some(Ok(Frame::trailers(trailers))))
+            }
+            _ => Poll::Pending,
+        }
+    }
+}
+
 /// Polls `f` every 20 ms until it returns true or `limit` passes.
 pub async fn eventually(limit: Duration, mut f: impl AsyncFnMut() -> bool) -> bool {
     let start = tokio::time::Instant::now();
