@@ -1,5 +1,6 @@
 //! A misconfigured layer answers every request 500, and says why in the log once, as an error,
-//! not once per request: a busy route would otherwise bury the log in one line repeated.
+//! not once per request: a busy route would otherwise bury the log in one line repeated. And a
+//! lease that ran out under a handler that could not be cancelled is logged.
 //! A test binary of its own, since it installs the process's global subscriber.
 
 #[path = "../../tests/support/captured.rs"]
@@ -106,4 +107,32 @@ async fn a_setup_problem_is_logged_once_per_layer() {
         (count(&log, "ERROR", store), count(&log, "DEBUG", store)),
         (1, 3)
     );
+
+    // A handler that blocks its thread past the lease, on a runtime with no other thread to
+    // renew it: it cannot be cancelled (it never waits), so its answer goes out, but the log
+    // says the lease ran out under it.
+    let ran_out = "the lease had run out by the end of the response";
+    let status = std::thread::spawn(|| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::path_segment(1))
+                .ttl(Duration::from_millis(100));
+            let blocking = || async {
+                std::thread::sleep(Duration::from_millis(300));
+                "done"
+            };
+            let mut svc = layer.layer(blocking.into_service());
+            let req = http::Request::post("/accounts/7/withdraw")
+                .body(Body::empty())
+                .expect("request");
+            svc.call(req).await.expect("infallible").status()
+        })
+    })
+    .join()
+    .expect("the blocking runtime's thread");
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(count(&log, "WARN", ran_out), 1);
 }

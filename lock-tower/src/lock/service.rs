@@ -381,8 +381,18 @@ async fn release_remote(lease: Lease) {
 }
 
 pub(crate) fn log_release(outcome: lock_core::Result<lock_core::Release>) {
-    if let Err(e) = outcome {
-        tracing::warn!(error = %e, "release after the response failed; the lease expires with its TTL");
+    match outcome {
+        Ok(lock_core::Release::Released) => {}
+        // Only a handler that never waited (it blocked its thread past the lease) or a body
+        // that ended as the lease ran out gets here without the loss having been answered:
+        // the work ran, in part unprotected, and the response went out as it was.
+        Ok(lock_core::Release::NotHeld) => tracing::warn!(
+            "the lease had run out by the end of the response: the handler or its body ran \
+             past it without waiting, so neither could be cancelled"
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, "release after the response failed; the lease expires with its TTL")
+        }
     }
 }
 
