@@ -1249,7 +1249,6 @@ async fn a_response_without_a_body_frees_the_lease_before_it_goes_out(h: Harness
             KeyExtractor::route_param("id"),
         ));
     for (method, uri, key) in [
-        (Method::HEAD, "/feeds/1", "1"),
         (Method::POST, "/empty/2", "2"),
         (Method::POST, "/same/3", "3"),
     ] {
@@ -1266,6 +1265,22 @@ async fn a_response_without_a_body_frees_the_lease_before_it_goes_out(h: Harness
         assert!(free.is_ok(), "{method} {uri}: the lease is still held");
         drop(res);
     }
+    // HEAD through the layer alone: axum's router swaps a HEAD response's body for an empty
+    // one before it returns, which would drop the layer's body (and free the lease) whatever
+    // the layer did.
+    use axum::handler::HandlerWithoutStateExt;
+    use tower_layer::Layer;
+    let mut svc = LockLayer::new(locker.clone(), KeyExtractor::path_segment(1))
+        .layer(streaming(StatusCode::OK).into_service());
+    let req = http::Request::head("/feeds/1")
+        .body(Body::empty())
+        .expect("request");
+    let res = svc.call(req).await.expect("infallible");
+    let free = locker
+        .try_acquire("1", &lock_core::LockOptions::new())
+        .await;
+    assert!(free.is_ok(), "HEAD: the lease is still held");
+    drop(res);
 }
 
 /// A body that ends with trailers (and does not say it ended after them, as a stream body
