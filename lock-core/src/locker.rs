@@ -1127,6 +1127,28 @@ mod tests {
     }
 
     /// The parts of `Backend` a test backend leaves to the memory backend in its `inner`.
+    /// Acquire and release as the wrapped memory backend does them, for test backends that
+    /// change only other calls.
+    macro_rules! forward_grants_to_memory {
+        () => {
+            fn acquire(
+                &self,
+                key: &LockKey,
+                token: &Token,
+                ttl: Duration,
+            ) -> impl Future<Output = Result<AcquireReply>> + Send {
+                self.inner.acquire(key, token, ttl)
+            }
+            fn release(
+                &self,
+                key: &LockKey,
+                token: &Token,
+            ) -> impl Future<Output = Result<bool>> + Send {
+                self.inner.release(key, token)
+            }
+        };
+    }
+
     macro_rules! forward_to_memory {
         () => {
             fn admit(
@@ -1261,21 +1283,7 @@ mod tests {
     }
 
     impl Backend for SlowReply {
-        fn acquire(
-            &self,
-            key: &LockKey,
-            token: &Token,
-            ttl: Duration,
-        ) -> impl Future<Output = Result<AcquireReply>> + Send {
-            self.inner.acquire(key, token, ttl)
-        }
-        fn release(
-            &self,
-            key: &LockKey,
-            token: &Token,
-        ) -> impl Future<Output = Result<bool>> + Send {
-            self.inner.release(key, token)
-        }
+        forward_grants_to_memory!();
         fn extend(
             &self,
             items: &[(LockKey, Token)],
@@ -1505,21 +1513,7 @@ mod tests {
     }
 
     impl Backend for DeadExtends {
-        fn acquire(
-            &self,
-            key: &LockKey,
-            token: &Token,
-            ttl: Duration,
-        ) -> impl Future<Output = Result<AcquireReply>> + Send {
-            self.inner.acquire(key, token, ttl)
-        }
-        fn release(
-            &self,
-            key: &LockKey,
-            token: &Token,
-        ) -> impl Future<Output = Result<bool>> + Send {
-            self.inner.release(key, token)
-        }
+        forward_grants_to_memory!();
         async fn extend(&self, _: &[(LockKey, Token)], _: Duration) -> Result<Vec<bool>> {
             Err(Error::Unavailable(redis::RedisError::from((
                 redis::ErrorKind::Io,
