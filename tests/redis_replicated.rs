@@ -30,6 +30,20 @@ async fn grant_reaches_the_replica(flavor: Flavor) {
     let fence: String = replica.cmd(&["GET", k.fence_key()]);
     assert_eq!(fence.parse::<u64>().expect("fence"), lease.fence().get());
     lease.release().await.expect("release");
+    // A replicated acquire keeps the fence for ever, `keep_fence` or not (documented on
+    // `LockOptions::keep_fence`); a plain one with it sets the keep as the fence key's expiry.
+    let brief = Duration::from_millis(60_000);
+    let kept = locker
+        .try_acquire("repl", &replicated(2_000).keep_fence(brief))
+        .await
+        .expect("replicated grant");
+    assert_eq!(master.cmd::<i64>(&["PTTL", k.fence_key()]), -1);
+    kept.release().await.expect("release");
+    let plain = LockOptions::new().renew(false).keep_fence(brief);
+    let forgets = locker.try_acquire("repl", &plain).await.expect("grant");
+    let pttl: i64 = master.cmd(&["PTTL", k.fence_key()]);
+    assert!((50_000..=60_000).contains(&pttl), "PTTL {pttl}");
+    forgets.release().await.expect("release");
 }
 
 /// Without the replica, the grant is refused and released, and the shared connection is not

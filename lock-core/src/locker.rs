@@ -1282,6 +1282,20 @@ mod tests {
         overtook: Arc<AtomicU64>,
     }
 
+    impl SlowReply {
+        /// Over `inner`, answering the first extend with `slow_ttl` after `delay`.
+        fn new(inner: &MemoryBackend, slow_ttl: Duration, delay: Duration) -> SlowReply {
+            SlowReply {
+                inner: inner.clone(),
+                slow_ttl,
+                delay,
+                slowed: Arc::default(),
+                pending: Arc::default(),
+                overtook: Arc::default(),
+            }
+        }
+    }
+
     impl Backend for SlowReply {
         forward_grants_to_memory!();
         fn extend(
@@ -1313,14 +1327,11 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_renewal_that_shortened_the_lease_is_followed_in_time() {
         let memory = MemoryBackend::new();
-        let backend = SlowReply {
-            inner: memory.clone(),
-            slow_ttl: Duration::from_millis(300),
-            delay: Duration::from_millis(50),
-            slowed: Arc::default(),
-            pending: Arc::default(),
-            overtook: Arc::default(),
-        };
+        let backend = SlowReply::new(
+            &memory,
+            Duration::from_millis(300),
+            Duration::from_millis(50),
+        );
         let locker = Locker::new(backend.clone());
         let lease = locker
             .try_acquire("k", &opts(Duration::from_millis(300)))
@@ -1359,14 +1370,11 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_lease_lost_to_a_late_extend_is_not_renewed() {
         let memory = MemoryBackend::new();
-        let backend = SlowReply {
-            inner: memory.clone(),
-            slow_ttl: Duration::from_secs(20),
-            delay: Duration::from_millis(19_500),
-            slowed: Arc::default(),
-            pending: Arc::default(),
-            overtook: Arc::default(),
-        };
+        let backend = SlowReply::new(
+            &memory,
+            Duration::from_secs(20),
+            Duration::from_millis(19_500),
+        );
         let locker = Locker::new(backend);
         let lease = locker
             .try_acquire("k", &opts(Duration::from_secs(30)))
