@@ -217,6 +217,28 @@ async fn server_goes_away(flavor: Flavor) {
     );
 }
 
+/// A wait is for a busy key, not for a server in trouble: a waiting acquire on a server that
+/// has gone away ends at its first error (transient, so the caller may retry), long before its
+/// wait, rather than holding its caller (an HTTP request, a job) for the whole wait.
+async fn a_wait_ends_at_the_first_error_of_a_server_that_went_away(flavor: Flavor) {
+    let mut server = Server::start(flavor);
+    let config = RedisConfig {
+        response_timeout: Duration::from_millis(300),
+        connection_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let locker = Locker::redis_with(&server.url(), config)
+        .await
+        .expect("connect");
+    server.kill();
+    let t = Instant::now();
+    let r = locker
+        .acquire("down", &opts(1_000).wait(Duration::from_secs(30)))
+        .await;
+    assert!(matches!(r, Err(ref e) if e.is_transient()), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+}
+
 /// Releases missed while the subscription connection was down still wake waiters: after it
 /// reconnects, every waiter retries. The lock is deleted without a publish (as a release during
 /// the gap would go unseen), then the subscription is killed; the waiter must get the key long
@@ -1081,6 +1103,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn server_goes_away() {
                 super::server_goes_away($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_wait_ends_at_the_first_error_of_a_server_that_went_away() {
+                super::a_wait_ends_at_the_first_error_of_a_server_that_went_away($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_silent_subscription_is_replaced() {

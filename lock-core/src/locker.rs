@@ -675,6 +675,10 @@ impl<B: Backend + Clone> Locker<B> {
     /// task that asks again after releasing queues behind them. Waiters in other processes still
     /// race for the key when it frees.
     ///
+    /// The wait is for a busy key, not for a server in trouble: an error ends it at once (a
+    /// server gone away, a refusal, no quorum), so that an outage does not hold every waiting
+    /// caller for its whole wait. Retry on [`Error::is_transient`] to ride out a failover.
+    ///
     /// The wait bounds the time between attempts, not an attempt already sent when it runs
     /// out: that one is answered first. On a slow or unreachable server an attempt can take the
     /// backend's response timeout, twice when its reply is lost and it is sent again to learn

@@ -6,7 +6,7 @@ mod support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
@@ -828,8 +828,16 @@ async fn unreachable_backend_is_503(mut h: Harness) {
     let locker = Harness::locker_for(s).await;
     let app = Router::new()
         .route("/accounts/{id}/withdraw", post(|| async { "ok" }))
-        .route_layer(LockLayer::new(locker, KeyExtractor::route_param("id")));
+        .route_layer(LockLayer::new(
+            locker.clone(),
+            KeyExtractor::route_param("id"),
+        ));
     let addr = serve(app).await;
+    let wait = Duration::from_secs(30);
+    let waiting = Router::new()
+        .route("/accounts/{id}/withdraw", post(|| async { "ok" }))
+        .route_layer(LockLayer::new(locker, KeyExtractor::route_param("id")).wait(wait));
+    let waiting = serve(waiting).await;
     assert_eq!(
         post_to(addr, "/accounts/1/withdraw").await.status,
         StatusCode::OK
@@ -839,6 +847,13 @@ async fn unreachable_backend_is_503(mut h: Harness) {
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
     assert_eq!(r.header("retry-after"), Some("1"));
     assert!(r.text().contains("unavailable"), "{}", r.text());
+    // With a wait the same, at once: the wait is for a busy key, and an outage must not hold
+    // every request for it.
+    let t = Instant::now();
+    let r = post_to(waiting, "/accounts/1/withdraw").await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert!(t.elapsed() < wait, "answered after {:?}", t.elapsed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
