@@ -664,10 +664,36 @@ async fn a_cancelled_release_is_sent_again(flavor: Flavor) {
     assert_eq!(exists, 0);
 }
 
+/// An extend answered in a shape the script never gives (no answer for the lease: a server
+/// running another version of the script, a faulty proxy) is an error, not a verdict: the
+/// lease is not reported lost on the strength of a missing answer, and the next extend renews
+/// it. Before, the missing answer was read as "not held" and the lease was given up.
+async fn a_malformed_extend_reply_is_no_verdict(flavor: Flavor) {
+    let (server, proxy, locker) = through_proxy(flavor).await;
+    let lease = locker.try_acquire("malformed", &opts()).await.expect("acquire");
+    proxy.replace_replies(RELEASED, b"*0\r\n", 1);
+    let outcome = lease.extend(Duration::from_secs(10)).await;
+    assert_eq!(proxy.dropped.load(Ordering::SeqCst), 1, "the reply was replaced");
+    assert!(matches!(outcome, Err(Error::Unavailable(_))), "{outcome:?}");
+    assert!(!lease.is_lost(), "lost on a reply that said nothing of it");
+    lease
+        .extend(Duration::from_secs(10))
+        .await
+        .expect("the next extend renews it");
+    let k = locker.lock_key("malformed").expect("key");
+    let pttl: i64 = server.cmd(&["PTTL", k.lock_key()]);
+    assert!(pttl > 9_000, "PTTL {pttl}");
+    assert_eq!(lease.release().await.expect("release"), Release::Released);
+}
+
 macro_rules! lost_replies {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
             use super::*;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_malformed_extend_reply_is_no_verdict() {
+                super::a_malformed_extend_reply_is_no_verdict($flavor).await
+            }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_grant_reply_is_resolved() {
                 super::lost_grant_reply_is_resolved($flavor).await

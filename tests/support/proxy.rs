@@ -30,7 +30,10 @@ pub struct Proxy {
     pub port: u16,
     pattern: Arc<std::sync::Mutex<Vec<u8>>>,
     to_drop: Arc<AtomicUsize>,
-    /// How many replies were dropped so far.
+    /// What a matching reply's `pattern` is replaced with instead of being dropped (`None`:
+    /// dropped).
+    replacement: Arc<std::sync::Mutex<Option<Vec<u8>>>>,
+    /// How many replies were dropped (or replaced) so far.
     pub dropped: Arc<AtomicUsize>,
     /// Delay added to every reply, in microseconds (0: none).
     delay_us: Arc<AtomicU64>,
@@ -54,6 +57,7 @@ impl Proxy {
             port,
             pattern: Arc::default(),
             to_drop: Arc::default(),
+            replacement: Arc::default(),
             dropped: Arc::default(),
             delay_us: Arc::default(),
             delayed: Arc::default(),
@@ -64,6 +68,7 @@ impl Proxy {
         let faults = Faults {
             pattern: proxy.pattern.clone(),
             to_drop: proxy.to_drop.clone(),
+            replacement: proxy.replacement.clone(),
             dropped: proxy.dropped.clone(),
             delay: proxy.delay_us.clone(),
             delayed: proxy.delayed.clone(),
@@ -80,6 +85,15 @@ impl Proxy {
 
     /// Arms the proxy: the next `n` replies starting with `pattern` are lost.
     pub fn drop_replies(&self, pattern: &[u8], n: usize) {
+        *self.replacement.lock().expect("replacement") = None;
+        *self.pattern.lock().expect("pattern") = pattern.to_vec();
+        self.to_drop.store(n, Ordering::SeqCst);
+    }
+
+    /// Arms the proxy: in the next `n` replies starting with `pattern`, `pattern` is replaced
+    /// by `replacement` (a reply in a shape the server never gives).
+    pub fn replace_replies(&self, pattern: &[u8], replacement: &[u8], n: usize) {
+        *self.replacement.lock().expect("replacement") = Some(replacement.to_vec());
         *self.pattern.lock().expect("pattern") = pattern.to_vec();
         self.to_drop.store(n, Ordering::SeqCst);
     }
@@ -146,6 +160,7 @@ impl Proxy {
 struct Faults {
     pattern: Arc<std::sync::Mutex<Vec<u8>>>,
     to_drop: Arc<AtomicUsize>,
+    replacement: Arc<std::sync::Mutex<Option<Vec<u8>>>>,
     dropped: Arc<AtomicUsize>,
     delay: Arc<AtomicU64>,
     delayed: Arc<AtomicUsize>,
@@ -294,19 +309,25 @@ async fn forward(
         if state.wait_for(|s| !s.stalled).await.is_err() {
             return;
         }
+        let mut chunk = chunk;
         if let Some(f) = &replies {
-            let matches = {
+            let matched = {
                 let p = f.pattern.lock().expect("pattern");
-                !p.is_empty() && chunk.starts_with(&p)
+                (!p.is_empty() && chunk.starts_with(&p)).then_some(p.len())
             };
-            if matches
+            if let Some(len) = matched
                 && f.to_drop
                     .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
                     .is_ok()
             {
                 f.dropped.fetch_add(1, Ordering::SeqCst);
-                // Both halves dropped: the client sees its connection die with the reply unsent.
-                return;
+                let replacement = f.replacement.lock().expect("replacement").clone();
+                let Some(replacement) = replacement else {
+                    // Both halves dropped: the client sees its connection die with the reply
+                    // unsent.
+                    return;
+                };
+                chunk.splice(..len, replacement);
             }
         }
         if to.write_all(&chunk).await.is_err() {

@@ -520,6 +520,13 @@ pub(super) mod ops {
             .invoke_async::<Vec<i64>>(&mut conn)
             .await
             .map_err(|e| classify("extend", named, e))?;
+        // Answers are matched to leases by position: a reply of another length (or with a
+        // value the script never gives) would tell one lease another's fate, so it fails the
+        // whole call instead, as an unreadable reply.
+        if answers.len() != items.len() || answers.iter().any(|&n| n != 0 && n != 1) {
+            let reply = Value::Array(answers.into_iter().map(Value::Int).collect());
+            return Err(unexpected("extend", &reply));
+        }
         Ok(answers.into_iter().map(|n| n == 1).collect())
     }
 
