@@ -670,10 +670,17 @@ async fn a_cancelled_release_is_sent_again(flavor: Flavor) {
 /// it. Before, the missing answer was read as "not held" and the lease was given up.
 async fn a_malformed_extend_reply_is_no_verdict(flavor: Flavor) {
     let (server, proxy, locker) = through_proxy(flavor).await;
-    let lease = locker.try_acquire("malformed", &opts()).await.expect("acquire");
+    let lease = locker
+        .try_acquire("malformed", &opts())
+        .await
+        .expect("acquire");
     proxy.replace_replies(RELEASED, b"*0\r\n", 1);
     let outcome = lease.extend(Duration::from_secs(10)).await;
-    assert_eq!(proxy.dropped.load(Ordering::SeqCst), 1, "the reply was replaced");
+    assert_eq!(
+        proxy.dropped.load(Ordering::SeqCst),
+        1,
+        "the reply was replaced"
+    );
     assert!(matches!(outcome, Err(Error::Unavailable(_))), "{outcome:?}");
     assert!(!lease.is_lost(), "lost on a reply that said nothing of it");
     lease

@@ -47,7 +47,8 @@ pub enum Reason {
     LeaseLost,
     /// The lock backend could not be reached (default 503, with `Retry-After`), or can never
     /// lock this key (its stored fence is 2^64 - 1, `Error::FenceExhausted`: 503 without
-    /// `Retry-After`, logged at `error`).
+    /// `Retry-After`, logged at `error`), or (dedupe) a stored result changed from outside
+    /// cannot be read (the same: 503 without `Retry-After`, logged at `error`).
     Unavailable,
     /// Dedupe only: the key was seen before with a different request (method, path or body;
     /// default 422).

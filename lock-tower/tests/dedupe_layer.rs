@@ -1844,6 +1844,40 @@ async fn store_write_failure_still_answers_and_frees_the_claim(h: Harness) {
 /// The client hangs up while the store write is on its way to the server: replies are held
 /// back by a proxy, so the layer is still awaiting the store script when the connection
 /// closes. The write and the release complete anyway; the retry gets the replay.
+/// A stored result changed from outside (a status no response has, a field gone, a flag the
+/// layer never writes) is neither replayed, which would answer what the handler never said,
+/// nor run again, which would repeat a delivery already handled: 503 without `Retry-After`
+/// (no retry reads it better), and the handler does not run.
+async fn a_corrupted_stored_result_is_refused(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = DedupeLayer::new(h.locker().await);
+    let addr = serve(counting(layer, runs.clone(), Duration::ZERO)).await;
+    let (_, result_key) = claim_keys(&h.locker().await, "", "mended");
+    let corruptions: [&[&str]; 3] = [
+        &["HSET", &result_key, "status", "42"],
+        &["HDEL", &result_key, "body"],
+        &["HSET", &result_key, "omitted", "yes"],
+    ];
+    for corrupt in corruptions {
+        let _: i64 = server_cmd(&h, &["DEL", &result_key]);
+        let first = deliver(addr, r#""mended""#, "{}").await;
+        assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+        let ran = runs.load(Ordering::SeqCst);
+        let _: i64 = server_cmd(&h, corrupt);
+        let r = deliver(addr, r#""mended""#, "{}").await;
+        assert_eq!(
+            r.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{corrupt:?}: {}",
+            r.text()
+        );
+        assert_eq!(r.header("retry-after"), None, "{corrupt:?}");
+        assert_eq!(r.header("idempotent-replayed"), None, "{corrupt:?}");
+        assert!(r.text().contains("unreadable"), "{corrupt:?}: {}", r.text());
+        assert_eq!(runs.load(Ordering::SeqCst), ran, "{corrupt:?}: ran again");
+    }
+}
+
 async fn client_hangs_up_while_the_result_is_stored(h: Harness) {
     let port = match &h {
         Harness::Server(s) => s.port,
@@ -1974,6 +2008,16 @@ mod server_faults {
             Harness::valkey(),
         ))
         .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_corrupted_stored_result_is_refused_on_redis() {
+        common::bounded(a_corrupted_stored_result_is_refused(Harness::redis())).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_corrupted_stored_result_is_refused_on_valkey() {
+        common::bounded(a_corrupted_stored_result_is_refused(Harness::valkey())).await
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

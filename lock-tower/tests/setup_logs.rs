@@ -15,6 +15,7 @@ use axum::handler::HandlerWithoutStateExt;
 use captured::Captured;
 use http::StatusCode;
 use lock_tower::{DedupeLayer, KeyExtractor, LockLayer};
+use sha2::{Digest, Sha256};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -135,4 +136,64 @@ async fn a_setup_problem_is_logged_once_per_layer() {
     .expect("the blocking runtime's thread");
     assert_eq!(status, StatusCode::OK);
     assert_eq!(count(&log, "WARN", ran_out), 1);
+
+    // Refusals only an operator can mend are logged at `error`, one line per request: a key
+    // whose stored fence is 2^64 - 1 (through either layer), and a stored result changed from
+    // outside.
+    let server = &servers[0];
+    let locker = lock_core::Locker::redis(&server.url())
+        .await
+        .expect("connect");
+    let exhausted = "no fence is left for the key";
+    let key = locker.lock_key("7").expect("key");
+    let _: () = server.cmd(&["SET", key.fence_key(), &u64::MAX.to_string()]);
+    let layer = LockLayer::new(locker.clone(), KeyExtractor::path_segment(1));
+    let res = post(&mut layer.layer(ok.into_service()), "x").await;
+    assert_eq!(res, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(count(&log, "ERROR", exhausted), 1);
+    // The claim of delivery "spent" in the default scope: the layer's claims namespace, and
+    // the key's digest as its name (as in the dedupe tests).
+    let claims = locker.with_namespace("dedupe").expect("namespace");
+    let claim = claims
+        .lock_key(&claim_name("", "spent"))
+        .expect("claim key");
+    let _: () = server.cmd(&["SET", claim.fence_key(), &u64::MAX.to_string()]);
+    let mut dedupe = DedupeLayer::new(locker.clone()).layer(ok.into_service());
+    let res = post(&mut dedupe, "spent").await;
+    assert_eq!(res, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(count(&log, "ERROR", exhausted), 2);
+
+    let unreadable = "stored result unreadable";
+    assert_eq!(post(&mut dedupe, "kept").await, StatusCode::OK);
+    let results: Vec<String> = server.cmd(&["KEYS", "*:result"]);
+    assert_eq!(results.len(), 1, "{results:?}");
+    let _: i64 = server.cmd(&["HSET", &results[0], "status", "42"]);
+    assert_eq!(
+        post(&mut dedupe, "kept").await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(count(&log, "ERROR", unreadable), 1);
+}
+
+/// The name the dedupe layer claims a delivery under: a digest of its scope and key.
+fn claim_name(scope: &str, key: &str) -> String {
+    let mut h = Sha256::new();
+    for p in [scope.as_bytes(), key.as_bytes()] {
+        h.update((p.len() as u64).to_be_bytes());
+        h.update(p);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Sends a POST with idempotency key `key` through `svc`; its status.
+async fn post<S, B>(svc: &mut S, key: &str) -> StatusCode
+where
+    S: Service<http::Request<Body>, Response = http::Response<B>>,
+    S::Error: std::fmt::Debug,
+{
+    let req = http::Request::post("/accounts/7/withdraw")
+        .header("idempotency-key", format!("\"{key}\""))
+        .body(Body::empty())
+        .expect("request");
+    svc.call(req).await.expect("infallible").status()
 }

@@ -144,6 +144,7 @@ impl DedupeConfig {
 /// | client hangs up after the handler answered | the result is still stored and the claim released (a task of its own finishes them), so the retry gets the replay |
 /// | result store write fails (backend refuses it or is down) | the first caller still gets the handler's answer; nothing is stored; the claim is released (with the backend down, it expires with its TTL), so a retry runs the handler again |
 /// | result store unreachable when a request arrives | 503 with `Retry-After: 1`; the handler does not run |
+/// | stored result changed from outside (a status no response has, a field gone) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error`; neither replayed nor run again until it expires or is deleted |
 /// | [`retention`](Self::retention) (1 ms to a year) or [`claim_ttl`](Self::claim_ttl) (lock-core's `MIN_TTL` to `MAX_TTL`) out of range | 500 ([`Reason::Misconfigured`]), logged at `error`; the handler does not run |
 /// | the claim's stored fence is 2^64 - 1 (`Error::FenceExhausted`: no claim is possible) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error`; the handler does not run |
 /// | a backend with no result store (a Redlock quorum) | 500 ([`Reason::Misconfigured`], no `Retry-After`), logged at `error`; the handler does not run |

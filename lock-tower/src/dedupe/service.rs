@@ -241,6 +241,21 @@ where
             "the dedupe store is unavailable",
         )
     };
+    let store_failed = |e: StoreError| match e {
+        // Replayed, it would answer something the handler never said; run again, it would
+        // repeat a delivery already handled. Neither: refused until the record expires with
+        // its retention, and said loudly, since only an operator can mend it.
+        StoreError::Corrupt(detail) => {
+            tracing::error!(%detail, "stored result unreadable");
+            reject(
+                rejections,
+                Reason::Unavailable,
+                None,
+                "the stored result for this key is unreadable",
+            )
+        }
+        e => unavailable(e.to_string()),
+    };
     let lock_key = match cfg.claims.lock_key(&id) {
         Ok(k) => k.lock_key().to_owned(),
         Err(e) => return Ok(refuse(rejections, &e)),
@@ -255,7 +270,7 @@ where
     match cfg.store.get(&result_key).await {
         Ok(Some(rec)) => return Ok(replay(&cfg, &rec, &fingerprint)),
         Ok(None) => {}
-        Err(e) => return Ok(unavailable(e.to_string())),
+        Err(e) => return Ok(store_failed(e)),
     }
     let taken = if cfg.wait {
         cfg.claims.acquire(&id, &cfg.claim).await
@@ -275,7 +290,10 @@ where
             return Ok(replay(&cfg, &rec, &fingerprint));
         }
         Ok(None) => {}
-        Err(e) => return Ok(unavailable(e.to_string())),
+        Err(e) => {
+            release(claim, in_process).await;
+            return Ok(store_failed(e));
+        }
     }
     tracing::Span::current().record("fence", claim.fence().0);
     let info = claim.info();
@@ -409,7 +427,7 @@ impl Completion {
         let buf = whole.unwrap_or_else(|| buf.freeze());
         let rec = Record {
             fingerprint: self.fingerprint.clone(),
-            status: head.status.as_u16(),
+            status: head.status,
             headers: cfg
                 .replay_headers
                 .iter()
@@ -565,7 +583,7 @@ fn replay<B>(cfg: &DedupeConfig, rec: &Record, fingerprint: &str) -> Response<Lo
         );
     }
     let mut res = Response::new(LockBody::local(Full::new(rec.body.clone())));
-    *res.status_mut() = StatusCode::from_u16(rec.status).unwrap_or(StatusCode::OK);
+    *res.status_mut() = rec.status;
     for (name, value) in &rec.headers {
         res.headers_mut().append(name.clone(), value.clone());
     }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue};
+use http::{HeaderName, HeaderValue, StatusCode};
 use lock_core::{AnyBackend, ClusterConn, Lease, Locker};
 use redis::Script;
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -16,7 +16,7 @@ use tokio::time::Instant;
 #[derive(Clone, Debug)]
 pub(crate) struct Record {
     pub(crate) fingerprint: String,
-    pub(crate) status: u16,
+    pub(crate) status: StatusCode,
     pub(crate) headers: Vec<(HeaderName, HeaderValue)>,
     pub(crate) body: Bytes,
     /// The body was above the stored-body cap and was not kept.
@@ -27,6 +27,9 @@ pub(crate) struct Record {
 #[derive(Debug)]
 pub(crate) enum StoreError {
     Backend(String),
+    /// A stored result in a shape the layer never writes (changed from outside): no retry
+    /// reads it better, so it is not reported as passing trouble.
+    Corrupt(String),
     Unsupported,
 }
 
@@ -34,6 +37,7 @@ impl std::fmt::Display for StoreError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             StoreError::Backend(e) => write!(f, "result store failed: {e}"),
+            StoreError::Corrupt(e) => write!(f, "stored result unreadable: {e}"),
             StoreError::Unsupported => f.write_str(
                 "DedupeLayer has no result store on this backend; use memory, Redis or Redis Cluster",
             ),
@@ -200,7 +204,7 @@ async fn redis_put<C: ConnectionLike + Send>(
         .arg(claim.token().as_str())
         .arg(retention.as_millis() as u64)
         .arg(&rec.fingerprint)
-        .arg(rec.status)
+        .arg(rec.status.as_u16())
         .arg(headers)
         .arg(rec.body.as_ref())
         .arg(u8::from(rec.body_omitted))
@@ -211,7 +215,7 @@ async fn redis_put<C: ConnectionLike + Send>(
 }
 
 fn decode(fields: Vec<Option<Vec<u8>>>) -> Result<Option<Record>, StoreError> {
-    let bad = |what: &str| StoreError::Backend(format!("stored result has a bad {what}"));
+    let bad = |what: &str| StoreError::Corrupt(format!("stored result has a bad {what}"));
     let mut it = fields.into_iter();
     let (Some(fp), Some(status), Some(headers), Some(body), Some(omitted)) =
         (it.next(), it.next(), it.next(), it.next(), it.next())
@@ -221,11 +225,22 @@ fn decode(fields: Vec<Option<Vec<u8>>>) -> Result<Option<Record>, StoreError> {
     let Some(fp) = fp else {
         return Ok(None);
     };
+    // Every field is written with the fingerprint, in one HSET: one missing, or a status no
+    // response can have, is a record changed from outside, and replaying it would answer the
+    // sender with something the handler never said (a 200 with an empty body, say).
+    let (Some(headers), Some(body), Some(omitted)) = (headers, body, omitted) else {
+        return Err(bad("shape"));
+    };
     let status = status
-        .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok())
+        .and_then(|s| StatusCode::from_bytes(&s).ok())
         .ok_or_else(|| bad("status"))?;
+    let body_omitted = match omitted.as_slice() {
+        b"1" => true,
+        b"0" => false,
+        _ => return Err(bad("omitted flag")),
+    };
     let mut parsed = Vec::new();
-    for line in headers.unwrap_or_default().split(|b| *b == b'\n') {
+    for line in headers.split(|b| *b == b'\n') {
         if line.is_empty() {
             continue;
         }
@@ -241,7 +256,7 @@ fn decode(fields: Vec<Option<Vec<u8>>>) -> Result<Option<Record>, StoreError> {
         fingerprint: String::from_utf8(fp).map_err(|_| bad("fingerprint"))?,
         status,
         headers: parsed,
-        body: Bytes::from(body.unwrap_or_default()),
-        body_omitted: omitted.as_deref() == Some(b"1"),
+        body: Bytes::from(body),
+        body_omitted,
     }))
 }
