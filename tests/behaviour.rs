@@ -216,6 +216,38 @@ async fn token_checked_release(h: Harness) {
 }
 
 /// Scenario 2: extending an expired or deleted lease fails and recreates nothing.
+/// A stale holder's extend never touches the lease another holder now has: after its key went
+/// (deleted from outside) and another took it, the stale extend reaches the server, is
+/// refused by the token check (`LeaseLost`), and leaves the new holder's TTL as it was: the key
+/// frees when the new holder's short lease runs out, not after the stale holder's ten seconds.
+async fn extend_never_touches_another_holders_lease(h: Harness) {
+    let locker = h.locker().await;
+    let stale = locker
+        .try_acquire("r2b", &opts(10_000).renew(false))
+        .await
+        .expect("stale");
+    h.delete(&locker, "r2b");
+    let other = locker
+        .acquire("r2b", &opts(400).renew(false).wait(Duration::from_secs(5)))
+        .await
+        .expect("other");
+    let taken = Instant::now();
+    assert!(!stale.is_lost(), "the stale holder has not heard yet");
+    assert!(matches!(
+        stale.extend(Duration::from_secs(10)).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    assert!(stale.is_lost());
+    // The other holder's lease runs out with its own TTL.
+    sleep((taken + Duration::from_millis(600)).saturating_duration_since(Instant::now())).await;
+    let third = locker
+        .try_acquire("r2b", &opts(1_000))
+        .await
+        .expect("free once the other holder's own TTL ran out");
+    assert!(third.fence() > other.fence());
+    assert_eq!(other.release().await.expect("release"), Release::NotHeld);
+}
+
 async fn extend_after_expiry(h: Harness) {
     let locker = h.locker().await;
     // Waiting, so that a grant whose reply came too late on a loaded machine (handed out by
@@ -1209,6 +1241,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn extend_after_expiry() {
                 super::extend_after_expiry(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn extend_never_touches_another_holders_lease() {
+                super::extend_never_touches_another_holders_lease(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn extend_does_not_revive_a_lost_lease() {
