@@ -248,6 +248,48 @@ async fn extend_never_touches_another_holders_lease(h: Harness) {
     assert_eq!(other.release().await.expect("release"), Release::NotHeld);
 }
 
+/// The README's margins, measured: right after a grant `remaining()` is at most the TTL less
+/// the drift allowance (1% + 2 ms), and an unrenewed lease counts as lost 2.5% + 3 ms before
+/// that local deadline. TTL 1 s: at most 988 ms left, lost by 960 ms after the request left.
+async fn validity_keeps_the_documented_margins(h: Harness) {
+    let locker = h.locker().await;
+    let ttl = Duration::from_secs(1);
+    let sent = Instant::now();
+    let lease = locker
+        .try_acquire("margins", &LockOptions::new().ttl(ttl).renew(false))
+        .await
+        .expect("lease");
+    let granted = Instant::now();
+    let drift = ttl / 100 + Duration::from_millis(2);
+    let left = lease.remaining();
+    assert!(left <= ttl - drift, "{left:?} left of a 1 s lease");
+    assert!(
+        left + (granted - sent) + Duration::from_millis(100) >= ttl - drift,
+        "{left:?} left, {:?} after the request",
+        granted - sent
+    );
+    // Well before the margin: not lost (by this much, even on a loaded machine).
+    sleep((sent + Duration::from_millis(850)).saturating_duration_since(Instant::now())).await;
+    if Instant::now() < sent + Duration::from_millis(900) {
+        assert!(
+            !lease.is_lost(),
+            "lost {:?} into a 1 s lease",
+            sent.elapsed()
+        );
+    }
+    // Past it, counted from the grant's reply (the request left no later): lost, whatever
+    // the timers did meanwhile.
+    let warn = ttl / 40 + Duration::from_millis(3);
+    let by = granted + ttl - drift - warn + Duration::from_millis(5);
+    sleep(by.saturating_duration_since(Instant::now())).await;
+    assert!(
+        lease.is_lost(),
+        "not lost {:?} after the grant",
+        granted.elapsed()
+    );
+    assert_eq!(lease.remaining(), Duration::ZERO);
+}
+
 async fn extend_after_expiry(h: Harness) {
     let locker = h.locker().await;
     // Waiting, so that a grant whose reply came too late on a loaded machine (handed out by
@@ -1241,6 +1283,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn extend_after_expiry() {
                 super::extend_after_expiry(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn validity_keeps_the_documented_margins() {
+                super::validity_keeps_the_documented_margins(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn extend_never_touches_another_holders_lease() {
