@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use leasehold::Error;
 use leasehold::queue::{
-    JobError, JobId, JobState, MAX_PAYLOAD, MAX_RETRY_DELAY, Queue, QueueBuilder, Worker,
-    WorkerHandle,
+    JobError, JobId, JobState, MAX_CONCURRENCY, MAX_PAYLOAD, MAX_RETRY_DELAY, Queue, QueueBuilder,
+    Worker, WorkerHandle,
 };
 use support::{Cluster, Flavor, Server};
 use tokio::time::{Instant, sleep};
@@ -1117,15 +1117,29 @@ async fn bad_input(h: Harness) {
             .start(|_| async { Ok(()) }),
         Err(Error::InvalidTtl { .. })
     ));
-    assert!(matches!(
-        Worker::new(q.clone())
-            .reap_every(Duration::ZERO)
-            .start(|_| async { Ok(()) }),
-        Err(Error::InvalidDuration {
-            what: "reap interval",
-            ..
-        })
-    ));
+    for every in [Duration::ZERO, Duration::from_micros(999)] {
+        assert!(matches!(
+            Worker::new(q.clone())
+                .reap_every(every)
+                .start(|_| async { Ok(()) }),
+            Err(Error::InvalidDuration {
+                what: "reap interval",
+                ..
+            })
+        ));
+    }
+    // A concurrency meant as "unbounded" is refused before a task is spawned.
+    for n in [MAX_CONCURRENCY + 1, usize::MAX] {
+        assert!(matches!(
+            Worker::new(q.clone())
+                .concurrency(n)
+                .start(|_| async { Ok(()) }),
+            Err(Error::InvalidCount {
+                what: "concurrency",
+                ..
+            })
+        ));
+    }
     assert!(matches!(
         Queue::builder("q").keep_done(Duration::MAX).memory(),
         Err(Error::InvalidDuration {

@@ -103,6 +103,17 @@ pub enum Error {
         /// Why it was refused.
         reason: &'static str,
     },
+    /// A count setting is out of range (a worker's concurrency above
+    /// [`MAX_CONCURRENCY`](crate::queue::MAX_CONCURRENCY)). Reported before any work starts.
+    #[error("invalid {what} {value}: {reason}")]
+    InvalidCount {
+        /// Which setting it was.
+        what: &'static str,
+        /// The value that was refused.
+        value: u64,
+        /// Why it was refused.
+        reason: &'static str,
+    },
     /// The server key already holds a value of another type; nothing was overwritten.
     #[error(
         "server key `{server_key}` holds a {found}, not a leasehold value; nothing was changed"

@@ -91,7 +91,7 @@ use crate::locker::DEFAULT_PREFIX;
 use crate::types::{Fence, Token, drift, validate_key, validate_scope, validate_ttl};
 use crate::wake::Watch;
 
-pub use worker::{Job, JobError, Worker, WorkerHandle, WorkerReport};
+pub use worker::{Job, JobError, MAX_CONCURRENCY, Worker, WorkerHandle, WorkerReport};
 
 /// Largest payload accepted by [`Queue::enqueue`], in bytes (1 MiB). Larger data belongs in a
 /// blob store, with its address in the payload.
@@ -436,8 +436,8 @@ impl QueueBuilder {
 
     /// How long a completed job's marker stays (default [`DEFAULT_KEEP_DONE`]). While it stays,
     /// a late caller of an old attempt gets [`Error::Stale`] and a repeated complete of the last
-    /// attempt succeeds; afterwards both get [`Error::UnknownJob`]. Zero deletes completed jobs
-    /// at once, so a complete whose reply was lost cannot be confirmed (a worker counts it as
+    /// attempt succeeds; afterwards both get [`Error::UnknownJob`]. Kept in whole milliseconds
+    /// (under one but above zero counts as one). Zero deletes completed jobs at once, so a complete whose reply was lost cannot be confirmed (a worker counts it as
     /// lost); above [`MAX_KEEP_DONE`] the queue is not built ([`Error::InvalidDuration`]).
     ///
     /// ```
@@ -676,6 +676,13 @@ impl fmt::Debug for Queue {
 
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// `d` in the whole milliseconds the stores count in, where anything under one but zero is
+/// one: a retry delay or a done marker's keep under a millisecond is still a delay or a keep
+/// (zero alone means none).
+fn whole_ms(d: Duration) -> u64 {
+    ms(d).max(u64::from(!d.is_zero()))
 }
 
 /// Checks a retry delay before any round trip. A delay past the bound is a unit mistake, not
@@ -1112,7 +1119,7 @@ impl Queue {
     /// [`Queue::complete`] by the claim whose token is `holder` ('' for any).
     #[instrument(level = "debug", skip(self, holder), fields(queue = %self.inner.name))]
     pub(crate) async fn complete_as(&self, id: JobId, attempts: u64, holder: &str) -> Result<()> {
-        let keep_done_ms = ms(self.inner.keep_done);
+        let keep_done_ms = whole_ms(self.inner.keep_done);
         self.settle(id, attempts, holder, Op::Complete { keep_done_ms })
             .await
             .map(|_| ())
@@ -1179,8 +1186,7 @@ impl Queue {
     ) -> Result<JobState> {
         validate_retry_delay(delay)?;
         let op = Op::Retry {
-            // The stores count in whole milliseconds: a delay under one is still a delay.
-            delay_ms: ms(delay).max(u64::from(!delay.is_zero())),
+            delay_ms: whole_ms(delay),
             error: clip(error),
         };
         Ok(self.settle(id, attempts, holder, op).await?.state)
@@ -1675,6 +1681,16 @@ impl Claim {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn under_a_millisecond_counts_as_one() {
+        assert_eq!(whole_ms(Duration::ZERO), 0);
+        assert_eq!(whole_ms(Duration::from_nanos(1)), 1);
+        assert_eq!(whole_ms(Duration::from_micros(999)), 1);
+        assert_eq!(whole_ms(Duration::from_micros(1_500)), 1);
+        assert_eq!(whole_ms(Duration::from_secs(2)), 2_000);
+        assert_eq!(whole_ms(Duration::MAX), u64::MAX);
+    }
 
     #[test]
     fn errors_are_clipped_at_char_boundaries() {

@@ -168,6 +168,10 @@ fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
+/// The most handlers one [`Worker`] runs at once: each is a task waiting on the queue, and a
+/// worker is meant for a process's share of the work, not for a task per job.
+pub const MAX_CONCURRENCY: usize = 10_000;
+
 /// Runs a handler over a [`Queue`] with `concurrency` jobs at a time.
 ///
 /// Each job's lease is extended every third of the lease while its handler runs. If an extend
@@ -229,7 +233,21 @@ impl Worker {
         }
     }
 
-    /// How many handlers run at once (at least one).
+    /// How many handlers run at once (at least one; above [`MAX_CONCURRENCY`],
+    /// [`start`](Self::start) refuses with [`Error::InvalidCount`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::Error;
+    /// use lock_core::queue::{MAX_CONCURRENCY, Queue, Worker};
+    /// let queue = Queue::memory("thumbnails")?;
+    /// let handler = |_job| async { Ok(()) };
+    /// let too_many = Worker::new(queue.clone()).concurrency(MAX_CONCURRENCY + 1).start(handler);
+    /// assert!(matches!(too_many, Err(Error::InvalidCount { what: "concurrency", .. })));
+    /// let worker = Worker::new(queue).concurrency(MAX_CONCURRENCY).start(handler)?;
+    /// worker.shutdown(std::time::Duration::from_secs(1)).await;
+    /// # Ok(()) }
+    /// ```
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = n.max(1);
         self
@@ -271,19 +289,30 @@ impl Worker {
     }
 
     /// Starts claiming and running jobs on the current runtime. Fails at once with
-    /// [`Error::InvalidTtl`] if the lease is out of range, or [`Error::InvalidDuration`] if the
-    /// reap interval is zero or the backoff cap is above [`MAX_RETRY_DELAY`].
+    /// [`Error::InvalidTtl`] if the lease is out of range, [`Error::InvalidDuration`] if the
+    /// reap interval is under a millisecond or the backoff cap is above [`MAX_RETRY_DELAY`], or
+    /// [`Error::InvalidCount`] if the concurrency is above [`MAX_CONCURRENCY`].
     pub fn start<F, Fut>(self, handler: F) -> Result<WorkerHandle>
     where
         F: Fn(Job) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = std::result::Result<(), JobError>> + Send + 'static,
     {
         validate_ttl(self.ttl)?;
-        if self.reap_every.is_zero() {
+        // Below a millisecond the reaper would call the server back to back.
+        if self.reap_every < Duration::from_millis(1) {
             return Err(Error::InvalidDuration {
                 what: "reap interval",
                 value: self.reap_every,
-                reason: "the reap interval must be above zero",
+                reason: "the reap interval must be 1 ms or more",
+            });
+        }
+        // Each slot is a task of its own, spawned here: a count meant as "unbounded" would
+        // spawn until memory ran out.
+        if self.concurrency > MAX_CONCURRENCY {
+            return Err(Error::InvalidCount {
+                what: "concurrency",
+                value: u64::try_from(self.concurrency).unwrap_or(u64::MAX),
+                reason: "above MAX_CONCURRENCY",
             });
         }
         // Refused here rather than at the first retry, which would fail every retry for good
