@@ -710,7 +710,7 @@ async fn a_stuck_slot_costs_only_its_own_leases(flavor: Flavor) {
 /// and kept. Also on a one-node cluster, whose node names its own host "" in `CLUSTER SLOTS`:
 /// routed to that literal address, every batch failed, the map was dropped and fetched again,
 /// and the leases were renewed slot by slot, a call per slot per round.
-async fn renewal_is_batched_per_master(flavor: Flavor, masters: usize) {
+async fn renewal_is_batched_per_master(flavor: Flavor, masters: usize, oom: bool) {
     let cluster = Cluster::start(flavor, masters, 0);
     if masters == 1 {
         // The case this covers: the node does not know its own address.
@@ -739,6 +739,12 @@ async fn renewal_is_batched_per_master(flavor: Flavor, masters: usize) {
     sleep(ttl / 2).await;
     for node in &cluster.nodes {
         let _: () = node.cmd(&["CONFIG", "RESETSTAT"]);
+        if oom {
+            // Out of memory: renewal still runs (PEXPIRE needs none), and still in batches
+            // per node, as long as the batch script declares it may run under OOM.
+            let _: () = node.cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+            let _: () = node.cmd(&["CONFIG", "SET", "maxmemory", "1"]);
+        }
     }
     let window = Instant::now();
     sleep(ttl * 2).await;
@@ -778,14 +784,24 @@ async fn renewal_is_batched_per_master(flavor: Flavor, masters: usize) {
         );
     }
     assert!(leases.iter().all(|l| !l.is_lost()), "a lease was lost");
+    for node in &cluster.nodes {
+        let _: () = node.cmd(&["CONFIG", "SET", "maxmemory", "0"]);
+    }
 }
 
 async fn renewal_is_batched_per_master_of_three(flavor: Flavor) {
-    renewal_is_batched_per_master(flavor, 3).await
+    renewal_is_batched_per_master(flavor, 3, false).await
 }
 
 async fn renewal_is_batched_on_a_one_node_cluster(flavor: Flavor) {
-    renewal_is_batched_per_master(flavor, 1).await
+    renewal_is_batched_per_master(flavor, 1, false).await
+}
+
+/// The same out of memory: the per-node batch script was refused before it ran (a script
+/// that declares flags runs under OOM only with `allow-oom`), and every lease was renewed
+/// slot by slot, a script call each, with the slot map fetched again every round.
+async fn renewal_is_batched_per_master_out_of_memory(flavor: Flavor) {
+    renewal_is_batched_per_master(flavor, 3, true).await
 }
 
 /// The master serving a renewing lease stalls (SIGSTOP: its connections stay open and nothing
@@ -968,6 +984,7 @@ on_each_flavor!(
     a_waiter_follows_its_channel_to_a_moved_slot,
     a_moving_watched_slot_confuses_no_reply,
     renewal_is_batched_per_master_of_three,
+    renewal_is_batched_per_master_out_of_memory,
     renewal_is_batched_on_a_one_node_cluster,
     a_renewing_lease_outlives_a_stalled_masters_failover,
 );

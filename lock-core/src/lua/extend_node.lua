@@ -1,4 +1,7 @@
-#!lua flags=allow-cross-slot-keys
+#!lua flags=allow-cross-slot-keys,allow-oom
+-- allow-oom: a script that declares flags is refused up front when the server is out of memory
+-- unless it says it may run then; PEXPIRE needs no memory, and renewal must go on under OOM as
+-- it does on a single server (whose scripts declare no flags).
 -- Cluster renewal of many leases on the node this call is routed to, across its slots.
 -- ARGV[1] ttl in ms, then pairs ARGV[i], ARGV[i+1] = lock key, token.
 -- The keys travel as arguments: Redis checks that declared KEYS share one slot before the
