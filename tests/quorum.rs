@@ -865,6 +865,60 @@ async fn split_votes_retry_then_busy(flavor: Flavor) {
     lease.release().await.expect("release");
 }
 
+/// One member of three whose lock key holds a foreign type (a hash) is a no vote, not the
+/// answer: with the other two free the key is granted; with one of them held by a rival it is
+/// busy (and a wait gets it once the rival's key expires), not `WrongType`; with one of them
+/// down it is no quorum (transient). Only foreign keys on enough members that no quorum can
+/// ever form make it `WrongType`. The fence gate the same.
+async fn a_foreign_key_on_one_member_is_a_no_vote(flavor: Flavor) {
+    let mut servers = start(flavor, 3);
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let k = locker.lock_key("foreign").expect("key");
+    let _: i64 = servers[2].cmd(&["HSET", k.lock_key(), "f", "v"]);
+    let lease = locker
+        .try_acquire("foreign", &opts(5_000))
+        .await
+        .expect("two free members grant");
+    lease.release().await.expect("release");
+
+    let _: () = servers[0].cmd(&["SET", k.lock_key(), "rival", "PX", "1000"]);
+    let busy = locker.try_acquire("foreign", &opts(5_000)).await;
+    assert!(matches!(busy, Err(Error::Busy { .. })), "{busy:?}");
+    let t = Instant::now();
+    let lease = locker
+        .acquire("foreign", &opts(5_000).wait(Duration::from_secs(10)))
+        .await
+        .expect("granted once the rival's key expires");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    lease.release().await.expect("release");
+
+    // The gate: its key foreign on the same member.
+    let gate = locker.fence_gate("foreign-gate").expect("gate");
+    let _: i64 = servers[2].cmd(&["HSET", "{leasehold:foreign-gate}:gate", "f", "v"]);
+    gate.admit(Fence(7)).await.expect("two members admit");
+
+    servers[1].kill();
+    let down = locker.try_acquire("foreign", &opts(5_000)).await;
+    assert!(
+        matches!(down, Err(Error::NoQuorum { .. })),
+        "one member down, one foreign: {down:?}"
+    );
+    let down = gate.admit(Fence(8)).await;
+    assert!(
+        matches!(down, Err(Error::NoQuorum { op: "admit", .. })),
+        "one member down, one foreign: {down:?}"
+    );
+
+    // Foreign on two of three: no quorum can ever form.
+    servers[1].restart();
+    let _: i64 = servers[1].cmd(&["HSET", k.lock_key(), "f", "v"]);
+    let refused = locker.try_acquire("foreign", &opts(5_000)).await;
+    assert!(
+        matches!(refused, Err(Error::WrongType { .. })),
+        "{refused:?}"
+    );
+}
+
 /// Split votes between two clients never yield two leases; waiting resolves the contention.
 async fn contention_one_winner(flavor: Flavor) {
     let servers = start(flavor, 5);
@@ -1187,6 +1241,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn split_votes_retry_then_busy() {
                 super::split_votes_retry_then_busy($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_foreign_key_on_one_member_is_a_no_vote() {
+                super::a_foreign_key_on_one_member_is_a_no_vote($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn contention_one_winner() {

@@ -613,6 +613,7 @@ impl QuorumBackend {
         let mut may_hold = Vec::new();
         let mut answered = 0;
         let mut refusal = None;
+        let mut foreign = 0;
         for (i, vote) in votes {
             match vote {
                 Ok(Vote::Granted { stored, now_us }) => {
@@ -633,6 +634,7 @@ impl QuorumBackend {
                 }
                 Err(e @ Error::WrongType { .. }) => {
                     answered += 1;
+                    foreign += 1;
                     refusal = Some(e);
                 }
                 Err(e) => {
@@ -681,7 +683,13 @@ impl QuorumBackend {
         if let Some(e) = refusal
             && granted.len() < quorum
         {
-            return Round::Refused(e);
+            // Only when the members with a foreign key leave too few to ever agree is the key
+            // unusable; otherwise they are no votes like any other, and a round lost to a rival
+            // or to members down is busy or no quorum, as it would be without them.
+            if self.members() - foreign < quorum {
+                return Round::Refused(e);
+            }
+            warn!(error = %e, foreign, "a quorum member holds a foreign key; counted as a no vote");
         }
         Round::Failed {
             agreed,
@@ -852,11 +860,15 @@ impl Backend for QuorumBackend {
         let mut admitted = 0;
         let mut highest = None;
         let mut refusal = None;
+        let mut foreign = 0;
         for (_, answer) in answers {
             match answer {
                 Ok(None) => admitted += 1,
                 Ok(Some(h)) => highest = Some(highest.map_or(h, |x: u64| x.max(h))),
-                Err(e @ Error::WrongType { .. }) => refusal = Some(e),
+                Err(e @ Error::WrongType { .. }) => {
+                    foreign += 1;
+                    refusal = Some(e);
+                }
                 Err(_) => {}
             }
         }
@@ -866,7 +878,12 @@ impl Backend for QuorumBackend {
         if admitted >= self.inner.quorum {
             return Ok(None);
         }
-        Err(refusal.unwrap_or_else(|| self.no_quorum("admit", gate_key, admitted)))
+        // As in an acquire: a foreign key is the answer only when it leaves too few members to
+        // ever agree; otherwise the gate lacked a quorum this time, which may pass.
+        match refusal {
+            Some(e) if self.members() - foreign < self.inner.quorum => Err(e),
+            _ => Err(self.no_quorum("admit", gate_key, admitted)),
+        }
     }
 
     /// Subscribes on every connected member and forwards their wake-ups to one watch of its own.
