@@ -786,10 +786,11 @@ async fn release_without_quorum_is_an_error(flavor: Flavor) {
         servers[i].kill();
     }
     sleep(Duration::from_millis(500)).await;
+    // `agreed` counts the members that deleted a copy: the two that answered found none.
     match lease.release().await {
         Err(Error::NoQuorum {
             op: "release",
-            agreed: 2,
+            agreed: 0,
             ..
         }) => {}
         other => panic!("expected NoQuorum for release, got {other:?}"),
@@ -814,6 +815,43 @@ async fn release_by_a_minority_is_not_held(flavor: Flavor) {
     assert_eq!(lease.release().await.expect("release"), Release::NotHeld);
     assert!(!holds(&servers[0], &locker, "taken"), "its own copy stayed");
     for server in &servers[1..] {
+        let value: String = server.cmd(&["GET", k.lock_key()]);
+        assert_eq!(value, "rival");
+    }
+}
+
+/// Undecided: of five members one deletes the holder's copy, two answer that a rival holds
+/// the key there, and two do not answer. Whether the lease was still held on a quorum depends
+/// on the silent two, so the release is `NoQuorum`, not `Released` (which would tell a holder
+/// whose majority a rival may have taken that it held the lock to the end). The rival's
+/// copies are untouched.
+async fn release_undecided_by_silent_members_is_an_error(flavor: Flavor) {
+    let mut servers = start(flavor, 5);
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let lease = locker
+        .try_acquire("undecided", &opts(5_000).renew(false))
+        .await
+        .expect("all up");
+    let k = locker.lock_key("undecided").expect("key");
+    for server in &servers[1..3] {
+        let _: () = server.cmd(&["SET", k.lock_key(), "rival", "PX", "5000"]);
+    }
+    for server in &mut servers[3..] {
+        server.kill();
+    }
+    match lease.release().await {
+        Err(Error::NoQuorum {
+            op: "release",
+            agreed: 1,
+            ..
+        }) => {}
+        other => panic!("expected NoQuorum for release, got {other:?}"),
+    }
+    assert!(
+        !holds(&servers[0], &locker, "undecided"),
+        "its own copy stayed"
+    );
+    for server in &servers[1..3] {
         let value: String = server.cmd(&["GET", k.lock_key()]);
         assert_eq!(value, "rival");
     }
@@ -1237,6 +1275,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn release_by_a_minority_is_not_held() {
                 super::release_by_a_minority_is_not_held($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn release_undecided_by_silent_members_is_an_error() {
+                super::release_undecided_by_silent_members_is_an_error($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn split_votes_retry_then_busy() {

@@ -787,9 +787,10 @@ impl Backend for QuorumBackend {
     /// Runs on every member. `false` when the members that answered show the lease was not
     /// held by a quorum (however many copies it still had, deleted here: a holder cut off from
     /// most members, whose key a rival took there, is told `NotHeld`, not `Released`). `true`
-    /// when a quorum deleted it, or some did and the members that did not answer may have made
-    /// up the quorum (their copies expire with their TTL). [`Error::NoQuorum`] when none
-    /// deleted it and those that did not answer may still hold it on a quorum.
+    /// when a quorum deleted it. [`Error::NoQuorum`] when fewer did and the members that did
+    /// not answer decide it: the lease may have been held on a quorum or not, and `Released`
+    /// would tell a holder whose majority a rival took that it held the lock to the end (the
+    /// copies left expire with their TTL).
     async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
         let limit = self.inner.config.member_timeout;
         let answers = self
@@ -807,10 +808,7 @@ impl Backend for QuorumBackend {
         if released + unknown < self.inner.quorum {
             return Ok(false);
         }
-        if released > 0 {
-            return Ok(true);
-        }
-        Err(self.no_quorum("release", key.user(), answered))
+        Err(self.no_quorum("release", key.user(), released))
     }
 
     /// A lease is renewed when a quorum renewed it within the validity. When too few members
