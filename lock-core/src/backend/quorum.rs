@@ -261,7 +261,7 @@ impl QuorumBackend {
     /// let refused = QuorumBackend::connect_with(&two, QuorumConfig::default()).await;
     /// assert!(matches!(refused, Err(Error::InvalidQuorum { .. }))); // refused before connecting
     ///
-    /// // A zero member timeout would count every vote as missing: refused too.
+    /// // A member timeout under 1 ms would count every vote as missing: refused too.
     /// let three = ["redis://10.0.0.1:6379/", "redis://10.0.0.2:6379/", "redis://10.0.0.3:6379/"];
     /// let zero = QuorumConfig { member_timeout: std::time::Duration::ZERO, ..QuorumConfig::default() };
     /// let refused = QuorumBackend::connect_with(&three, zero).await;
@@ -270,11 +270,11 @@ impl QuorumBackend {
     /// ```
     pub async fn connect_with(urls: &[&str], config: QuorumConfig) -> Result<QuorumBackend> {
         config.redis.validate()?;
-        if config.member_timeout.is_zero() {
+        if config.member_timeout < Duration::from_millis(1) {
             return Err(Error::InvalidDuration {
                 what: "member timeout",
                 value: config.member_timeout,
-                reason: "zero: every vote would count as missing",
+                reason: "under 1 ms: every vote would count as missing",
             });
         }
         if urls.len() < 3 {

@@ -47,6 +47,15 @@ pub struct RedisConfig {
     pub tls_root_pem: Option<Vec<u8>>,
 }
 
+/// Two seconds for a reply and two for connecting.
+///
+/// ```
+/// use lock_core::RedisConfig;
+/// use std::time::Duration;
+/// let config = RedisConfig::default();
+/// assert_eq!(config.response_timeout, Duration::from_secs(2));
+/// assert_eq!(config.connection_timeout, Duration::from_secs(2));
+/// ```
 impl Default for RedisConfig {
     fn default() -> Self {
         RedisConfig {
@@ -59,18 +68,19 @@ impl Default for RedisConfig {
 }
 
 impl RedisConfig {
-    /// A zero timeout fails every request (or every connect) it bounds: refused before any
-    /// connection is made.
+    /// A timeout under a millisecond fails every request (or every connect) it bounds, and
+    /// would report a sound server as unreachable: refused before any connection is made.
+    /// `Duration::MAX` is no timeout at all.
     pub(crate) fn validate(&self) -> Result<()> {
         for (what, value) in [
             ("response timeout", self.response_timeout),
             ("connection timeout", self.connection_timeout),
         ] {
-            if value.is_zero() {
+            if value < Duration::from_millis(1) {
                 return Err(Error::InvalidDuration {
                     what,
                     value,
-                    reason: "zero: every request would time out",
+                    reason: "under 1 ms: every request would time out",
                 });
             }
         }
@@ -232,8 +242,8 @@ impl RedisBackend {
     /// Connects to `url` with explicit settings.
     ///
     /// A URL that cannot be parsed, or a server that cannot be reached within the connection
-    /// timeout, is [`Error::Unavailable`]; a zero timeout is [`Error::InvalidDuration`], before
-    /// any connection is made:
+    /// timeout, is [`Error::Unavailable`]; a timeout under 1 ms is [`Error::InvalidDuration`],
+    /// before any connection is made:
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -244,6 +254,9 @@ impl RedisBackend {
     /// let zero = RedisConfig { response_timeout: Duration::ZERO, ..RedisConfig::default() };
     /// let refused = RedisBackend::connect_with("redis://127.0.0.1:1/", zero).await;
     /// assert!(matches!(refused, Err(Error::InvalidDuration { what: "response timeout", .. })));
+    /// let tiny = RedisConfig { connection_timeout: Duration::from_nanos(1), ..RedisConfig::default() };
+    /// let refused = RedisBackend::connect_with("redis://127.0.0.1:1/", tiny).await;
+    /// assert!(matches!(refused, Err(Error::InvalidDuration { what: "connection timeout", .. })));
     /// # }
     /// ```
     pub async fn connect_with(url: &str, config: RedisConfig) -> Result<RedisBackend> {
