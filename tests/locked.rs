@@ -435,6 +435,13 @@ async fn fails_fast(locker: &Locker, ran: &AtomicBool) -> Result<(), Error> {
     Ok(())
 }
 
+/// `wait` as an expression, read at each call: the README's `Duration` form.
+#[locked(key = "busy", locker = locker, wait = wait)]
+async fn waits_for(locker: &Locker, wait: Duration, ran: &AtomicBool) -> Result<(), Error> {
+    ran.store(true, Ordering::SeqCst);
+    Ok(())
+}
+
 async fn wait_timeout_and_fail_fast(h: Harness) {
     let locker = h.locker().await;
     let ran = AtomicBool::new(false);
@@ -454,8 +461,22 @@ async fn wait_timeout_and_fail_fast(h: Harness) {
         fails_fast(&locker, &ran).await,
         Err(Error::Busy { .. })
     ));
+    let started = Instant::now();
+    match waits_for(&locker, Duration::from_millis(200), &ran).await {
+        Err(Error::WaitTimeout { waited, .. }) => {
+            assert!(waited >= Duration::from_millis(200), "{waited:?}")
+        }
+        other => panic!("expected WaitTimeout, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(10));
     assert!(!ran.load(Ordering::SeqCst), "a body ran without the lease");
-    holder.release().await.expect("release");
+    // A longer wait, given at the call, outlasts the holder, which releases meanwhile.
+    let (waited, ()) = tokio::join!(waits_for(&locker, Duration::from_secs(10), &ran), async {
+        sleep(Duration::from_millis(300)).await;
+        holder.release().await.expect("release");
+    });
+    waited.expect("granted once the holder released, within the wait");
+    assert!(ran.swap(false, Ordering::SeqCst));
     waits_briefly(&locker, &ran).await.expect("free now");
     fails_fast(&locker, &ran).await.expect("free now");
     assert!(ran.load(Ordering::SeqCst));

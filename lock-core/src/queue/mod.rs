@@ -102,6 +102,7 @@ pub use worker::{Job, JobError, MAX_CONCURRENCY, Worker, WorkerHandle, WorkerRep
 /// use std::time::Duration;
 /// let queue = Queue::memory("mail")?;
 /// use lock_core::{Error, queue::MAX_PAYLOAD};
+/// assert_eq!(MAX_PAYLOAD, 1024 * 1024); // the README's "1 MiB"
 /// let too_big = vec![0u8; MAX_PAYLOAD + 1];
 /// assert!(matches!(queue.enqueue(&too_big).await, Err(Error::PayloadTooLarge { .. })));
 /// # Ok(()) }

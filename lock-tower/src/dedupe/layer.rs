@@ -68,6 +68,7 @@ pub const DEFAULT_STORED_BODY_LIMIT: usize = 256 * 1024;
 /// let layer = DedupeLayer::new(lock_core::Locker::memory());
 /// let mut app: Router = Router::new().route("/uploads", post(|| async { "stored" })).layer(layer);
 ///
+/// assert_eq!(DEFAULT_REQUEST_BODY_LIMIT, 1024 * 1024); // the README's "1 MiB"
 /// let big = vec![b'x'; DEFAULT_REQUEST_BODY_LIMIT + 1];
 /// let req = http::Request::post("/uploads").header("idempotency-key", r#""u-1""#);
 /// assert_eq!(app.call(req.body(Body::from(big))?).await?.status(), 413);

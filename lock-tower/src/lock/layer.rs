@@ -23,6 +23,7 @@ use crate::reject::{Reason, Rejection, Rejections};
 /// let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::json_field("/account"));
 /// let mut app: Router = Router::new().route("/transfers", post(|| async { "sent" })).layer(layer);
 ///
+/// assert_eq!(DEFAULT_KEY_BODY_LIMIT, 64 * 1024); // the README's "64 KiB"
 /// let memo = "x".repeat(DEFAULT_KEY_BODY_LIMIT);
 /// let body = format!(r#"{{"account": 7, "memo": "{memo}"}}"#);
 /// let res = app.call(http::Request::post("/transfers").body(Body::from(body))?).await?;
