@@ -1620,15 +1620,32 @@ mod tests {
                 .expect("runtime")
         };
         let locker = Locker::memory();
-        runtime().block_on(async {
+        let (kept, granted) = runtime().block_on(async {
             let lease = locker
                 .try_acquire("first", &opts(Duration::from_millis(150)))
                 .await
                 .expect("free");
             tokio::time::sleep(Duration::from_millis(300)).await;
             assert!(!lease.is_lost(), "not renewed on the first runtime");
+            (lease, std::time::Instant::now())
         });
         runtime().block_on(assert_renewed(&locker, "second"));
+        // A lease the first driver held when its runtime shut down is not taken over (README:
+        // "they report lost at their deadline"): it was last renewed before `granted`, so by
+        // its TTL after that it is lost, `lost()` resolves on the later runtime, and the key is
+        // free for another holder.
+        runtime().block_on(async {
+            tokio::time::sleep_until((granted + Duration::from_millis(150)).into()).await;
+            assert!(kept.is_lost(), "a lease nobody renews outlived its TTL");
+            tokio::time::timeout(Duration::from_secs(1), kept.lost())
+                .await
+                .expect("lost() resolves on the later runtime");
+            let next = locker
+                .try_acquire("first", &opts(Duration::from_millis(150)))
+                .await
+                .expect("the lease nobody renewed ran out");
+            assert!(next.fence() > kept.fence());
+        });
         // The driver spawned here never runs: the acquire completes without yielding and the
         // runtime shuts down with the task still unpolled.
         let unpolled = Locker::memory();
