@@ -336,6 +336,27 @@ async fn same_key_different_request_is_422(h: Harness) {
         deliver(addr, r#""k""#, "2").await.status,
         StatusCode::CONFLICT
     );
+
+    // While the first still runs there is no stored request to compare with: a different
+    // body is a duplicate like any other (409 with `Retry-After`); once the first has ended,
+    // 422.
+    let slow = Arc::new(AtomicUsize::new(0));
+    let layer = DedupeLayer::new(h.locker().await).scope("running");
+    let addr = serve(counting(layer, slow.clone(), Duration::from_millis(800))).await;
+    let first = tokio::spawn(async move { deliver(addr, r#""r""#, r#"{"a":1}"#).await });
+    assert!(
+        eventually(Duration::from_secs(5), async || slow.load(Ordering::SeqCst)
+            == 1)
+        .await,
+        "the first delivery never ran"
+    );
+    let r = deliver(addr, r#""r""#, r#"{"a":2}"#).await;
+    assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.text());
+    assert!(r.header("retry-after").is_some());
+    assert_eq!(first.await.expect("first").status, StatusCode::CREATED);
+    let r = deliver(addr, r#""r""#, r#"{"a":2}"#).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.text());
+    assert_eq!(slow.load(Ordering::SeqCst), 1);
 }
 
 async fn failed_first_attempt_is_not_stored(h: Harness) {
