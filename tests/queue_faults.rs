@@ -177,7 +177,7 @@ async fn foreign_types(flavor: Flavor) {
 
 /// A job hash whose `attempts` field was overwritten with something not an integer cannot be
 /// given a fence: the claim marks it dead with the reason and takes the next job, rather than
-/// fail every claim while it heads the pending set.
+/// fail every claim while it heads the pending set. One whose payload was deleted the same.
 async fn corrupt_attempts(flavor: Flavor) {
     let server = Server::start(flavor);
     let q = Queue::redis(&server.url(), "ca").await.expect("connect");
@@ -205,6 +205,24 @@ async fn corrupt_attempts(flavor: Flavor) {
         let kept: String = server.cmd(&["HGET", &jk, "attempts"]);
         assert_eq!(kept, found);
     }
+    // A job hash whose payload was deleted: handed out, it would run on an empty payload and
+    // be completed with its data gone. It dies with the reason; its attempts are untouched.
+    let emptied = q.enqueue(b"data").await.expect("enqueue");
+    let next = q.enqueue(b"next").await.expect("enqueue");
+    let jk = format!("{{leasehold:ca}}:job:{emptied}");
+    let _: i64 = server.cmd(&["HDEL", &jk, "payload"]);
+    let got = q.claim(ms(5_000)).await.expect("claim").expect("the next job");
+    assert_eq!((got.id(), got.payload()), (next, &b"next"[..]));
+    got.complete().await.expect("complete");
+    let info = q.job(emptied).await.expect("the emptied job");
+    assert_eq!(info.state, JobState::Dead);
+    assert_eq!(info.error.as_deref(), Some("payload missing"));
+    assert_eq!(info.attempts, 0);
+    // An empty payload is a payload: claimed as any other.
+    let empty = q.enqueue(b"").await.expect("enqueue");
+    let got = q.claim(ms(5_000)).await.expect("claim").expect("the empty job");
+    assert_eq!((got.id(), got.payload()), (empty, &b""[..]));
+    got.complete().await.expect("complete");
     // Any other refusal of the increment is the server's, not the job's: the claim fails and
     // the job stays pending.
     let again = q.enqueue(b"again").await.expect("enqueue");

@@ -3,7 +3,7 @@
 -- after 100 ids taken off it (deleted or set aside), or due retries are left after 100 promoted
 -- ones that came to nothing, where aside is {job key, what was found} for
 -- every job this claim set aside in the dead set: a job key of a foreign type, or a job hash
--- whose attempts field is corrupt.
+-- whose attempts field is corrupt or whose payload is missing.
 local bad = check_keys()
 if bad then return bad end
 local now = now_ms()
@@ -50,7 +50,15 @@ for _ = 1, 100 do
   taken = taken + 1
   local jk = ARGV[1] .. id
   local t = redis.call('TYPE', jk).ok
-  if t == 'hash' then
+  -- Every job is written with its payload, empty or not: a hash without one was changed from
+  -- outside, and handed out it would run on an empty payload and be completed with its data
+  -- gone. It dies with the reason instead, as a corrupt attempts field does.
+  local payload = t == 'hash' and redis.call('HGET', jk, 'payload')
+  if t == 'hash' and not payload then
+    redis.call('ZREM', KEYS[1], id)
+    redis.call('HSET', jk, 'state', 'dead', 'error', 'payload missing')
+    put_aside(id, jk, 'hash without a payload')
+  elseif t == 'hash' then
     -- The fence first: if the field is corrupt this fails before the job is changed.
     local att = redis.pcall('HINCRBY', jk, 'attempts', 1)
     if type(att) == 'table' and not corrupt(att.err) then
@@ -77,7 +85,7 @@ for _ = 1, 100 do
       -- The deadline is the server's clock plus the lease, never the worker's clock.
       local deadline = now + tonumber(ARGV[3])
       redis.call('ZADD', KEYS[2], deadline, id)
-      return reply({1, id, att, deadline, redis.call('HGET', jk, 'payload') or ''})
+      return reply({1, id, att, deadline, payload})
     end
   elseif t == 'none' then
     -- An id whose job was deleted from outside: nothing to run, drop it.

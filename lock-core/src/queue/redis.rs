@@ -207,7 +207,7 @@ impl RedisQueue {
                     id: uint(id).ok_or_else(|| unexpected("claim", &reply))?,
                     attempts: uint(attempts).ok_or_else(|| unexpected("claim", &reply))?,
                     deadline_ms: uint(deadline).ok_or_else(|| unexpected("claim", &reply))?,
-                    payload: bytes(payload).unwrap_or_default(),
+                    payload: bytes(payload).ok_or_else(|| unexpected("claim", &reply))?,
                 })
             }
             (0, [next, aside @ ..]) => {
