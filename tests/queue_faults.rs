@@ -211,7 +211,11 @@ async fn corrupt_attempts(flavor: Flavor) {
     let next = q.enqueue(b"next").await.expect("enqueue");
     let jk = format!("{{leasehold:ca}}:job:{emptied}");
     let _: i64 = server.cmd(&["HDEL", &jk, "payload"]);
-    let got = q.claim(ms(5_000)).await.expect("claim").expect("the next job");
+    let got = q
+        .claim(ms(5_000))
+        .await
+        .expect("claim")
+        .expect("the next job");
     assert_eq!((got.id(), got.payload()), (next, &b"next"[..]));
     got.complete().await.expect("complete");
     let info = q.job(emptied).await.expect("the emptied job");
@@ -220,7 +224,11 @@ async fn corrupt_attempts(flavor: Flavor) {
     assert_eq!(info.attempts, 0);
     // An empty payload is a payload: claimed as any other.
     let empty = q.enqueue(b"").await.expect("enqueue");
-    let got = q.claim(ms(5_000)).await.expect("claim").expect("the empty job");
+    let got = q
+        .claim(ms(5_000))
+        .await
+        .expect("claim")
+        .expect("the empty job");
     assert_eq!((got.id(), got.payload()), (empty, &b""[..]));
     got.complete().await.expect("complete");
     // Any other refusal of the increment is the server's, not the job's: the claim fails and

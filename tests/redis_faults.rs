@@ -620,6 +620,39 @@ async fn start_counting(server: &Server, locker: &Locker) {
     let _: () = server.cmd(&["CONFIG", "RESETSTAT"]);
 }
 
+/// Renewal on one server goes in batches: one script call per 256 leases (README), not one per
+/// lease. 600 renewing leases for two TTLs: about three calls a round, where lease by lease it
+/// would be 600.
+async fn renewal_is_batched(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let ttl = Duration::from_secs(2);
+    let names: Vec<String> = (0..600).map(|i| format!("batched-{i}")).collect();
+    let o = LockOptions::new().ttl(ttl);
+    let leases =
+        futures_util::future::try_join_all(names.iter().map(|n| locker.try_acquire(n, &o)))
+            .await
+            .expect("grants");
+    let _: () = server.cmd(&["CONFIG", "RESETSTAT"]);
+    let window = Instant::now();
+    sleep(ttl * 2).await;
+    let scripts = calls(&server, "evalsha") + calls(&server, "eval");
+    // Renewals come every third of the TTL; a round may split in two where leases fall due a
+    // moment apart, and one more may start as the window closes.
+    let rounds =
+        u64::try_from(window.elapsed().as_millis() / (ttl / 3).as_millis()).expect("ms") + 1;
+    let batches = 600u64.div_ceil(256);
+    assert!(
+        scripts >= rounds - 1,
+        "{scripts} script calls in {rounds} rounds: not renewed?"
+    );
+    assert!(
+        scripts <= 2 * batches * rounds,
+        "{scripts} script calls for 600 leases in {rounds} rounds"
+    );
+    assert!(leases.iter().all(|l| !l.is_lost()), "a lease was lost");
+}
+
 /// Acquires and releases that arrive while others are in flight share script calls, and each
 /// caller still gets its own grant, fence and release.
 async fn concurrent_calls_share_scripts(flavor: Flavor) {
@@ -1061,6 +1094,10 @@ macro_rules! faults {
             // count of script calls is exact (with two, the flush may run while calls are
             // still being made, and take them in several batches).
             #[tokio::test(flavor = "current_thread")]
+            async fn renewal_is_batched() {
+                super::renewal_is_batched($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn concurrent_calls_share_scripts() {
                 super::concurrent_calls_share_scripts($flavor).await
             }
