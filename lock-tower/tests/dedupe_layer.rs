@@ -44,6 +44,7 @@ on_every_backend!(
     a_failing_body_stores_nothing,
     a_body_ending_in_trailers_is_stored,
     a_stalled_body_is_bounded_by_a_body_timeout,
+    a_slow_body_keeps_the_claim_until_it_ends,
     a_body_above_the_cap_that_fails_stores_nothing,
     a_relay_that_dies_cuts_the_body,
     an_empty_webhook_id_counts_as_absent,
@@ -1421,6 +1422,44 @@ async fn a_stalled_body_is_bounded_by_a_body_timeout(h: Harness) {
             "the retry did not run again"
         );
     }
+}
+
+/// A response body slower than the claim's TTL (README: "a body that stalls keeps the claim
+/// renewed, and the sender's retries get 409 until it ends"): duplicates sent while it is still
+/// coming get 409, long after the claim's first TTL ran out, and once it has ended they get
+/// its replay; the handler ran once.
+async fn a_slow_body_keeps_the_claim_until_it_ends(h: Harness) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let app = Router::new()
+        .route(
+            "/hooks/slow",
+            post(move || {
+                r.fetch_add(1, Ordering::SeqCst);
+                async { Body::new(Drip::new(Duration::from_millis(600), 2)) }
+            }),
+        )
+        .layer(DedupeLayer::new(h.locker().await).claim_ttl(Duration::from_millis(200)));
+    let addr = serve(app).await;
+    let first = tokio::spawn(deliver_to(addr, "/hooks/slow", r#""slow""#));
+    assert!(
+        eventually(Duration::from_secs(5), async || runs.load(Ordering::SeqCst)
+            == 1)
+        .await,
+        "the first delivery never ran"
+    );
+    // Three claim TTLs into a body that takes four.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let r = deliver_to(addr, "/hooks/slow", r#""slow""#).await;
+    assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.text());
+    let first = first.await.expect("first");
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+    assert_eq!(first.text(), "chunk\nchunk\n");
+    let again = deliver_to(addr, "/hooks/slow", r#""slow""#).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text());
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.text(), first.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
 /// A body that ends with trailers and never says it ended after them: the trailers are its
