@@ -1259,13 +1259,16 @@ async fn a_response_without_a_body_frees_the_lease_before_it_goes_out(h: Harness
         .route("/feeds/{id}", get(streaming(StatusCode::OK)))
         .route("/empty/{id}", post(streaming(StatusCode::NO_CONTENT)))
         .route("/same/{id}", post(streaming(StatusCode::NOT_MODIFIED)))
+        .route("/socket/{id}", get(streaming(StatusCode::SWITCHING_PROTOCOLS)))
         .route_layer(LockLayer::new(
             locker.clone(),
             KeyExtractor::route_param("id"),
         ));
+    // 101: the upgraded connection is not under the lock (README).
     for (method, uri, key) in [
         (Method::POST, "/empty/2", "2"),
         (Method::POST, "/same/3", "3"),
+        (Method::GET, "/socket/4", "4"),
     ] {
         let req = http::Request::builder()
             .method(method.clone())
