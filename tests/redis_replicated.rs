@@ -4,7 +4,7 @@ mod support;
 
 use std::time::Duration;
 
-use leasehold::{Error, LockOptions, Locker};
+use leasehold::{Backend, Error, LockOptions, Locker, RedisBackend, Token};
 use support::{Cluster, Flavor, Server};
 use tokio::time::Instant;
 
@@ -131,6 +131,29 @@ async fn replica_timeout_out_of_range() {
         .await
         .expect("no replicas asked");
     lease.release().await.expect("release");
+    // The backend's own trait method is public too, and checks the same before sending
+    // anything (a `WAIT 1 0` would block its connection on the server).
+    let server = Server::start(Flavor::Redis);
+    let backend = RedisBackend::connect(&server.url()).await.expect("connect");
+    let key = Locker::memory().lock_key("k").expect("key");
+    for bad in [Duration::ZERO, Duration::from_micros(999), Duration::MAX] {
+        let token = Token::generate();
+        let r = backend
+            .acquire_replicated(&key, &token, Duration::from_secs(10), 1, bad)
+            .await;
+        assert!(
+            matches!(
+                r,
+                Err(Error::InvalidDuration {
+                    what: "replica timeout",
+                    ..
+                })
+            ),
+            "{bad:?}: {r:?}"
+        );
+    }
+    let exists: i64 = server.cmd(&["EXISTS", key.lock_key()]);
+    assert_eq!(exists, 0, "a refused acquire wrote the key");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -216,19 +216,7 @@ impl LockOptions {
             }
         }
         if self.replicas > 0 {
-            let reason = if self.replica_timeout < Duration::from_millis(1) {
-                // `WAIT n 0` would block until the replicas answer, however long that takes.
-                "below 1 ms"
-            } else if self.replica_timeout > crate::MAX_TTL {
-                "above MAX_TTL"
-            } else {
-                return Ok(());
-            };
-            return Err(Error::InvalidDuration {
-                what: "replica timeout",
-                value: self.replica_timeout,
-                reason,
-            });
+            crate::types::validate_replica_timeout(self.replica_timeout)?;
         }
         Ok(())
     }

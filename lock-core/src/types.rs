@@ -248,6 +248,23 @@ pub(crate) fn validate_ttl(ttl: Duration) -> Result<()> {
 /// TTL's part of a millisecond, which the servers never see: TTLs go out as whole
 /// milliseconds (`PX 10` for 10.9 ms), so a local deadline counted on the exact TTL would use
 /// up to a millisecond of the allowance.
+/// Checks how long an acquire waits for replicas: `WAIT n 0` would block until they answer,
+/// however long that takes, so under 1 ms is refused, as is anything above `MAX_TTL`.
+pub(crate) fn validate_replica_timeout(timeout: Duration) -> Result<()> {
+    let reason = if timeout < Duration::from_millis(1) {
+        "below 1 ms"
+    } else if timeout > MAX_TTL {
+        "above MAX_TTL"
+    } else {
+        return Ok(());
+    };
+    Err(Error::InvalidDuration {
+        what: "replica timeout",
+        value: timeout,
+        reason,
+    })
+}
+
 pub(crate) fn drift(ttl: Duration) -> Duration {
     ttl / 100
         + Duration::from_millis(2)

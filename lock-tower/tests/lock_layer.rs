@@ -1259,7 +1259,10 @@ async fn a_response_without_a_body_frees_the_lease_before_it_goes_out(h: Harness
         .route("/feeds/{id}", get(streaming(StatusCode::OK)))
         .route("/empty/{id}", post(streaming(StatusCode::NO_CONTENT)))
         .route("/same/{id}", post(streaming(StatusCode::NOT_MODIFIED)))
-        .route("/socket/{id}", get(streaming(StatusCode::SWITCHING_PROTOCOLS)))
+        .route(
+            "/socket/{id}",
+            get(streaming(StatusCode::SWITCHING_PROTOCOLS)),
+        )
         .route_layer(LockLayer::new(
             locker.clone(),
             KeyExtractor::route_param("id"),

@@ -728,6 +728,9 @@ impl Backend for RedisBackend {
         timeout: Duration,
     ) -> Result<(AcquireReply, u32)> {
         crate::types::validate_ttl(ttl)?;
+        // Checked here too: the trait method is public, and a zero timeout would block the
+        // dedicated connection on the server.
+        crate::types::validate_replica_timeout(timeout)?;
         let (answer, answered) = tokio::sync::oneshot::channel();
         let backend = self.clone();
         let (key, token) = (key.clone(), token.clone());
