@@ -215,7 +215,6 @@ async fn token_checked_release(h: Harness) {
     assert_eq!(b.release().await.expect("release"), Release::Released);
 }
 
-/// Scenario 2: extending an expired or deleted lease fails and recreates nothing.
 /// A stale holder's extend never touches the lease another holder now has: after its key went
 /// (deleted from outside) and another took it, the stale extend reaches the server, is
 /// refused by the token check (`LeaseLost`), and leaves the new holder's TTL as it was: the key
@@ -290,6 +289,7 @@ async fn validity_keeps_the_documented_margins(h: Harness) {
     assert_eq!(lease.remaining(), Duration::ZERO);
 }
 
+/// Scenario 2: extending an expired or deleted lease fails and recreates nothing.
 async fn extend_after_expiry(h: Harness) {
     let locker = h.locker().await;
     // Waiting, so that a grant whose reply came too late on a loaded machine (handed out by

@@ -1090,14 +1090,14 @@ macro_rules! faults {
             async fn waiters_woken_after_resubscribe() {
                 super::waiters_woken_after_resubscribe($flavor).await
             }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn renewal_is_batched() {
+                super::renewal_is_batched($flavor).await
+            }
             // One thread: every call is made before the scheduled flush can run, so the
             // count of script calls is exact (with two, the flush may run while calls are
             // still being made, and take them in several batches).
             #[tokio::test(flavor = "current_thread")]
-            async fn renewal_is_batched() {
-                super::renewal_is_batched($flavor).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn concurrent_calls_share_scripts() {
                 super::concurrent_calls_share_scripts($flavor).await
             }

@@ -91,9 +91,9 @@ pub enum Error {
         /// Why it was refused.
         reason: &'static str,
     },
-    /// A duration setting other than a lease's TTL is out of its range (a replica timeout of
-    /// zero, a done marker kept for more than a year, a reap interval of zero). Reported before
-    /// any round trip.
+    /// A duration setting other than a lease's TTL is out of its range (a replica, response,
+    /// connection or quorum member timeout under 1 ms, a done marker kept for more than a
+    /// year, a reap interval under 1 ms). Reported before any round trip.
     #[error("invalid {what} {value:?}: {reason}")]
     InvalidDuration {
         /// Which setting it was.

@@ -244,10 +244,6 @@ pub(crate) fn validate_ttl(ttl: Duration) -> Result<()> {
     Ok(())
 }
 
-/// The clock-drift allowance subtracted from every lease: 1% of the TTL plus 2 ms, plus the
-/// TTL's part of a millisecond, which the servers never see: TTLs go out as whole
-/// milliseconds (`PX 10` for 10.9 ms), so a local deadline counted on the exact TTL would use
-/// up to a millisecond of the allowance.
 /// Checks how long an acquire waits for replicas: `WAIT n 0` would block until they answer,
 /// however long that takes, so under 1 ms is refused, as is anything above `MAX_TTL`.
 pub(crate) fn validate_replica_timeout(timeout: Duration) -> Result<()> {
@@ -265,6 +261,10 @@ pub(crate) fn validate_replica_timeout(timeout: Duration) -> Result<()> {
     })
 }
 
+/// The clock-drift allowance subtracted from every lease: 1% of the TTL plus 2 ms, plus the
+/// TTL's part of a millisecond, which the servers never see: TTLs go out as whole
+/// milliseconds (`PX 10` for 10.9 ms), so a local deadline counted on the exact TTL would use
+/// up to a millisecond of the allowance.
 pub(crate) fn drift(ttl: Duration) -> Duration {
     ttl / 100
         + Duration::from_millis(2)

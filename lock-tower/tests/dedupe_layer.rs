@@ -1436,10 +1436,10 @@ async fn a_slow_body_keeps_the_claim_until_it_ends(h: Harness) {
             "/hooks/slow",
             post(move || {
                 r.fetch_add(1, Ordering::SeqCst);
-                async { Body::new(Drip::new(Duration::from_millis(600), 2)) }
+                async { Body::new(Drip::new(Duration::from_millis(1_000), 2)) }
             }),
         )
-        .layer(DedupeLayer::new(h.locker().await).claim_ttl(Duration::from_millis(200)));
+        .layer(DedupeLayer::new(h.locker().await).claim_ttl(Duration::from_millis(500)));
     let addr = serve(app).await;
     let first = tokio::spawn(deliver_to(addr, "/hooks/slow", r#""slow""#));
     assert!(
@@ -1448,8 +1448,8 @@ async fn a_slow_body_keeps_the_claim_until_it_ends(h: Harness) {
         .await,
         "the first delivery never ran"
     );
-    // Three claim TTLs into a body that takes four.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Three claim TTLs (500 ms) into a body that takes four (two chunks a second apart).
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
     let r = deliver_to(addr, "/hooks/slow", r#""slow""#).await;
     assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.text());
     let first = first.await.expect("first");
@@ -1901,9 +1901,6 @@ async fn store_write_failure_still_answers_and_frees_the_claim(h: Harness) {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
-/// The client hangs up while the store write is on its way to the server: replies are held
-/// back by a proxy, so the layer is still awaiting the store script when the connection
-/// closes. The write and the release complete anyway; the retry gets the replay.
 /// A stored result changed from outside (a status no response has, a field gone, a flag the
 /// layer never writes) is neither replayed, which would answer what the handler never said,
 /// nor run again, which would repeat a delivery already handled: 503 without `Retry-After`
@@ -1913,10 +1910,11 @@ async fn a_corrupted_stored_result_is_refused(h: Harness) {
     let layer = DedupeLayer::new(h.locker().await);
     let addr = serve(counting(layer, runs.clone(), Duration::ZERO)).await;
     let (_, result_key) = claim_keys(&h.locker().await, "", "mended");
-    let corruptions: [&[&str]; 3] = [
+    let corruptions: [&[&str]; 4] = [
         &["HSET", &result_key, "status", "42"],
         &["HDEL", &result_key, "body"],
         &["HSET", &result_key, "omitted", "yes"],
+        &["HDEL", &result_key, "fp"],
     ];
     for corrupt in corruptions {
         let _: i64 = server_cmd(&h, &["DEL", &result_key]);
@@ -1938,6 +1936,9 @@ async fn a_corrupted_stored_result_is_refused(h: Harness) {
     }
 }
 
+/// The client hangs up while the store write is on its way to the server: replies are held
+/// back by a proxy, so the layer is still awaiting the store script when the connection
+/// closes. The write and the release complete anyway; the retry gets the replay.
 async fn client_hangs_up_while_the_result_is_stored(h: Harness) {
     let port = match &h {
         Harness::Server(s) => s.port,

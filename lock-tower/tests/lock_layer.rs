@@ -853,7 +853,11 @@ async fn unreachable_backend_is_503(mut h: Harness) {
     let r = post_to(waiting, "/accounts/1/withdraw").await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
     assert_eq!(r.header("retry-after"), Some("1"));
-    assert!(t.elapsed() < wait, "answered after {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "answered after {:?} of a {wait:?} wait",
+        t.elapsed()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -208,7 +208,13 @@ struct Inner {
     write_fence: Script,
     wakeups: Arc<Wakeups>,
     next_watch: AtomicU64,
+    /// When a member's foreign key was last logged at `warn`: once in a while is enough to
+    /// tell an operator, and every round of every waiter would bury the log.
+    foreign_warned: std::sync::Mutex<Option<Instant>>,
 }
+
+/// How often a member holding a foreign key is logged at `warn` (at `debug` in between).
+const FOREIGN_WARN_EVERY: Duration = Duration::from_secs(10);
 
 /// One member's answer to a vote.
 enum Vote {
@@ -304,6 +310,7 @@ impl QuorumBackend {
             write_fence: Script::new(include_str!("../lua/quorum_fence.lua")),
             wakeups: Arc::new(Wakeups::default()),
             next_watch: AtomicU64::new(0),
+            foreign_warned: std::sync::Mutex::new(None),
         });
         let redis_config = inner.config.redis.clone();
         let attempts = urls
@@ -632,8 +639,9 @@ impl QuorumBackend {
                         (_, r) => r,
                     });
                 }
+                // Not counted as answered: it can never vote yes, so it must not help make the
+                // quorum of answers that calls a lost round contention rather than an outage.
                 Err(e @ Error::WrongType { .. }) => {
-                    answered += 1;
                     foreign += 1;
                     refusal = Some(e);
                 }
@@ -643,6 +651,9 @@ impl QuorumBackend {
                     may_hold.push(i);
                 }
             }
+        }
+        if let Some(e) = &refusal {
+            self.inner.foreign_member(e, foreign);
         }
         let mut agreed = granted.len();
         if granted.len() >= quorum && max_stored == u64::MAX {
@@ -689,7 +700,6 @@ impl QuorumBackend {
             if self.members() - foreign < quorum {
                 return Round::Refused(e);
             }
-            warn!(error = %e, foreign, "a quorum member holds a foreign key; counted as a no vote");
         }
         Round::Failed {
             agreed,
@@ -700,6 +710,28 @@ impl QuorumBackend {
 }
 
 impl Inner {
+    /// Says that `foreign` members hold a key of a foreign type (`e`, one of their errors):
+    /// they count as no votes, leaving the quorum that much less room for members down.
+    fn foreign_member(&self, e: &Error, foreign: usize) {
+        let now = Instant::now();
+        let due = {
+            let mut last = self
+                .foreign_warned
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let due = last.is_none_or(|at| now >= at + FOREIGN_WARN_EVERY);
+            if due {
+                *last = Some(now);
+            }
+            due
+        };
+        if due {
+            warn!(error = %e, foreign, "quorum members hold a foreign key; counted as no votes");
+        } else {
+            debug!(error = %e, foreign, "quorum members hold a foreign key; counted as no votes");
+        }
+    }
+
     /// Loads the quorum scripts on a member, so that its first vote is one round trip rather
     /// than three (`NOSCRIPT`, load, run), which a short member timeout might not allow.
     async fn preload(&self, member: &RedisBackend) {
@@ -869,6 +901,9 @@ impl Backend for QuorumBackend {
                 }
                 Err(_) => {}
             }
+        }
+        if let Some(e) = &refusal {
+            self.inner.foreign_member(e, foreign);
         }
         if highest.is_some() {
             return Ok(highest);

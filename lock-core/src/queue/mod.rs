@@ -438,8 +438,9 @@ impl QueueBuilder {
     /// How long a completed job's marker stays (default [`DEFAULT_KEEP_DONE`]). While it stays,
     /// a late caller of an old attempt gets [`Error::Stale`] and a repeated complete of the last
     /// attempt succeeds; afterwards both get [`Error::UnknownJob`]. Kept in whole milliseconds
-    /// (under one but above zero counts as one). Zero deletes completed jobs at once, so a complete whose reply was lost cannot be confirmed (a worker counts it as
-    /// lost); above [`MAX_KEEP_DONE`] the queue is not built ([`Error::InvalidDuration`]).
+    /// (under one but above zero counts as one). Zero deletes completed jobs at once, so a
+    /// complete whose reply was lost cannot be confirmed (a worker counts it as lost); above
+    /// [`MAX_KEEP_DONE`] the queue is not built ([`Error::InvalidDuration`]).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
