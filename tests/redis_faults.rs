@@ -184,18 +184,23 @@ async fn wrong_type(flavor: Flavor) {
     ));
 }
 
-/// A server that goes away turns into errors within the response timeout, not a hang, and a
-/// held lease is reported lost before its local deadline.
-async fn server_goes_away(flavor: Flavor) {
-    let mut server = Server::start(flavor);
+/// A locker on `server` that gives up on a silent or dead server within 300 ms.
+async fn quick_to_give_up(server: &Server) -> Locker {
     let config = RedisConfig {
         response_timeout: Duration::from_millis(300),
         connection_timeout: Duration::from_millis(300),
         ..Default::default()
     };
-    let locker = Locker::redis_with(&server.url(), config)
+    Locker::redis_with(&server.url(), config)
         .await
-        .expect("connect");
+        .expect("connect")
+}
+
+/// A server that goes away turns into errors within the response timeout, not a hang, and a
+/// held lease is reported lost before its local deadline.
+async fn server_goes_away(flavor: Flavor) {
+    let mut server = Server::start(flavor);
+    let locker = quick_to_give_up(&server).await;
     let lease = locker
         .try_acquire("gone", &opts(1_500))
         .await
@@ -222,14 +227,7 @@ async fn server_goes_away(flavor: Flavor) {
 /// wait, rather than holding its caller (an HTTP request, a job) for the whole wait.
 async fn a_wait_ends_at_the_first_error_of_a_server_that_went_away(flavor: Flavor) {
     let mut server = Server::start(flavor);
-    let config = RedisConfig {
-        response_timeout: Duration::from_millis(300),
-        connection_timeout: Duration::from_millis(300),
-        ..Default::default()
-    };
-    let locker = Locker::redis_with(&server.url(), config)
-        .await
-        .expect("connect");
+    let locker = quick_to_give_up(&server).await;
     server.kill();
     let t = Instant::now();
     let r = locker

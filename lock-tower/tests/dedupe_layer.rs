@@ -12,10 +12,10 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::{any, post};
 use bytes::Bytes;
-use common::{Drip, Harness, Reply, eventually, send, serve};
+use common::{Drip, Harness, Reply, claim_name, eventually, send, serve};
 use http::{HeaderName, Method, Response, StatusCode};
 use lock_tower::{DedupeLayer, Fence, KeyExtractor, LockLayer, Reason};
-use sha2::{Digest, Sha256};
+
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, mpsc};
@@ -942,18 +942,6 @@ async fn json_id_key_and_body_handed_on(h: Harness) {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     let r = send(addr, Method::POST, "/hooks/stripe", &[], r#"{"type":"x"}"#).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
-}
-
-/// The claim's key name in the layer's namespace (see [`claims`]), computed as the layer does
-/// (SHA-256 of the length-prefixed scope and key), so the test can delete the claim from
-/// outside.
-fn claim_name(scope: &str, key: &str) -> String {
-    let mut h = Sha256::new();
-    for p in [scope.as_bytes(), key.as_bytes()] {
-        h.update((p.len() as u64).to_be_bytes());
-        h.update(p);
-    }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// `locker` in the namespace the layer takes its claims in.

@@ -5,6 +5,7 @@
 
 #[path = "../../tests/support/captured.rs"]
 mod captured;
+mod common;
 #[path = "../../tests/support/mod.rs"]
 mod support;
 
@@ -13,9 +14,9 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::handler::HandlerWithoutStateExt;
 use captured::Captured;
+use common::claim_name;
 use http::StatusCode;
 use lock_tower::{DedupeLayer, KeyExtractor, LockLayer};
-use sha2::{Digest, Sha256};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -173,16 +174,6 @@ async fn a_setup_problem_is_logged_once_per_layer() {
         StatusCode::SERVICE_UNAVAILABLE
     );
     assert_eq!(count(&log, "ERROR", unreadable), 1);
-}
-
-/// The name the dedupe layer claims a delivery under: a digest of its scope and key.
-fn claim_name(scope: &str, key: &str) -> String {
-    let mut h = Sha256::new();
-    for p in [scope.as_bytes(), key.as_bytes()] {
-        h.update((p.len() as u64).to_be_bytes());
-        h.update(p);
-    }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Sends a POST with idempotency key `key` through `svc`; its status.

@@ -282,3 +282,16 @@ pub async fn eventually(limit: Duration, mut f: impl AsyncFnMut() -> bool) -> bo
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A dedupe claim's key name in the layer's claims namespace, computed as the layer does
+/// (SHA-256 of the length-prefixed scope and key), so the test can delete the claim from
+/// outside.
+pub fn claim_name(scope: &str, key: &str) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for p in [scope.as_bytes(), key.as_bytes()] {
+        h.update((p.len() as u64).to_be_bytes());
+        h.update(p);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
