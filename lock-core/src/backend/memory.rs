@@ -178,9 +178,9 @@ impl MemoryBackend {
     /// # Ok(()) }
     /// ```
     pub fn is_held(&self, key: &LockKey) -> bool {
+        let mut st = self.state();
         let now = Instant::now();
-        self.state()
-            .keys
+        st.keys
             .get_mut(key)
             .is_some_and(|slot| slot.live(now).is_some())
     }
@@ -219,9 +219,9 @@ impl MemoryBackend {
     /// # Ok(()) }
     /// ```
     pub fn force_delete(&self, key: &LockKey) -> bool {
+        let mut st = self.state();
         let now = Instant::now();
-        self.state()
-            .keys
+        st.keys
             .get_mut(key)
             .and_then(|slot| slot.holder.take())
             .is_some_and(|(_, expires)| expires > now)
@@ -239,9 +239,11 @@ impl MemoryBackend {
         keep: Option<Duration>,
     ) -> Result<AcquireReply> {
         crate::types::validate_ttl(ttl)?;
-        let now = Instant::now();
         let mut st = self.state();
-        st.sweep(now);
+        st.sweep(Instant::now());
+        // Read under the lock and after the sweep, as a server judges the key when the command
+        // runs: a clock read before a wait for the lock would see an expired lease as held.
+        let now = Instant::now();
         let slot = st.keys.entry(key.clone()).or_default();
         let fence = slot.fence;
         if let Some((holder, expires)) = slot.live(now) {
@@ -253,10 +255,17 @@ impl MemoryBackend {
                 remaining: Some(*expires - now),
             });
         }
-        slot.fence = (slot.fence + 1).max(now_micros());
+        let clock = now_micros();
+        slot.fence = (slot.fence + 1).max(clock);
         slot.holder = Some((token.clone(), now + ttl));
-        // A keep too long to add is as good as for ever (it is at most a year anyway).
-        slot.forget_at = keep.and_then(|keep| now.checked_add(keep.max(ttl)));
+        // As acquire.lua's `put_fence`: a fence ahead of the clock (a clock stepped back) is
+        // kept the keep past the moment the clock reaches it, and one over a year ahead for
+        // ever; forgotten sooner, the next grant could take a lower one from the clock. A keep
+        // too long to add is as good as for ever (it is at most a year anyway).
+        let ahead = Duration::from_micros(slot.fence - clock);
+        slot.forget_at = keep
+            .filter(|_| ahead <= crate::types::MAX_KEEP_FENCE)
+            .and_then(|keep| now.checked_add(keep.max(ttl) + ahead));
         Ok(AcquireReply::Granted { fence: slot.fence })
     }
 }
@@ -307,8 +316,10 @@ impl Backend for MemoryBackend {
 
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
         crate::types::validate_ttl(ttl)?;
-        let now = Instant::now();
         let mut st = self.state();
+        // Under the lock, as in `release`: read before a wait for it, the clock would let an
+        // extend renew a lease that expired while it waited.
+        let now = Instant::now();
         Ok(items
             .iter()
             .map(
@@ -357,6 +368,8 @@ impl Backend for MemoryBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
 
     thread_local! {
         static STORE: std::cell::RefCell<Option<MemoryBackend>> = const { std::cell::RefCell::new(None) };
@@ -385,6 +398,90 @@ mod tests {
         assert!(Arc::ptr_eq(&outer.0, &store.shared::<Part>()));
         assert!(Arc::ptr_eq(&outer, &store.shared::<Outer>()));
         assert_eq!(outer.0.0, 0);
+    }
+
+    /// Runs a memory operation, which completes on its first poll.
+    fn at_once<F: Future>(f: F) -> F::Output {
+        match std::pin::pin!(f).poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(out) => out,
+            Poll::Pending => panic!("memory operations complete at once"),
+        }
+    }
+
+    /// An extend (or a grant) that waits for the store's lock judges the lease when it gets
+    /// the lock, as a server judges a key when the command runs: a lease that expired while it
+    /// waited is not renewed (it was, on a clock read before the wait).
+    #[test]
+    fn expiry_is_judged_when_the_lock_is_taken() {
+        let memory = MemoryBackend::new();
+        let locker = crate::Locker::memory();
+        let key = locker.lock_key("waited").expect("key");
+        let token = Token::generate();
+        let ttl = Duration::from_millis(20);
+        let granted = at_once(memory.acquire(&key, &token, ttl));
+        assert!(matches!(granted, Ok(AcquireReply::Granted { .. })));
+        let held = memory.state();
+        let (m, k, t) = (memory.clone(), key.clone(), token.clone());
+        let extend = std::thread::spawn(move || {
+            at_once(m.extend(&[(k, t)], Duration::from_secs(10))).expect("extend")
+        });
+        // The extend is called now and waits for the lock past the lease's expiry.
+        std::thread::sleep(Duration::from_millis(60));
+        drop(held);
+        assert_eq!(extend.join().expect("the extend's thread"), [false]);
+        assert!(!memory.is_held(&key));
+    }
+
+    /// A fence ahead of the clock is kept the keep past the moment the clock reaches it, as
+    /// on Redis (`put_fence` in acquire.lua), not the keep past the grant; over a year ahead,
+    /// for ever.
+    #[test]
+    fn a_fence_ahead_of_the_clock_is_kept_past_it() {
+        let memory = MemoryBackend::new();
+        let locker = crate::Locker::memory();
+        let key = locker.lock_key("ahead").expect("key");
+        let keep = Duration::from_millis(100);
+        for (ahead, kept_at_least) in [
+            (
+                Duration::from_secs(10),
+                Some(Duration::from_secs(10) + keep),
+            ),
+            (Duration::from_secs(2 * 365 * 86_400), None),
+        ] {
+            let fence = now_micros() + u64::try_from(ahead.as_micros()).expect("micros");
+            memory.state().keys.insert(
+                key.clone(),
+                Slot {
+                    holder: None,
+                    fence,
+                    forget_at: None,
+                },
+            );
+            let before = Instant::now();
+            let granted = at_once(memory.acquire_keeping_fence(
+                &key,
+                &Token::generate(),
+                Duration::from_millis(10),
+                keep,
+            ));
+            assert!(
+                matches!(granted, Ok(AcquireReply::Granted { fence: f }) if f == fence + 1),
+                "{granted:?}"
+            );
+            let forget_at = memory.state().keys.get(&key).expect("slot").forget_at;
+            match kept_at_least {
+                Some(at_least) => {
+                    let at = forget_at.expect("forgotten some day");
+                    // Within a few milliseconds of the clock reading: at least the keep past
+                    // the fence, less what passed between the readings.
+                    assert!(
+                        at + Duration::from_millis(5) >= before + at_least,
+                        "{ahead:?}"
+                    );
+                }
+                None => assert_eq!(forget_at, None, "{ahead:?}"),
+            }
+        }
     }
 
     /// A sweep drops exactly the entries no lease holds whose keep is over, and runs only
