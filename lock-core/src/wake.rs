@@ -101,7 +101,9 @@ impl Wakeups {
         }
     }
 
-    /// Wakes every waiter of one channel.
+    /// Wakes every waiter of one channel. On a Redlock quorum each waiting acquire watches a
+    /// channel of its own (the key's channel and an id), which this does not reach: wake
+    /// them with [`wake_all`](Self::wake_all).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
