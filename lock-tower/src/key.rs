@@ -85,12 +85,34 @@ impl fmt::Debug for KeyExtractor {
 pub(crate) struct KeyProblem {
     pub(crate) reason: Reason,
     pub(crate) detail: String,
+    /// Missing because of the route, not the request (the route has no parameter of the
+    /// extractor's name): every request to it would miss the key the same way, so the layer's
+    /// setup is at fault, not the client. Still a missing key where the user chose to pass
+    /// those through (one layer over routes with and without the parameter).
+    pub(crate) by_route: bool,
+}
+
+impl KeyProblem {
+    /// The reason to answer with when the request is refused: a key the route cannot carry is
+    /// the layer's fault (500, logged once per layer), not the client's (400).
+    pub(crate) fn refusal(&self, rejections: &crate::reject::Rejections) -> Reason {
+        if self.by_route {
+            rejections.setup_logged.log(
+                "the layer's route parameter is not in the route",
+                &self.detail,
+            );
+            Reason::Misconfigured
+        } else {
+            self.reason
+        }
+    }
 }
 
 fn missing(detail: impl Into<String>) -> KeyProblem {
     KeyProblem {
         reason: Reason::MissingKey,
         detail: detail.into(),
+        by_route: false,
     }
 }
 
@@ -98,6 +120,7 @@ fn invalid(detail: impl Into<String>) -> KeyProblem {
     KeyProblem {
         reason: Reason::InvalidKey,
         detail: detail.into(),
+        by_route: false,
     }
 }
 
@@ -136,10 +159,13 @@ impl KeyExtractor {
 
     /// A parameter of the matched axum route (`/accounts/{id}/withdraw` → `id`),
     /// percent-decoded; a parameter that is not UTF-8 once decoded is an invalid key (400, also
-    /// with `pass_through_without_key`). Add the layer with `route_layer` (or to the
-    /// `MethodRouter`): `Router::layer` also wraps the router's fallback, where no route
-    /// matched and there is no parameter, so an unknown path would get the layer's 400 instead
-    /// of axum's 404.
+    /// with `pass_through_without_key`). A route without a parameter of that name (a typo, or
+    /// a layer over routes of which only some have it) fails every request the same way, so
+    /// it is the layer's setup at fault: 500 ([`Reason::Misconfigured`]), logged at `error`,
+    /// unless `pass_through_without_key` lets such requests through unlocked. Add the layer
+    /// with `route_layer` (or to the `MethodRouter`): `Router::layer` also wraps the router's
+    /// fallback, where no route matched and there is no parameter, so an unknown path would
+    /// get the layer's 500 instead of axum's 404.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};
@@ -530,11 +556,17 @@ async fn route_param(parts: &mut Parts, name: &str) -> Result<Key, KeyProblem> {
             RawPathParamsRejection::InvalidUtf8InPathParam(_) => {
                 invalid(format!("a route parameter is not UTF-8 once decoded: {e}"))
             }
-            _ => missing(format!("no route parameters: {e}")),
+            _ => KeyProblem {
+                by_route: true,
+                ..missing(format!("no route parameters: {e}"))
+            },
         })?;
     match params.iter().position(|(k, _)| k == name) {
         Some(i) => Ok(Key::Param(params, i)),
-        None => Err(missing(format!("the route has no parameter `{name}`"))),
+        None => Err(KeyProblem {
+            by_route: true,
+            ..missing(format!("the route has no parameter `{name}`"))
+        }),
     }
 }
 

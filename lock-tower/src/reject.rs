@@ -442,11 +442,27 @@ impl Rejections {
         retry_after: Option<Duration>,
         detail: impl Into<String>,
     ) -> Response<Full<Bytes>> {
-        let rejection = Rejection {
-            reason,
-            status: self.statuses[reason.index()].unwrap_or_else(|| reason.default_status()),
-            retry_after,
-            detail: detail.into(),
+        let status = self.statuses[reason.index()].unwrap_or_else(|| reason.default_status());
+        let rejection = if status.is_client_error() || status.is_server_error() {
+            Rejection {
+                reason,
+                status,
+                retry_after,
+                detail: detail.into(),
+            }
+        } else {
+            // A refusal sent as a success (or a redirect, or a bodiless 204/304) would tell the
+            // client its request ran when it did not: the layer's setup is at fault.
+            let detail = format!(
+                "the status set for {reason:?} rejections, {status}, is not an error status"
+            );
+            self.setup_logged.log("the layer is misconfigured", &detail);
+            Rejection {
+                reason: Reason::Misconfigured,
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                retry_after: None,
+                detail,
+            }
         };
         tracing::debug!(reason = ?reason, status = rejection.status.as_u16(), detail = %rejection.detail, "rejected");
         match &self.responder {
@@ -480,5 +496,18 @@ mod tests {
         assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(res.headers()[RETRY_AFTER], "2");
         assert_eq!(res.headers()[CONTENT_TYPE], "application/problem+json");
+    }
+
+    #[test]
+    fn a_status_that_is_not_an_error_is_refused() {
+        for status in [StatusCode::OK, StatusCode::NO_CONTENT, StatusCode::FOUND] {
+            let mut r = Rejections::default();
+            r.set_status(Reason::Busy, status);
+            let res = r.respond(Reason::Busy, Some(Duration::from_secs(3)), "x");
+            assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR, "{status}");
+            assert!(!res.headers().contains_key(RETRY_AFTER));
+            // Only the reason set wrong is affected.
+            assert_eq!(r.respond(Reason::MissingKey, None, "x").status(), 400);
+        }
     }
 }

@@ -88,3 +88,43 @@ pub(crate) fn reject<B>(
         .respond(reason, retry_after, detail)
         .map(LockBody::local)
 }
+
+/// What a layer's method filter makes of a request's method.
+pub(crate) enum MethodFilter {
+    /// The layer applies.
+    Applies,
+    /// The method is not in the list: the request passes on untouched.
+    Skips,
+    /// The list was set empty: no request would ever be locked, which no one sets on purpose
+    /// (a route that needs no lock needs no layer), so every request is the layer's fault.
+    Empty,
+}
+
+/// HEAD counts as GET: axum runs a GET handler for a HEAD request, and it must not run unlocked
+/// beside a GET that holds the key.
+pub(crate) fn method_filter(
+    methods: Option<&[http::Method]>,
+    method: &http::Method,
+) -> MethodFilter {
+    match methods {
+        None => MethodFilter::Applies,
+        Some([]) => MethodFilter::Empty,
+        Some(m)
+            if m.contains(method)
+                || (*method == http::Method::HEAD && m.contains(&http::Method::GET)) =>
+        {
+            MethodFilter::Applies
+        }
+        Some(_) => MethodFilter::Skips,
+    }
+}
+
+/// The answer to every request through a layer whose method list is empty: 500, logged at
+/// `error` once per layer.
+pub(crate) fn empty_methods<B>(rejections: &Rejections) -> Response<LockBody<B>> {
+    let detail = "the layer's method list is empty, so it would lock no request";
+    rejections
+        .setup_logged
+        .log("the layer is misconfigured", &detail);
+    reject(rejections, Reason::Misconfigured, None, detail)
+}

@@ -3224,3 +3224,50 @@ async fn an_oversized_first_frame_is_handed_on_uncopied() {
         Some(&b"true"[..])
     );
 }
+
+/// A claim whose lock key holds another program's value (a hash): 503 without `Retry-After`,
+/// since a retry meets the same value; nothing is overwritten and the handler does not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_key_holding_another_type_is_503_without_retry_after() {
+    common::bounded(async {
+        let server = support::Server::start(support::Flavor::Redis);
+        let locker = lock_core::Locker::redis(&server.url())
+            .await
+            .expect("connect");
+        let (lock_key, _) = claim_keys(&locker, "", "taken");
+        let _: i64 = server.cmd(&["HSET", &lock_key, "theirs", "1"]);
+        let runs = Arc::new(AtomicUsize::new(0));
+        let addr = serve(counting(
+            DedupeLayer::new(locker),
+            runs.clone(),
+            Duration::ZERO,
+        ))
+        .await;
+        let r = deliver(addr, r#""taken""#, "{}").await;
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
+        assert_eq!(r.header("retry-after"), None, "retrying cannot help");
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler ran");
+        let theirs: String = server.cmd(&["HGET", &lock_key, "theirs"]);
+        assert_eq!(theirs, "1");
+    })
+    .await
+}
+
+/// An empty method list would dedupe nothing, and a refusal sent as a success would tell the
+/// sender its delivery was handled: both are the layer's fault, 500, the handler not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setups_that_dedupe_nothing_are_a_500() {
+    let locker = lock_core::Locker::memory();
+    for layer in [
+        DedupeLayer::new(locker.clone()).methods(Vec::new()),
+        DedupeLayer::new(locker.clone()).reject_status(Reason::MissingKey, StatusCode::ACCEPTED),
+    ] {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let addr = serve(counting(layer, runs.clone(), Duration::ZERO)).await;
+        let r = send(addr, Method::POST, "/hooks/a", &[], "{}").await;
+        assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR, "{}", r.text());
+        let problem: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+        assert_eq!(problem["type"], "urn:leasehold:problem:misconfigured");
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler ran");
+    }
+}

@@ -117,11 +117,8 @@ impl std::fmt::Debug for DedupeConfig {
 }
 
 impl DedupeConfig {
-    /// HEAD counts as GET, which axum runs for it (as `LockLayer` does).
-    pub(crate) fn applies_to(&self, method: &Method) -> bool {
-        self.methods.as_ref().is_none_or(|m| {
-            m.contains(method) || (*method == Method::HEAD && m.contains(&Method::GET))
-        })
+    pub(crate) fn method_filter(&self, method: &Method) -> crate::util::MethodFilter {
+        crate::util::method_filter(self.methods.as_deref(), method)
     }
 }
 
@@ -147,8 +144,8 @@ impl DedupeConfig {
 /// | result store unreachable when a request arrives | 503 with `Retry-After: 1`; the handler does not run |
 /// | stored result changed from outside (a status no response has, a field gone) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error`; neither replayed nor run again until it expires or is deleted |
 /// | [`retention`](Self::retention) (1 ms to a year) or [`claim_ttl`](Self::claim_ttl) (lock-core's `MIN_TTL` to `MAX_TTL`) out of range | 500 ([`Reason::Misconfigured`]), logged at `error`; the handler does not run |
-/// | the claim's stored fence is 2^64 - 1 (`Error::FenceExhausted`: no claim is possible) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error`; the handler does not run |
-/// | a backend with no result store (a Redlock quorum) | 500 ([`Reason::Misconfigured`], no `Retry-After`), logged at `error`; the handler does not run |
+/// | the claim's stored fence is 2^64 - 1 (`Error::FenceExhausted`: no claim is possible), or its server name holds another program's value (`Error::WrongType`) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error`; the handler does not run |
+/// | a backend with no result store (a Redlock quorum), an empty [`methods`](Self::methods) list, or a [`reject_status`](Self::reject_status) that is not 4xx/5xx | 500 ([`Reason::Misconfigured`], no `Retry-After`), logged at `error`; the handler does not run |
 /// | request with a key, body above the cap (1 MiB) | 413 (the body is read only for a keyed request's fingerprint: without a key in the request head (header, path, route parameter, closure), the request is answered or passed through unread; a JSON-body key is looked for in the body, up to the cap) |
 /// | response body fails while the layer reads it, or ends before its declared `Content-Length` | 500 ([`Reason::ResponseFailed`]); nothing stored, claim released (past the cap: the caller sees a cut-off body) |
 /// | response body above the stored cap (256 KiB) | the first caller gets the full body; once it ended well (before the caller sees its end), the stored result keeps status and headers only, and replays carry an empty body with `Idempotent-Body-Omitted: true`; if it fails past the cap, nothing is stored and the claim is released |
@@ -410,7 +407,9 @@ impl DedupeLayer {
         })
     }
 
-    /// Dedupe only these methods (default POST, PUT, PATCH, DELETE); others pass through.
+    /// Dedupe only these methods (default POST, PUT, PATCH, DELETE); others pass through. An
+    /// empty list would dedupe nothing: every request is then answered 500
+    /// ([`Reason::Misconfigured`]), logged at `error`.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};
@@ -553,7 +552,8 @@ impl DedupeLayer {
     }
 
     /// The status to answer with for `reason` (for example 409 instead of 422 for
-    /// [`Reason::KeyReused`]).
+    /// [`Reason::KeyReused`]). It must be an error status (4xx or 5xx): with any other, those
+    /// refusals are answered 500 ([`Reason::Misconfigured`]), logged at `error`.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};

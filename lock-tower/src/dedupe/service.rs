@@ -19,7 +19,7 @@ use crate::future::ResponseFuture;
 use crate::key::KeyProblem;
 use crate::lock::service::{declared_len, refuse, release};
 use crate::reject::Reason;
-use crate::util::{RequestBody, bodiless, read_capped, reject};
+use crate::util::{MethodFilter, RequestBody, bodiless, empty_methods, read_capped, reject};
 
 /// Marks a response that is a replay of a stored result.
 pub(crate) const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
@@ -154,7 +154,7 @@ where
     }
     Ok(reject(
         &cfg.rejections,
-        problem.reason,
+        problem.refusal(&cfg.rejections),
         None,
         problem.detail,
     ))
@@ -182,9 +182,13 @@ where
     ResBody: Body<Data = Bytes> + Send + Unpin + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    if !cfg.applies_to(req.method()) {
-        let res = inner.call(req.map(Either::Left)).await?;
-        return Ok(res.map(LockBody::pass));
+    match cfg.method_filter(req.method()) {
+        MethodFilter::Applies => {}
+        MethodFilter::Skips => {
+            let res = inner.call(req.map(Either::Left)).await?;
+            return Ok(res.map(LockBody::pass));
+        }
+        MethodFilter::Empty => return Ok(empty_methods(&cfg.rejections)),
     }
     let rejections = &cfg.rejections;
     let (mut parts, body) = req.into_parts();

@@ -63,12 +63,8 @@ impl std::fmt::Debug for LockConfig {
 }
 
 impl LockConfig {
-    /// HEAD counts as GET: axum runs a GET handler for a HEAD request, and it must not run
-    /// unlocked beside a GET that holds the key.
-    pub(crate) fn applies_to(&self, method: &Method) -> bool {
-        self.methods.as_ref().is_none_or(|m| {
-            m.contains(method) || (*method == Method::HEAD && m.contains(&Method::GET))
-        })
+    pub(crate) fn method_filter(&self, method: &Method) -> crate::util::MethodFilter {
+        crate::util::method_filter(self.methods.as_deref(), method)
     }
 }
 
@@ -88,8 +84,8 @@ impl LockConfig {
 /// | lease lost while the handler ran | handler cancelled (its future dropped), 503 |
 /// | lease lost while the body streamed | the body ends with an error (the response is cut off) |
 /// | lock backend unreachable | 503 with `Retry-After: 1` |
-/// | the key's stored fence is 2^64 - 1 (`Error::FenceExhausted`: no grant is possible) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error` |
-/// | the layer's [`ttl`](Self::ttl) out of range (below `MIN_TTL`, above `MAX_TTL`), or a [`key_prefix`](Self::key_prefix) no key can follow | 500 ([`Reason::Misconfigured`]), logged at `error` |
+/// | the key's stored fence is 2^64 - 1 (`Error::FenceExhausted`: no grant is possible), or its server name holds another program's value (`Error::WrongType`) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error` |
+/// | the layer's [`ttl`](Self::ttl) out of range (below `MIN_TTL`, above `MAX_TTL`), a [`key_prefix`](Self::key_prefix) no key can follow, an empty [`methods`](Self::methods) list, a route parameter the route lacks, or a [`reject_status`](Self::reject_status) that is not 4xx/5xx | 500 ([`Reason::Misconfigured`]), logged at `error` |
 ///
 /// Every status is configurable ([`reject_status`](Self::reject_status)); bodies are
 /// `application/problem+json` unless a [`rejection_response`](Self::rejection_response) is set.
@@ -280,7 +276,8 @@ impl LockLayer {
 
     /// Lock only requests with these methods (for example POST, PUT, PATCH, DELETE); others
     /// pass through unlocked. Default: every method. GET covers HEAD, which axum answers
-    /// with the GET handler.
+    /// with the GET handler. An empty list would lock nothing: every request is then answered
+    /// 500 ([`Reason::Misconfigured`]), logged at `error`.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::get};
@@ -364,7 +361,9 @@ impl LockLayer {
         self.with(|c| c.body_limit = bytes)
     }
 
-    /// The status to answer with for `reason`.
+    /// The status to answer with for `reason`. It must be an error status (4xx or 5xx): a
+    /// refusal answered as a success would tell the client its request ran, so with any other
+    /// status those refusals are answered 500 ([`Reason::Misconfigured`]), logged at `error`.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};

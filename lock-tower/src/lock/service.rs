@@ -16,7 +16,7 @@ use crate::extract::Held;
 use crate::future::ResponseFuture;
 use crate::key::{Key, KeyProblem};
 use crate::reject::Reason;
-use crate::util::{RequestBody, bodiless, read_capped, reject};
+use crate::util::{MethodFilter, RequestBody, bodiless, empty_methods, read_capped, reject};
 
 /// The service [`LockLayer`](super::LockLayer) wraps around an inner service.
 ///
@@ -108,11 +108,15 @@ where
     // end (trailers, work after the last byte), which must still run under the lease.
     let ends_at_length = parts.version <= http::Version::HTTP_11;
     async move {
-        if !cfg.applies_to(&parts.method) {
-            let res = inner
-                .call(Request::from_parts(parts, Either::Left(body)))
-                .await?;
-            return Ok(res.map(LockBody::pass));
+        match cfg.method_filter(&parts.method) {
+            MethodFilter::Applies => {}
+            MethodFilter::Skips => {
+                let res = inner
+                    .call(Request::from_parts(parts, Either::Left(body)))
+                    .await?;
+                return Ok(res.map(LockBody::pass));
+            }
+            MethodFilter::Empty => return Ok(empty_methods(&cfg.rejections)),
         }
         // Each step in a block of its own: a local's room is kept until its scope ends, even
         // after it was moved out, and a local alive across two awaits has room of its own in
@@ -148,7 +152,10 @@ where
                         let res = inner.call(Request::from_parts(parts, body)).await?;
                         return Ok(res.map(LockBody::pass));
                     }
-                    Err(p) => return Ok(reject(&cfg.rejections, p.reason, None, p.detail)),
+                    Err(p) => {
+                        let reason = p.refusal(&cfg.rejections);
+                        return Ok(reject(&cfg.rejections, reason, None, p.detail));
+                    }
                 }
             };
             span.record("key", key.as_str());
@@ -424,6 +431,17 @@ pub(crate) fn refuse<B>(
         // `Retry-After`, and an operator has to look.
         Error::FenceExhausted { .. } => {
             tracing::error!(error = %e, "no fence is left for the key; it cannot be locked");
+            reject(
+                rejections,
+                Reason::Unavailable,
+                None,
+                "the lock service cannot lock this key",
+            )
+        }
+        // Another program's value under the key's server name: a retry meets it again, so no
+        // `Retry-After`, and an operator has to look (nothing was overwritten).
+        Error::WrongType { .. } => {
+            tracing::error!(error = %e, "the key's server name holds another program's value");
             reject(
                 rejections,
                 Reason::Unavailable,
