@@ -260,8 +260,21 @@ impl<B: Backend + Clone> Lease<B> {
             .backend
             .extend(&[(self.key.clone(), self.token.clone())], ttl)
             .await?;
+        // One answer per item is the backend's contract; any other count says nothing about
+        // this lease, so the extend stays one that may have landed (`unanswered` is dropped).
+        let [held] = held[..] else {
+            return Err(Error::OutcomeUnknown {
+                op: "extend",
+                key: self.key.user().to_owned(),
+                source: redis::RedisError::from((
+                    redis::ErrorKind::UnexpectedReturnType,
+                    "the backend answered an extend of one lease with another number of answers",
+                    format!("{} answers", held.len()),
+                )),
+            });
+        };
         unanswered.ttl = Duration::ZERO;
-        if held.first().copied().unwrap_or(false) {
+        if held {
             if !self
                 .state
                 .extended(start, start + ttl - drift(ttl), warn_ahead(ttl), ttl)

@@ -1311,6 +1311,85 @@ mod tests {
         forward_to_memory!();
     }
 
+    /// The memory backend answering its next `left` extends with no answer at all, after
+    /// running them: a backend breaking the one-answer-per-item contract.
+    #[derive(Clone)]
+    struct Miscounting {
+        inner: MemoryBackend,
+        left: Arc<AtomicU64>,
+    }
+
+    impl Backend for Miscounting {
+        forward_grants_to_memory!();
+        fn extend(
+            &self,
+            items: &[(LockKey, Token)],
+            ttl: Duration,
+        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+            let (me, items) = (self.clone(), items.to_vec());
+            async move {
+                let ran = me.inner.extend(&items, ttl).await?;
+                let miscount = me
+                    .left
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok();
+                Ok(if miscount { Vec::new() } else { ran })
+            }
+        }
+        forward_to_memory!();
+    }
+
+    /// An answer of another count than the leases sent says nothing of any of them: a
+    /// renewal batch answered so is retried (the lease was left unfiled, never renewed again,
+    /// and lost at its alarm), and an explicit extend so answered is an unknown outcome, not
+    /// a lost lease.
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_of_another_count_is_no_verdict() {
+        let memory = MemoryBackend::new();
+        let backend = Miscounting {
+            inner: memory.clone(),
+            left: Arc::new(AtomicU64::new(1)),
+        };
+        let locker = Locker::new(backend.clone());
+        let renewing = locker
+            .try_acquire("renewed", &opts(Duration::from_millis(300)))
+            .await
+            .expect("acquire");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(
+            backend.left.load(Ordering::SeqCst),
+            0,
+            "no renewal was sent"
+        );
+        assert!(
+            !renewing.is_lost(),
+            "a miscounted renewal answer lost the lease"
+        );
+
+        let fixed = LockOptions::new().ttl(Duration::from_secs(10)).renew(false);
+        let lease = locker.try_acquire("fixed", &fixed).await.expect("acquire");
+        backend.left.store(1, Ordering::SeqCst);
+        let extended = lease.extend(Duration::from_secs(20)).await;
+        assert!(
+            matches!(extended, Err(Error::OutcomeUnknown { op: "extend", .. })),
+            "{extended:?}"
+        );
+        assert!(
+            !lease.is_lost(),
+            "an extend without a verdict lost the lease"
+        );
+        assert!(
+            lease.remaining() <= Duration::from_secs(10),
+            "{:?}",
+            lease.remaining()
+        );
+        // Some time passes, as it always does on a real clock: an extend sent at the very
+        // instant the unknown one was settled counts as sent before it (and may only shorten).
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        lease.extend(Duration::from_secs(20)).await.expect("extend");
+        assert!(lease.remaining() > Duration::from_secs(19));
+    }
+
     /// A renewal sent just before an extend to a longer TTL, and answered after it: the
     /// lease cannot tell which ran last on the server, so the renewal's reply shortens it to
     /// the old TTL. The next renewal must then come before that shortened deadline, with the

@@ -904,6 +904,19 @@ fn apply<B: Backend + Clone>(backend: &B, d: &mut Driver, cmd: Cmd) {
 fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
     match result {
         Ok(answers) => {
+            // One answer per lease is the backend's contract; with any other count no answer
+            // can be matched to its lease, so every lease of the batch is retried (a lease
+            // left without one would never be filed for renewal again).
+            let answers = if answers.len() == ids.len() {
+                answers
+            } else {
+                warn!(
+                    sent = ids.len(),
+                    answered = answers.len(),
+                    "the backend answered a renewal batch with another number of answers; retrying each lease"
+                );
+                vec![None; ids.len()]
+            };
             for (id, held) in ids.iter().zip(answers) {
                 let Some(e) = d.entries.get(id) else { continue };
                 let Some(held) = held else {
