@@ -61,6 +61,9 @@ pub struct Lease<B: Backend + Clone = AnyBackend> {
     pub(crate) renewing: bool,
     /// This key's turn among the locker's waiters, when the lease came from waiting.
     pub(crate) turn: Option<TurnHandle>,
+    /// Taken by each explicit extend for its whole trip: two extends of one lease never
+    /// travel at once (see [`extend`](Self::extend)).
+    pub(crate) extends: tokio::sync::Mutex<()>,
     pub(crate) done: bool,
 }
 
@@ -217,6 +220,12 @@ impl<B: Backend + Clone> Lease<B> {
     /// counts once answered. Returns [`Error::LeaseLost`] (and marks the lease lost) if this
     /// holder no longer holds it, or if the lease was already lost: loss is final.
     ///
+    /// Extends of one lease run one at a time: a second caller waits for the first's answer
+    /// before sending its own. While two travel at once, neither answer can tell which ran
+    /// last on the server, so each could only count up to the earlier deadline of the two;
+    /// callers extending in a loop from two tasks would then see the lease run down, and be
+    /// told it was lost, while every extend succeeded.
+    ///
     /// ```
     /// # #[tokio::main] async fn main() -> lock_core::Result<()> {
     /// use std::time::Duration;
@@ -232,6 +241,7 @@ impl<B: Backend + Clone> Lease<B> {
     #[instrument(level = "debug", skip(self), fields(key = self.key.user()))]
     pub async fn extend(&self, ttl: Duration) -> Result<()> {
         crate::types::validate_ttl(ttl)?;
+        let _one_at_a_time = self.extends.lock().await;
         // Loss is final: the holder may already have stopped on `lost()`, so a lost lease is
         // not extended back to life (the server's key, if still ours, expires or is released
         // on drop).

@@ -901,6 +901,7 @@ impl<B: Backend + Clone> Locker<B> {
                     state,
                     renewing: opts.renew,
                     turn: None,
+                    extends: tokio::sync::Mutex::new(()),
                     done: false,
                 }))
             }
@@ -1337,6 +1338,69 @@ mod tests {
             }
         }
         forward_to_memory!();
+    }
+
+    /// The memory backend answering every extend `delay` after running it.
+    #[derive(Clone)]
+    struct SlowExtends {
+        inner: MemoryBackend,
+        delay: Duration,
+    }
+
+    impl Backend for SlowExtends {
+        forward_grants_to_memory!();
+        fn extend(
+            &self,
+            items: &[(LockKey, Token)],
+            ttl: Duration,
+        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+            let (me, items) = (self.clone(), items.to_vec());
+            async move {
+                let ran = me.inner.extend(&items, ttl).await;
+                tokio::time::sleep(me.delay).await;
+                ran
+            }
+        }
+        forward_to_memory!();
+    }
+
+    /// Two tasks extending one lease in loops, so that one extend is always on its way: every
+    /// extend succeeds, and the lease stays held. (While two travelled at once, each answer
+    /// was capped at the earliest deadline of any extend sent since none travelled, which
+    /// never came again: the lease ran down and was reported lost within its first TTL.)
+    #[tokio::test(start_paused = true)]
+    async fn extends_from_two_tasks_keep_the_lease() {
+        let backend = SlowExtends {
+            inner: MemoryBackend::new(),
+            delay: Duration::from_millis(10),
+        };
+        let locker = Locker::new(backend);
+        let fixed = LockOptions::new().ttl(Duration::from_secs(1)).renew(false);
+        let lease = Arc::new(locker.try_acquire("k", &fixed).await.expect("acquire"));
+        let ok = Arc::new(AtomicU64::new(0));
+        let mut loops = Vec::new();
+        for offset in [0, 5] {
+            let (lease, ok) = (lease.clone(), ok.clone());
+            loops.push(tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(offset)).await;
+                let end = Instant::now() + Duration::from_secs(3);
+                while Instant::now() < end {
+                    lease.extend(Duration::from_secs(1)).await.expect("extend");
+                    ok.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }));
+        }
+        for l in loops {
+            l.await.expect("extend loop");
+        }
+        assert!(ok.load(Ordering::SeqCst) > 100, "{ok:?}");
+        assert!(!lease.is_lost(), "lost while every extend succeeded");
+        assert!(
+            lease.remaining() > Duration::from_millis(900),
+            "{:?}",
+            lease.remaining()
+        );
     }
 
     /// An answer of another count than the leases sent says nothing of any of them: a
