@@ -1403,6 +1403,75 @@ mod tests {
         );
     }
 
+    /// The memory backend running every extend `delay` after it was sent.
+    #[derive(Clone)]
+    struct LateExtends {
+        inner: MemoryBackend,
+        delay: Duration,
+    }
+
+    impl Backend for LateExtends {
+        forward_grants_to_memory!();
+        fn extend(
+            &self,
+            items: &[(LockKey, Token)],
+            ttl: Duration,
+        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+            let (me, items) = (self.clone(), items.to_vec());
+            async move {
+                tokio::time::sleep(me.delay).await;
+                me.inner.extend(&items, ttl).await
+            }
+        }
+        forward_to_memory!();
+    }
+
+    mod captured {
+        include!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/support/captured.rs"
+        ));
+    }
+
+    /// A renewal on its way when the holder releases finds the key deleted by that release:
+    /// the lease ended, it was not lost, and no warning says so. (It warned "lease lost: the
+    /// server no longer holds it" on an ordinary release.)
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_overtaken_by_release_is_no_loss() {
+        let logs = captured::Captured::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(logs.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::WARN)
+            .finish();
+        let _logging = tracing::subscriber::set_default(subscriber);
+        let memory = MemoryBackend::new();
+        let locker = Locker::new(LateExtends {
+            inner: memory.clone(),
+            delay: Duration::from_millis(50),
+        });
+        let lease = locker
+            .try_acquire("k", &opts(Duration::from_millis(300)))
+            .await
+            .expect("acquire");
+        // The renewal is sent at about 100 ms and runs 50 ms later, after this release.
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        let info = lease.info();
+        assert_eq!(
+            lease.release().await.expect("release"),
+            crate::Release::Released
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let key = locker.lock_key("k").expect("key");
+        assert!(!memory.is_held(&key), "renewed after release");
+        assert!(info.is_lost(), "the view does not follow the release");
+        assert!(
+            !logs.text().contains("WARN"),
+            "a release was logged as a loss: {}",
+            logs.text()
+        );
+    }
+
     /// An answer of another count than the leases sent says nothing of any of them: a
     /// renewal batch answered so is retried (the lease was left unfiled, never renewed again,
     /// and lost at its alarm), and an explicit extend so answered is an unknown outcome, not

@@ -929,11 +929,20 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                 };
                 if !held {
                     if let Some(e) = d.remove(*id) {
-                        warn!(
-                            key = e.key.user(),
-                            "lease lost: the server no longer holds it"
-                        );
-                        e.state.lost.cancel();
+                        if e.state.lost.is_cancelled() {
+                            // Released or dropped meanwhile (or lost and said so already): the
+                            // holder's own delete, not a loss to warn of.
+                            debug!(
+                                key = e.key.user(),
+                                "renewal found the lease gone after it ended"
+                            );
+                        } else {
+                            warn!(
+                                key = e.key.user(),
+                                "lease lost: the server no longer holds it"
+                            );
+                            e.state.lost.cancel();
+                        }
                     }
                     continue;
                 }

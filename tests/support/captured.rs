@@ -1,6 +1,7 @@
-//! What a `tracing` subscriber writes, kept in memory for a test to read. Its own file, outside
-//! the support module, so that only the test binaries that install a subscriber build it (with
-//! `#[path]`), in this package and in lock-tower's.
+// What a `tracing` subscriber writes, kept in memory for a test to read. Its own file, outside
+// the support module, so that only the test binaries that install a subscriber build it (with
+// `#[path]`), in this package and in lock-tower's, and lock-core's unit tests (with
+// `include!`, hence no inner doc comment here).
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
