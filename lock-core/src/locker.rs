@@ -1752,7 +1752,13 @@ mod tests {
             .await;
         assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
         let lost_at = started.elapsed();
-        assert!(lost_at < ttl, "lost at {lost_at:?}");
+        // Before the local deadline (the TTL less the drift allowance), as promised: lost at
+        // its alarm, ahead of it, not when validity already ran out.
+        let deadline = ttl - crate::types::drift(ttl);
+        assert!(
+            lost_at < deadline,
+            "lost at {lost_at:?}, deadline {deadline:?}"
+        );
         let free = async {
             while memory.is_held(&key) {
                 tokio::time::sleep(Duration::from_millis(1)).await;
@@ -1935,6 +1941,56 @@ mod tests {
             released,
             Poll::Ready(Ok(crate::Release::Released))
         ));
+    }
+
+    /// The memory backend counting the extends it is sent.
+    #[derive(Clone)]
+    struct CountedExtends {
+        inner: MemoryBackend,
+        extends: Arc<AtomicU64>,
+    }
+
+    impl Backend for CountedExtends {
+        forward_grants_to_memory!();
+        fn extend(
+            &self,
+            items: &[(LockKey, Token)],
+            ttl: Duration,
+        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+            self.extends.fetch_add(1, Ordering::SeqCst);
+            self.inner.extend(items, ttl)
+        }
+        forward_to_memory!();
+    }
+
+    /// Dropping a renewing guard stops its renewal at once: dropped just before its first
+    /// renewal was due, it is never renewed (and it is released), while a guard kept is.
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_guard_is_never_renewed() {
+        let memory = MemoryBackend::new();
+        let backend = CountedExtends {
+            inner: memory.clone(),
+            extends: Arc::default(),
+        };
+        let locker = Locker::new(backend.clone());
+        let o = opts(Duration::from_millis(300));
+        let dropped = locker.try_acquire("dropped", &o).await.expect("acquire");
+        // The first renewal is due at a third of the TTL, 100 ms.
+        tokio::time::sleep(Duration::from_millis(95)).await;
+        drop(dropped);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(
+            backend.extends.load(Ordering::SeqCst),
+            0,
+            "renewed after drop"
+        );
+        let key = locker.lock_key("dropped").expect("key");
+        assert!(!memory.is_held(&key), "not released");
+        // The control: the same lease kept is renewed on that schedule.
+        let kept = locker.try_acquire("kept", &o).await.expect("acquire");
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        assert!(backend.extends.load(Ordering::SeqCst) >= 2);
+        kept.release().await.expect("release");
     }
 
     /// A guard dropped while the driver sleeps is released at once, not at the driver's next
