@@ -205,6 +205,32 @@ async fn corrupt_attempts(flavor: Flavor) {
         let kept: String = server.cmd(&["HGET", &jk, "attempts"]);
         assert_eq!(kept, found);
     }
+    // Attempts changed from outside while the job was leased (-1 and -5 are below zero, 2.5
+    // is no integer): the reaper returns it to pending as any other expired lease and says
+    // so, attempts reported as 0 at the least (-1 was read as the reply's marker of a
+    // foreign key type: reported dead while it went to pending; -5 and 2.5 failed the reap
+    // after it moved the jobs).
+    for found in ["-1", "-5", "2.5"] {
+        let leased = q.enqueue(b"leased").await.expect("enqueue");
+        let got = q.claim(ms(50)).await.expect("claim").expect("job");
+        assert_eq!(got.id(), leased);
+        let jk = format!("{{leasehold:ca}}:job:{leased}");
+        let _: i64 = server.cmd(&["HSET", &jk, "attempts", found]);
+        sleep(ms(150)).await;
+        let reaped = q.reap().await.expect("reap");
+        let seen: Vec<_> = reaped.iter().map(|r| (r.id, r.to)).collect();
+        assert_eq!(seen, vec![(leased, JobState::Pending)], "{found}");
+        assert_eq!(
+            q.job(leased).await.expect("job").state,
+            JobState::Pending,
+            "{found}"
+        );
+        // Its next claim sets it aside (as above) or hands it out; either way the queue is
+        // left empty for the next round.
+        while let Some(c) = q.claim(ms(5_000)).await.expect("claim") {
+            c.complete().await.expect("complete");
+        }
+    }
     // A job hash whose payload was deleted: handed out, it would run on an empty payload and
     // be completed with its data gone. It dies with the reason; its attempts are untouched.
     let emptied = q.enqueue(b"data").await.expect("enqueue");

@@ -1,7 +1,8 @@
 -- ARGV[3] most jobs to move in one call. Returns {1, taken, id, attempts, new state, ...}:
 -- taken is how many expired ids left the active set (at most ARGV[3]; fewer means none are
 -- left), then one triple for every active job whose deadline passed on the server clock; a job
--- whose key holds a foreign type is set aside in the dead set and listed as {id, -1, type}; an
+-- whose key holds a foreign type is set aside in the dead set and listed as {id, 'foreign',
+-- type} (a marker no attempts count can be, as -1 could: the field is writable from outside); an
 -- id whose key was deleted from outside is dropped, unlisted, but counts in taken.
 local bad = check_keys()
 if bad then return bad end
@@ -34,12 +35,14 @@ for _, id in ipairs(expired) do
       redis.call('ZADD', KEYS[1], id, id)
     end
     out[#out + 1] = id
-    out[#out + 1] = att
+    -- As stored, but never below zero (changed from outside): the claim that finds it so sets
+    -- the job aside; the reply reports what this call did, not the corruption.
+    out[#out + 1] = math.max(math.floor(att), 0)
     out[#out + 1] = to
   elseif t ~= 'none' then
     set_aside(id, now)
     out[#out + 1] = id
-    out[#out + 1] = -1
+    out[#out + 1] = 'foreign'
     out[#out + 1] = t
   end
 end

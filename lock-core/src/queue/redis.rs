@@ -322,7 +322,7 @@ impl RedisQueue {
             .chunks(3)
             .map(|c| match c {
                 // A job key of a foreign type, set aside in the dead set.
-                [id, att, found] if int(att) == Some(-1) => {
+                [id, marker, found] if text(marker).as_deref() == Some("foreign") => {
                     let id = uint(id)?;
                     warn!(
                         queue = %self.tag,
