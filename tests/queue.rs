@@ -1024,6 +1024,47 @@ async fn a_stop_with_a_wake_up_claims_nothing() {
     }
 }
 
+/// Jobs 9 to 200 retried to come due at one millisecond: a claim promotes the first 100 of
+/// them as Redis orders members of one score, by their text ("10" < "100" < "9"), and hands
+/// out the lowest of those, 10, not 9. Both stores alike (memory took ties by number and
+/// handed out 9).
+async fn take_due_ties(q: &Queue, tie: impl AsyncFn(&[JobId])) {
+    q.enqueue_many(vec![b"done"; 8]).await.expect("enqueue");
+    for _ in 0..8 {
+        let c = q.claim(ms(60_000)).await.expect("claim");
+        c.expect("job").complete().await.expect("complete");
+    }
+    let ids = q.enqueue_many(vec![b"x"; 192]).await.expect("enqueue");
+    assert_eq!((ids[0], ids[191]), (JobId(9), JobId(200)));
+    for _ in &ids {
+        let c = q.claim(ms(60_000)).await.expect("claim").expect("job");
+        assert_eq!(c.retry(ms(1_000)).await.expect("retry"), JobState::Delayed);
+    }
+    tie(&ids).await;
+    let first = q.claim(ms(60_000)).await.expect("claim").expect("job");
+    assert_eq!(first.id(), JobId(10));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn memory_takes_due_ties_in_redis_order() {
+    let q = Queue::memory("ties").expect("queue");
+    // On a paused clock every retry above came due at the same millisecond.
+    take_due_ties(&q, async |_| sleep(ms(2_000)).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_takes_due_ties_in_its_order() {
+    let server = Server::start(Flavor::Redis);
+    let q = Queue::redis(&server.url(), "ties").await.expect("connect");
+    take_due_ties(&q, async |ids| {
+        for id in ids {
+            let member = id.0.to_string();
+            let _: i64 = server.cmd(&["ZADD", "{leasehold:ties}:delayed", "1", &member]);
+        }
+    })
+    .await;
+}
+
 /// The memory queue times leases on the monotonic clock and reports them on the wall clock:
 /// one deadline reads the same at every call. (An offset between the clocks taken afresh at
 /// each call moved by a millisecond within each millisecond, so two reads of one deadline

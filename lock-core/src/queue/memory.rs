@@ -36,17 +36,43 @@ struct Job {
     expires_ms: Option<u64>,
 }
 
+/// A job id ordered as the decimal text Redis stores it as: a sorted set orders members of
+/// equal score by their bytes ("10" < "100" < "9"), and which of the jobs due at one
+/// millisecond a claim's or reap's `LIMIT` takes must be the same here as there.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct ByText(u64);
+
+impl Ord for ByText {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        let digits = |n: u64| n.checked_ilog10().map_or(1, |l| l + 1);
+        let (a, b) = (self.0, other.0);
+        let (da, db) = (digits(a), digits(b));
+        // Padded with zeros to the same number of digits, the two line up digit by digit; equal
+        // then, the shorter is a prefix of the longer and comes first.
+        let pad = |n: u64, by: u32| u128::from(n) * 10u128.pow(by);
+        pad(a, db.saturating_sub(da))
+            .cmp(&pad(b, da.saturating_sub(db)))
+            .then(da.cmp(&db))
+    }
+}
+
+impl PartialOrd for ByText {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
 #[derive(Default)]
 struct State {
     seq: u64,
     jobs: HashMap<u64, Job>,
     pending: BTreeSet<u64>,
     /// (deadline, id), in [`Clock`] ms
-    active: BTreeSet<(u64, u64)>,
+    active: BTreeSet<(u64, ByText)>,
     /// (ready time, id), in [`Clock`] ms
-    delayed: BTreeSet<(u64, u64)>,
+    delayed: BTreeSet<(u64, ByText)>,
     /// (time of death, id), in [`Clock`] ms
-    dead: BTreeSet<(u64, u64)>,
+    dead: BTreeSet<(u64, ByText)>,
     /// Done markers in completion order with their expiry; `keep_done` is fixed per queue, so
     /// expiries only grow along the queue.
     done: VecDeque<(u64, u64)>,
@@ -148,13 +174,13 @@ impl State {
                 self.pending.remove(&id);
             }
             (JobState::Active, Some(at)) => {
-                self.active.remove(&(at, id));
+                self.active.remove(&(at, ByText(id)));
             }
             (JobState::Delayed, Some(at)) => {
-                self.delayed.remove(&(at, id));
+                self.delayed.remove(&(at, ByText(id)));
             }
             (JobState::Dead, Some(at)) => {
-                self.dead.remove(&(at, id));
+                self.dead.remove(&(at, ByText(id)));
             }
             _ => {}
         }
@@ -164,13 +190,13 @@ impl State {
     /// earliest due first, as `queue_claim.lua` does (a claim's script must stay short).
     fn promote_due(&mut self, now: u64) {
         for _ in 0..PROMOTE_PER_CLAIM {
-            let Some(&(ready, id)) = self.delayed.first() else {
+            let Some(&(ready, ByText(id))) = self.delayed.first() else {
                 break;
             };
             if ready > now {
                 break;
             }
-            self.delayed.remove(&(ready, id));
+            self.delayed.remove(&(ready, ByText(id)));
             if let Some(job) = self.jobs.get_mut(&id) {
                 job.state = JobState::Pending;
                 job.at_ms = None;
@@ -240,10 +266,10 @@ impl MemoryQueue {
             return Ok(ClaimReply::Empty { next_due });
         };
         let deadline_ms = now.saturating_add(lease_ms);
-        st.active.insert((deadline_ms, id));
+        st.active.insert((deadline_ms, ByText(id)));
         let Some(job) = st.jobs.get_mut(&id) else {
             // Every pending id has a job in this store; an orphan cannot arise here.
-            st.active.remove(&(deadline_ms, id));
+            st.active.remove(&(deadline_ms, ByText(id)));
             return Ok(ClaimReply::Empty { next_due: None });
         };
         job.attempts += 1;
@@ -323,12 +349,12 @@ impl MemoryQueue {
                     if job.max > 0 && attempts >= job.max {
                         job.state = JobState::Dead;
                         job.at_ms = Some(now);
-                        st.dead.insert((now, id));
+                        st.dead.insert((now, ByText(id)));
                     } else if delay_ms > 0 {
                         let ready = now.saturating_add(delay_ms);
                         job.state = JobState::Delayed;
                         job.at_ms = Some(ready);
-                        st.delayed.insert((ready, id));
+                        st.delayed.insert((ready, ByText(id)));
                     } else {
                         job.state = JobState::Pending;
                         job.at_ms = None;
@@ -344,7 +370,7 @@ impl MemoryQueue {
                     job.state = JobState::Dead;
                     job.error = Some(reason.to_owned());
                     job.at_ms = Some(now);
-                    st.dead.insert((now, id));
+                    st.dead.insert((now, ByText(id)));
                     Settled {
                         state: JobState::Dead,
                         at_ms: Some(now),
@@ -353,7 +379,7 @@ impl MemoryQueue {
                 Op::Extend { lease_ms } => {
                     let deadline = now.saturating_add(lease_ms);
                     job.at_ms = Some(deadline);
-                    st.active.insert((deadline, id));
+                    st.active.insert((deadline, ByText(id)));
                     Settled {
                         state: JobState::Active,
                         at_ms: Some(deadline),
@@ -377,13 +403,13 @@ impl MemoryQueue {
             let mut st = self.state();
             // Strictly before now, as the script's `(now` bound.
             while moved.len() < limit {
-                let Some(&(deadline, id)) = st.active.first() else {
+                let Some(&(deadline, ByText(id))) = st.active.first() else {
                     break;
                 };
                 if deadline >= now {
                     break;
                 }
-                st.active.remove(&(deadline, id));
+                st.active.remove(&(deadline, ByText(id)));
                 let st = &mut *st;
                 let Some(job) = st.jobs.get_mut(&id) else {
                     continue;
@@ -392,7 +418,7 @@ impl MemoryQueue {
                 if job.max > 0 && job.attempts >= job.max {
                     job.state = JobState::Dead;
                     job.at_ms = Some(now);
-                    st.dead.insert((now, id));
+                    st.dead.insert((now, ByText(id)));
                 } else {
                     job.state = JobState::Pending;
                     job.at_ms = None;
@@ -417,14 +443,14 @@ impl MemoryQueue {
         let mut st = self.state();
         let mut removed = 0;
         while removed < limit {
-            let Some(&(died, id)) = st.dead.first() else {
+            let Some(&(died, ByText(id))) = st.dead.first() else {
                 break;
             };
             // Died at least `age_ms` ago, as the script's `<= now - age` bound.
             if died.saturating_add(age_ms) > now {
                 break;
             }
-            st.dead.remove(&(died, id));
+            st.dead.remove(&(died, ByText(id)));
             if st.jobs.get(&id).is_some_and(|j| j.state == JobState::Dead) {
                 st.jobs.remove(&id);
             }
@@ -466,5 +492,35 @@ impl MemoryQueue {
             wakeups: self.wakeups.clone(),
             on_last: None,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ByText;
+
+    /// Ids order as their decimal texts do, which is how Redis orders members of one score.
+    #[test]
+    fn ids_order_as_their_text() {
+        let mut ids: Vec<u64> = (0..1_200).collect();
+        ids.extend([
+            9,
+            10,
+            99,
+            100,
+            1_000_000,
+            u64::MAX,
+            u64::MAX - 1,
+            10u64.pow(19),
+        ]);
+        for &a in &ids {
+            for &b in ids.iter().step_by(7) {
+                assert_eq!(
+                    ByText(a).cmp(&ByText(b)),
+                    a.to_string().cmp(&b.to_string()),
+                    "{a} against {b}"
+                );
+            }
+        }
     }
 }

@@ -878,7 +878,10 @@ impl Queue {
     ///
     /// Retries whose delay has passed rejoin pending first, at their original place, at most
     /// 100 a claim and the earliest due first (so a claim stays one short step however many
-    /// retries come due at once); the rest join with the next claims. One atomic step raises the job's attempts (its fence) and sets its deadline to the
+    /// retries come due at once; of those due at one millisecond, in the order of their ids'
+    /// decimal text, as a Redis sorted set orders them, on every store); the rest join with
+    /// the next claims. One atomic step raises the job's attempts (its fence) and sets its
+    /// deadline to the
     /// store's clock plus `ttl`. The lease is not renewed: call [`Claim::extend`] for long
     /// work, or run jobs through a [`Worker`], which does. A claim whose reply is lost in
     /// transit ([`Error::OutcomeUnknown`]) leaves the job active until the reaper returns it.
