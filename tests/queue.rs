@@ -363,19 +363,33 @@ async fn retries_delay_and_dead_set(h: Harness) {
     assert!(waited >= ms(999) && waited <= ms(4_000), "{waited:?}");
     assert_eq!(c3.attempts(), 3);
     // The last attempt's retry sends it to the dead set instead.
+    let wall_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock after 1970")
+            .as_millis() as u64
+    };
+    let before = wall_ms();
     assert_eq!(
         c3.retry_because(Duration::ZERO, "third failure")
             .await
             .expect("retry"),
         JobState::Dead
     );
+    let after = wall_ms();
     let c = q.counts().await.expect("counts");
     assert_eq!((c.pending, c.active, c.delayed, c.dead), (0, 0, 0, 1));
     let info = q.job(id).await.expect("job");
     assert_eq!(info.state, JobState::Dead);
     assert_eq!(info.error.as_deref(), Some("third failure"));
     assert_eq!(info.payload.as_deref(), Some(b"flaky".as_slice()));
-    assert!(info.at_ms.is_some());
+    // A dead job's time is its time of death (the store's clock, this machine's here; a few
+    // ms of slack for the memory store's reading of it).
+    let died = info.at_ms.expect("a time of death");
+    assert!(
+        before.saturating_sub(5) <= died && died <= after + 5,
+        "died at {died}, between {before} and {after}"
+    );
 }
 
 async fn reaper_sends_to_dead_after_max_attempts(h: Harness) {
