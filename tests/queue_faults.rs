@@ -941,10 +941,62 @@ async fn shares_backend_with_locks(flavor: Flavor) {
     again.release().await.expect("release");
 }
 
+/// A server failure in the second round trip of an `enqueue_many` (out of memory once the four
+/// 1 MiB payloads of that trip arrive): the first trip's 256 jobs stay enqueued and the error
+/// names their ids, so that a retry sends only the rest and adds no job twice.
+async fn enqueue_many_failing_midway_names_what_landed(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let q = Queue::redis(&server.url(), "partly")
+        .await
+        .expect("connect");
+    // Loads the script and the keys' structures before the baseline is read.
+    let warm = q.enqueue(b"warm").await.expect("enqueue");
+    q.claim(ms(5_000))
+        .await
+        .expect("claim")
+        .expect("job")
+        .complete()
+        .await
+        .expect("complete");
+    let mut payloads: Vec<Vec<u8>> = (0..256u32).map(|i| i.to_be_bytes().to_vec()).collect();
+    payloads.extend((0..4u8).map(|i| vec![i; 1 << 20]));
+    let info: String = server.cmd(&["INFO", "memory"]);
+    let used: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("used_memory");
+    let limit = (used + (1 << 20)).to_string();
+    let _: () = server.cmd(&["CONFIG", "SET", "maxmemory", &limit]);
+    let out = q.enqueue_many(&payloads).await;
+    let _: () = server.cmd(&["CONFIG", "SET", "maxmemory", "0"]);
+    let Err(Error::PartlyEnqueued { enqueued, source }) = out else {
+        panic!("expected a partial enqueue, got {out:?}");
+    };
+    assert!(matches!(*source, Error::Refused { .. }), "{source:?}");
+    assert_eq!(enqueued.len(), 256);
+    assert_eq!(enqueued[0].0, warm.0 + 1);
+    assert_eq!(q.counts().await.expect("counts").pending, 256);
+    let rest = q.enqueue_many(&payloads[256..]).await.expect("the rest");
+    assert_eq!(rest.len(), 4);
+    // Every payload once, in order.
+    for (i, want) in payloads.iter().enumerate() {
+        let c = q.claim(ms(5_000)).await.expect("claim").expect("job");
+        assert_eq!(c.payload(), want.as_slice(), "job {i}");
+        assert_eq!(c.id(), if i < 256 { enqueued[i] } else { rest[i - 256] });
+        c.complete().await.expect("complete");
+    }
+    assert!(q.claim(ms(5_000)).await.expect("claim").is_none());
+}
+
 macro_rules! faults {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
             use super::*;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn enqueue_many_failing_midway_names_what_landed() {
+                super::enqueue_many_failing_midway_names_what_landed($flavor).await
+            }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn foreign_types() {
                 super::foreign_types($flavor).await

@@ -143,6 +143,19 @@ pub enum Error {
         /// The limit in bytes.
         max: usize,
     },
+    /// [`Queue::enqueue_many`](crate::queue::Queue::enqueue_many) failed after some of its
+    /// round trips had landed: `enqueued` are the ids of the jobs they added, in order (the
+    /// first `enqueued.len()` payloads), so that a retry can send only the rest. Whether the
+    /// round trip that failed added its jobs is what `source` says (nothing when the server
+    /// refused it; unknown after [`Error::OutcomeUnknown`]).
+    #[error("{} jobs were enqueued before a round trip failed: {source}", enqueued.len())]
+    PartlyEnqueued {
+        /// The jobs the round trips before the failure added.
+        enqueued: Vec<crate::queue::JobId>,
+        /// Why the next round trip failed.
+        #[source]
+        source: Box<Error>,
+    },
     /// A typed payload could not be encoded or decoded.
     #[error("payload codec: {0}")]
     Codec(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -262,13 +275,16 @@ impl Error {
     /// # }
     /// ```
     pub fn is_transient(&self) -> bool {
-        matches!(
-            self,
-            Error::Refused { .. }
-                | Error::Unavailable(_)
-                | Error::OutcomeUnknown { .. }
-                | Error::NoQuorum { .. }
-        )
+        match self {
+            Error::PartlyEnqueued { source, .. } => source.is_transient(),
+            _ => matches!(
+                self,
+                Error::Refused { .. }
+                    | Error::Unavailable(_)
+                    | Error::OutcomeUnknown { .. }
+                    | Error::NoQuorum { .. }
+            ),
+        }
     }
 }
 

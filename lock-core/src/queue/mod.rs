@@ -800,8 +800,10 @@ impl Queue {
     }
 
     /// Adds several jobs in order, up to 256 (and 4 MiB) per round trip. Every payload is
-    /// checked before any is sent, so an oversize one means none were added; a server failure
-    /// midway leaves the round trips that succeeded enqueued.
+    /// checked before any is sent, so an oversize one means none were added. A server failure
+    /// midway leaves the round trips that succeeded enqueued, and says which:
+    /// [`Error::PartlyEnqueued`] carries their ids (a failure in the first round trip is
+    /// returned as it is).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
@@ -846,9 +848,18 @@ impl Queue {
             let (chunk, tail) = rest.split_at(take);
             rest = tail;
             let chunk: Vec<&[u8]> = chunk.iter().map(AsRef::as_ref).collect();
-            // Chunks land one by one: if a later one fails, the earlier ones stay enqueued.
-            let got = store!(self, s => s.enqueue(&chunk, max).await)?;
-            ids.extend(got.into_iter().map(JobId));
+            // Chunks land one by one: if a later one fails, the earlier ones stay enqueued, and
+            // the caller learns which (a retry of the whole list would add them twice).
+            match store!(self, s => s.enqueue(&chunk, max).await) {
+                Ok(got) => ids.extend(got.into_iter().map(JobId)),
+                Err(e) if ids.is_empty() => return Err(e),
+                Err(e) => {
+                    return Err(Error::PartlyEnqueued {
+                        enqueued: ids,
+                        source: Box::new(e),
+                    });
+                }
+            }
         }
         debug!(count = ids.len(), "enqueued");
         Ok(ids)
