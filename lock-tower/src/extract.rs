@@ -100,7 +100,9 @@ impl fmt::Display for MissingLease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "the `{}` extractor was used on a route without LockLayer or DedupeLayer",
+            "the `{}` extractor found no lease: the route has no LockLayer or DedupeLayer, or \
+             the layer let this request through without one (a method it skips, or no key \
+             under `pass_through_without_key`); use `Option<_>` where that is expected",
             self.extractor
         )
     }

@@ -280,7 +280,7 @@ async fn missing_key_is_400_or_passes_through(h: Harness) {
     // The extractor on a route without the layer: a clear 500.
     let r = post_to(addr, "/bare").await;
     assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert!(r.text().contains("without LockLayer"), "{}", r.text());
+    assert!(r.text().contains("no LockLayer"), "{}", r.text());
 }
 
 async fn lease_loss_cancels_the_handler(h: Harness) {
@@ -1098,7 +1098,8 @@ async fn held_lease_without_a_layer_is_a_500() {
     assert_eq!(problem["type"], "urn:leasehold:problem:missing-lease");
     let detail = problem["detail"].as_str().unwrap_or_default();
     assert!(detail.contains("`HeldLease`"), "{problem}");
-    assert!(detail.contains("without LockLayer"), "{problem}");
+    assert!(detail.contains("no LockLayer or DedupeLayer"), "{problem}");
+    assert!(detail.contains("pass_through_without_key"), "{problem}");
 }
 
 /// What the docs say of `Router::layer` with a route parameter: the matched routes get their
