@@ -867,24 +867,26 @@ async fn unreachable_valkey_is_503() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rejections_can_be_customised() {
     let locker = lock_core::Locker::memory();
-    let layer = LockLayer::new(locker, KeyExtractor::route_param("id"))
-        .reject_status(Reason::MissingKey, StatusCode::UNPROCESSABLE_ENTITY)
-        .reject_status(Reason::Busy, StatusCode::TOO_MANY_REQUESTS)
-        .rejection_response(|r| {
-            let mut res = http::Response::new(http_body_util::Full::new(Bytes::from(format!(
-                "{:?} {}",
-                r.reason(),
-                r.retry_after().is_some()
-            ))));
-            *res.status_mut() = r.status();
-            res
-        });
+    let customised =
+        |key| {
+            LockLayer::new(locker.clone(), key)
+                .reject_status(Reason::MissingKey, StatusCode::UNPROCESSABLE_ENTITY)
+                .reject_status(Reason::Busy, StatusCode::TOO_MANY_REQUESTS)
+                .rejection_response(|r| {
+                    let mut res = http::Response::new(http_body_util::Full::new(Bytes::from(
+                        format!("{:?} {}", r.reason(), r.retry_after().is_some()),
+                    )));
+                    *res.status_mut() = r.status();
+                    res
+                })
+        };
     let (tx, mut entered) = mpsc::unbounded_channel();
     let go = Arc::new(Semaphore::new(0));
-    let app = gated(layer.clone(), tx, go.clone()).merge(
+    let by_header = KeyExtractor::header(http::HeaderName::from_static("x-account"));
+    let app = gated(customised(KeyExtractor::route_param("id")), tx, go.clone()).merge(
         Router::new()
             .route("/nokey", post(|| async { "unreachable" }))
-            .route_layer(layer),
+            .route_layer(customised(by_header)),
     );
     let addr = serve(app).await;
     let r = post_to(addr, "/nokey").await;
