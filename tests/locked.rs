@@ -354,15 +354,17 @@ async fn a_spawned_task_sees_no_fence() {
     assert_eq!(spawned, None, "a spawned task saw the body's fence");
 }
 
-/// A return type that mentions `impl Trait` cannot be named inside the body; the body then
-/// infers against the signature alone, `?` and early `return` included. Parameters may be
-/// named like the macro's own locals.
+/// A return type that mentions `impl Trait`: `?` and early `return` infer against the rest of
+/// it. Parameters and locals may be named like the macro's own locals, and the body may use
+/// them.
 #[locked(key = "digits:{__lh_key}", locker = __lh_locker)]
 async fn digits(
     __lh_locker: &Locker,
     __lh_key: u64,
     text: &str,
 ) -> Result<impl Iterator<Item = u32> + use<>, AppError> {
+    let __lh_settings = __lh_locker.lock_key("digits")?;
+    assert_eq!(__lh_settings.user(), "digits");
     let n: u32 = text.parse().map_err(|_| AppError::Declined(__lh_key))?;
     if n == 0 {
         return Ok(vec![0].into_iter());
@@ -865,3 +867,132 @@ macro_rules! suite {
 suite!(memory, Harness::Memory(MemoryBackend::new()));
 suite!(redis, Harness::Server(Server::start(Flavor::Redis)));
 suite!(valkey, Harness::Server(Server::start(Flavor::Valkey)));
+
+/// Settings whose expressions borrow through a temporary (a `RefCell` borrow, a mutex guard):
+/// the temporary ends before the body runs, as the docs promise, so the body may borrow the
+/// same cell mutably and the future stays `Send`. (They were held for the whole body: a
+/// `BorrowMutError` panic, a future that was not `Send`.)
+struct Tuned {
+    locker: Locker,
+    ttl: std::cell::RefCell<Duration>,
+}
+
+impl Tuned {
+    #[locked(key = "tuned", locker = self.locker, ttl = *self.ttl.borrow())]
+    async fn retune(&self) -> Result<Duration, Error> {
+        *self.ttl.borrow_mut() = Duration::from_secs(5);
+        Ok(current_lease().expect("lease").remaining())
+    }
+}
+
+struct Shared {
+    locker: Locker,
+    wait: Mutex<Duration>,
+}
+
+impl Shared {
+    #[locked(key = "shared", locker = self.locker, wait = *self.wait.lock().expect("wait"))]
+    async fn run(self: Arc<Self>) -> Result<Duration, Error> {
+        tokio::task::yield_now().await;
+        Ok(*self.wait.lock().expect("wait"))
+    }
+}
+
+fn assert_send<T: Send>(t: T) -> T {
+    t
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_borrow_only_while_they_are_read() {
+    let tuned = Tuned {
+        locker: Locker::memory(),
+        ttl: std::cell::RefCell::new(Duration::from_secs(60)),
+    };
+    let left = tuned.retune().await.expect("ran");
+    assert!(
+        left > Duration::from_secs(30),
+        "the ttl read was not 60 s: {left:?}"
+    );
+    assert_eq!(*tuned.ttl.borrow(), Duration::from_secs(5));
+    let shared = Arc::new(Shared {
+        locker: Locker::memory(),
+        wait: Mutex::new(Duration::from_secs(2)),
+    });
+    let ran = tokio::spawn(assert_send(shared.clone().run()))
+        .await
+        .expect("task")
+        .expect("ran");
+    assert_eq!(ran, Duration::from_secs(2));
+}
+
+#[derive(Debug)]
+struct Refused;
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("refused")
+    }
+}
+
+impl std::error::Error for Refused {}
+
+/// A value coerced to the return type's boxed trait object beside an `impl Trait`, as a plain
+/// `async fn` allows: the rest of the return type is still pinned inside the body. (With the
+/// `impl` in it, nothing was pinned, and `Box<Refused>` was taken for the error type.)
+#[locked(key = "shown", locker = locker)]
+async fn shown(
+    locker: &Locker,
+    n: u32,
+) -> Result<impl std::fmt::Display + use<>, Box<dyn std::error::Error + Send + Sync>> {
+    if n == 0 {
+        return Err(Box::new(Refused));
+    }
+    Ok(n)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_impl_trait_result_still_coerces_its_error() {
+    let locker = Locker::memory();
+    assert_eq!(shown(&locker, 7).await.expect("shown").to_string(), "7");
+    let refused = shown(&locker, 0).await.err().expect("refused");
+    assert_eq!(refused.to_string(), "refused");
+}
+
+/// Above `#[tokio::test]`, as the docs suggest for a test that must hold a lock: the test body
+/// runs under the lease.
+#[locked(key = "as-a-test", locker = Locker::memory())]
+#[tokio::test]
+async fn locked_above_tokio_test() -> Result<(), Error> {
+    assert!(
+        current_fence().is_some(),
+        "the test body ran without its lease"
+    );
+    Ok(())
+}
+
+#[locked(key = "same", locker = locker)]
+async fn inner_same(locker: &Locker) -> Result<(), Error> {
+    Ok(())
+}
+
+#[locked(key = "same", locker = locker, wait = "100ms")]
+async fn inner_same_waiting(locker: &Locker) -> Result<(), Error> {
+    Ok(())
+}
+
+#[locked(key = "same", locker = locker)]
+async fn outer_same(locker: &Locker) -> Result<(Error, Error), Error> {
+    let busy = inner_same(locker).await.err().expect("re-entered");
+    let waited = inner_same_waiting(locker).await.err().expect("re-entered");
+    Ok((busy, waited))
+}
+
+/// As the docs say, a lease is not re-entrant: a nested call on the key its caller holds gets
+/// `Busy` at once, or with `wait` waits for itself until `WaitTimeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nested_call_on_the_same_key_is_refused() {
+    let locker = Locker::memory();
+    let (busy, waited) = outer_same(&locker).await.expect("outer ran");
+    assert!(matches!(busy, Error::Busy { .. }), "{busy:?}");
+    assert!(matches!(waited, Error::WaitTimeout { .. }), "{waited:?}");
+}

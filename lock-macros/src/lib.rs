@@ -172,15 +172,25 @@ fn check_ttl(ttl: std::time::Duration) -> Result<(), String> {
 }
 
 /// Whether `ty` mentions `impl Trait`, which cannot be named in a `let` or a turbofish.
-fn mentions_impl(ty: &Type) -> bool {
-    fn scan(ts: TokenStream2) -> bool {
-        ts.into_iter().any(|tt| match tt {
-            TokenTree::Ident(i) => i == "impl",
-            TokenTree::Group(g) => scan(g.stream()),
-            _ => false,
-        })
+/// `ty` with every `impl Trait` in it left to inference (`_`): a `let` cannot name an opaque
+/// type, but it can still pin the rest of the type (the error type `?` converts into, the
+/// boxed trait object a value coerces to), as the signature does for a plain `async fn`.
+fn impl_inferred(ty: &Type) -> Type {
+    struct Infer;
+    impl syn::visit_mut::VisitMut for Infer {
+        fn visit_type_mut(&mut self, t: &mut Type) {
+            if let Type::ImplTrait(i) = t {
+                *t = Type::Infer(syn::TypeInfer {
+                    underscore_token: syn::Token![_](i.impl_token.span),
+                });
+            } else {
+                syn::visit_mut::visit_type_mut(self, t);
+            }
+        }
     }
-    scan(ty.to_token_stream())
+    let mut ty = ty.clone();
+    syn::visit_mut::VisitMut::visit_type_mut(&mut Infer, &mut ty);
+    ty
 }
 
 /// `tokens` with every span set to `span`, so that errors in them point at the user's code.
@@ -241,9 +251,10 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
     let krate = args.krate.unwrap_or_else(|| syn::parse_quote!(::leasehold));
     let private = quote!(#krate::__private);
     let site = Span::mixed_site();
-    let (locker_var, key_var, fake_ret) = (
+    let (locker_var, key_var, settings_var, fake_ret) = (
         format_ident!("__lh_locker", span = site),
         format_ident!("__lh_key", span = site),
+        format_ident!("__lh_settings", span = site),
         format_ident!("__lh_fake_return", span = site),
     );
 
@@ -282,25 +293,22 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
     let name = sig.ident.to_string();
 
     // Names the return type inside the body so that `?` and `return` infer against it before
-    // the body is checked, as tracing's `#[instrument]` does. `impl Trait` cannot be named in a
-    // `let`; such a body infers its type from the function's signature alone.
-    let pin_type = if mentions_impl(&ret_ty) {
-        quote!()
-    } else {
-        quote_spanned! {ret_ty.span()=>
-            #[allow(
-                unknown_lints,
-                unreachable_code,
-                clippy::diverging_sub_expression,
-                clippy::empty_loop,
-                clippy::let_unit_value,
-                clippy::needless_return,
-                clippy::unreachable
-            )]
-            if false {
-                let #fake_ret: #ret_ty = loop {};
-                return #fake_ret;
-            }
+    // the body is checked, as tracing's `#[instrument]` does; an `impl Trait` in it is left to
+    // inference, the rest still pinned.
+    let pinned = impl_inferred(&ret_ty);
+    let pin_type = quote_spanned! {ret_ty.span()=>
+        #[allow(
+            unknown_lints,
+            unreachable_code,
+            clippy::diverging_sub_expression,
+            clippy::empty_loop,
+            clippy::let_unit_value,
+            clippy::needless_return,
+            clippy::unreachable
+        )]
+        if false {
+            let #fake_ret: #pinned = loop {};
+            return #fake_ret;
         }
     };
     // Spanned at the return type, so a type that cannot carry the lock's errors is reported
@@ -312,17 +320,21 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
     let stmts = &func.block.stmts;
     let body = quote! {
         {
+            // Each argument in a statement of its own, before the body: a temporary of its
+            // expression (a `RefCell` borrow, a mutex guard) then ends before the body runs,
+            // not with the call that runs it.
             let #locker_var = #locker;
             let #key_var: ::std::string::String = #key;
+            let #settings_var = #private::Settings {
+                function: #name,
+                ttl: #ttl,
+                wait: #wait,
+                renew: #renew,
+            };
             #private::locked(
                 #locker_var,
                 #key_var,
-                #private::Settings {
-                    function: #name,
-                    ttl: #ttl,
-                    wait: #wait,
-                    renew: #renew,
-                },
+                #settings_var,
                 #from_lock_error,
                 async move {
                     #pin_type

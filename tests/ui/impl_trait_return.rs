@@ -8,7 +8,7 @@ async fn run() -> impl Debug {
 }
 
 /// Takes only a future whose output is `Debug`, as `run` is written.
-fn debug_output<T: Debug>(_: impl std::future::Future<Output = T>) {}
+fn debug_output<T: std::fmt::Debug>(_: impl std::future::Future<Output = T>) {}
 
 fn main() {
     debug_output(run());

@@ -6,5 +6,5 @@ fn run() -> Result<(), Error> {
 }
 
 fn main() {
-    let _: Result<(), Error> = run();
+    let _: Result<(), leasehold::Error> = run();
 }

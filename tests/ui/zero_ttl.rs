@@ -6,5 +6,5 @@ async fn run() -> Result<(), Error> {
 }
 
 fn main() {
-    let _: &dyn std::future::Future<Output = Result<(), Error>> = &run();
+    let _: &dyn std::future::Future<Output = Result<(), leasehold::Error>> = &run();
 }
