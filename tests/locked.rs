@@ -982,8 +982,8 @@ async fn inner_same_waiting(locker: &Locker) -> Result<(), Error> {
 
 #[locked(key = "same", locker = locker)]
 async fn outer_same(locker: &Locker) -> Result<(Error, Error), Error> {
-    let busy = inner_same(locker).await.err().expect("re-entered");
-    let waited = inner_same_waiting(locker).await.err().expect("re-entered");
+    let busy = inner_same(locker).await.expect_err("re-entered");
+    let waited = inner_same_waiting(locker).await.expect_err("re-entered");
     Ok((busy, waited))
 }
 
