@@ -9,10 +9,13 @@
 //! cargo run --release --example bench_http --features tower -- --connections 32 --seconds 3 --rounds 3
 //! ```
 //!
-//! Rounds alternate between the routes in short slices and the totals count, so load from other
-//! processes on a shared machine falls on every route alike. Besides requests/s the program
-//! prints the CPU time this process spent per request (server and load generator together,
-//! from `/proc/self/stat` on Linux), which other processes' load does not distort.
+//! Rounds alternate between the routes in short slices, each round in another order (so no
+//! route always follows the same one), and the totals count, so load from other processes on a
+//! shared machine falls on every route alike. Besides requests/s the program prints the CPU
+//! time this process spent per request (from `/proc/self/stat` on Linux). Other processes' load
+//! still moves it (caches, frequency, the scheduler), so compare runs made together. It is the
+//! server's and the load generator's together: the generator's share is the same on every
+//! route, so a ratio of these (or of requests/s) is nearer 1 than the server's alone would be.
 
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::process::{Child, Command, Stdio};
@@ -225,8 +228,12 @@ async fn main() -> Result<(), BoxError> {
     }
     let mut totals = [Total::default(); 3];
     let mut errors = 0;
-    for _ in 0..a.rounds {
-        for (i, route) in routes.iter().enumerate() {
+    for round in 0..a.rounds {
+        // Each round starts at another route: a slice can be slowed by what the one before it
+        // left behind, so no route always comes after the same one.
+        for k in 0..routes.len() {
+            let i = (k + round) % routes.len();
+            let route = routes[i];
             if !measured(route) {
                 continue;
             }
@@ -275,7 +282,7 @@ async fn main() -> Result<(), BoxError> {
     );
     if let (Some(b), Some(m)) = (cpu_us(&bare), cpu_us(&mem)) {
         println!(
-            "    by CPU per request, which other processes' load does not distort: {:.2}x bare",
+            "    by CPU per request (this process: server and load generator): {:.2}x bare",
             b / m
         );
     }
