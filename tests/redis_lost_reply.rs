@@ -631,6 +631,36 @@ async fn an_unanswered_replicated_acquire_leaves_nothing_held(flavor: Flavor) {
     late_grant_is_given_back(&server, &locker, "unanswered", fence).await;
 }
 
+/// A replicated acquire whose connection drops with the grant's reply: the outcome is unknown,
+/// and the give-back cannot go on that connection, which is gone. It goes on the shared one (the
+/// dead connection can deliver nothing more, so nothing can overtake it): the key is free long
+/// before the grant's 10 s TTL. (The give-back failed on the dead connection, with a warning,
+/// and the key stayed held by nobody for the TTL.)
+async fn a_replicated_acquire_on_a_dropped_connection_leaves_nothing_held(flavor: Flavor) {
+    let (server, proxy, locker) = through_proxy(flavor).await;
+    slow_dedicated_connection(&server, &locker, &proxy, "dropped-link", Duration::ZERO).await;
+    proxy.drop_replies(GRANT, 1);
+    match locker.try_acquire("dropped-link", &replicated()).await {
+        Err(Error::OutcomeUnknown { .. }) => {}
+        other => panic!("expected the acquire's outcome unknown, got {other:?}"),
+    }
+    assert_eq!(
+        proxy.dropped.load(Ordering::SeqCst),
+        1,
+        "the reply was lost"
+    );
+    let k = locker.lock_key("dropped-link").expect("key");
+    let give_up = Instant::now() + Duration::from_secs(3);
+    while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1 {
+        let pttl: i64 = server.cmd(&["PTTL", k.lock_key()]);
+        assert!(
+            Instant::now() < give_up,
+            "the grant still holds the key ({pttl} ms left)"
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A release whose caller gives up before it is answered: the guard's drop sends it again (it
 /// may never have reached the server, as when cancelled during a reconnect). Here the first one
 /// is held up in a stalled link, so both reach the server: two release calls, where a guard
@@ -752,6 +782,11 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn an_unanswered_replicated_acquire_leaves_nothing_held() {
                 super::an_unanswered_replicated_acquire_leaves_nothing_held($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_replicated_acquire_on_a_dropped_connection_leaves_nothing_held() {
+                super::a_replicated_acquire_on_a_dropped_connection_leaves_nothing_held($flavor)
+                    .await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_cancelled_release_is_sent_again() {

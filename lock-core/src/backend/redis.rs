@@ -637,6 +637,15 @@ impl RedisBackend {
         let undo = ops::release(&mut conn, &self.scripts, key, token, "PUBLISH");
         match tokio::time::timeout(bound, undo).await {
             Ok(Ok(_)) => {}
+            // The connection itself failed (it dropped while the acquire was out, which is
+            // often why its outcome is unknown): an acquire sent on it has run or never will,
+            // so a release on the shared connection can no longer get there first.
+            Ok(Err(e @ (Error::Unavailable(_) | Error::OutcomeUnknown { .. }))) => {
+                debug!(key = key.user(), error = %e, "the acquire's connection failed; giving it back on the shared one");
+                if let Err(e) = Backend::release(self, key, token).await {
+                    warn!(key = key.user(), error = %e, "acquire of unknown outcome not given back; a grant would expire with its TTL");
+                }
+            }
             Ok(Err(e)) => {
                 warn!(key = key.user(), error = %e, "acquire of unknown outcome not given back; a grant would expire with its TTL");
             }
