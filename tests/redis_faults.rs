@@ -943,6 +943,49 @@ async fn a_silent_subscription_is_replaced(flavor: Flavor) {
     );
 }
 
+/// The shared command connection goes silent (its peer gone without closing it, as after a
+/// failover that moved the address): the requests on it time out, a check finds it silent and
+/// replaces it, and the locker grants again within seconds. (It kept sending on the silent
+/// connection, every call timing out, until the kernel gave up on the socket.)
+async fn a_silent_command_connection_is_replaced(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = support::proxy::Proxy::start(server.port).await;
+    let config = leasehold::RedisConfig {
+        response_timeout: Duration::from_millis(300),
+        connection_timeout: Duration::from_millis(500),
+        ..Default::default()
+    };
+    let locker = Locker::redis_with(&proxy.url(), config)
+        .await
+        .expect("connect");
+    let warm = locker
+        .try_acquire("warm", &LockOptions::new())
+        .await
+        .expect("warm");
+    warm.release().await.expect("release");
+    // The shared connection is the locker's first (the subscription's comes after it).
+    let before = proxy.connections();
+    proxy.black_hole(0);
+    let started = Instant::now();
+    let mut failures = 0;
+    let lease = loop {
+        match locker.try_acquire("after", &LockOptions::new()).await {
+            Ok(lease) => break lease,
+            Err(e) => {
+                assert!(e.is_transient(), "{e:?}");
+                failures += 1;
+            }
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "still failing 10 s after the connection went silent ({failures} failures)"
+        );
+    };
+    assert!(failures >= 1, "the silent connection never failed a call");
+    assert!(proxy.connections() > before, "no new connection was made");
+    lease.release().await.expect("release");
+}
+
 /// A Redis `Locker` kept beyond the runtime it connected on (in a static, used from one
 /// `#[tokio::test]` runtime after another): on the next runtime it still grants, and a waiter
 /// is still woken by a release, the subscription started again there. Its first subscription
@@ -1146,6 +1189,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_silent_subscription_is_replaced() {
                 super::a_silent_subscription_is_replaced($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_silent_command_connection_is_replaced() {
+                super::a_silent_command_connection_is_replaced($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_refused_subscription_costs_only_its_own_key() {

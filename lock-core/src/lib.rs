@@ -28,7 +28,7 @@ mod wake;
 
 pub use backend::{
     AcquireReply, AnyBackend, Backend, ClusterBackend, ClusterConn, MemoryBackend, QuorumBackend,
-    QuorumConfig, RedisBackend, RedisConfig,
+    QuorumConfig, RedisBackend, RedisConfig, RedisConn,
 };
 pub use error::{Error, Result};
 pub use lease::{Lease, LeaseInfo, Release};

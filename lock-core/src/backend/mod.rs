@@ -17,7 +17,7 @@ pub mod redis;
 pub use self::cluster::{ClusterBackend, ClusterConn};
 pub use self::memory::MemoryBackend;
 pub use self::quorum::{QuorumBackend, QuorumConfig};
-pub use self::redis::{RedisBackend, RedisConfig};
+pub use self::redis::{RedisBackend, RedisConfig, RedisConn};
 
 /// What the server answered to an acquire.
 ///

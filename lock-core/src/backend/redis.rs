@@ -145,7 +145,7 @@ impl Scripts {
 /// ```
 #[derive(Clone)]
 pub struct RedisBackend {
-    conn: ConnectionManager,
+    conn: RedisConn,
     /// Connections kept aside for acquires that wait for replicas: `WAIT` blocks the
     /// connection it runs on, and must run on the connection that wrote.
     dedicated: Arc<Dedicated>,
@@ -158,7 +158,7 @@ pub struct RedisBackend {
 
 /// What a batcher sends on: the shared connection and the scripts.
 struct Sender {
-    conn: ConnectionManager,
+    conn: RedisConn,
     scripts: Arc<Scripts>,
 }
 
@@ -267,7 +267,7 @@ impl RedisBackend {
             .set_connection_timeout(Some(config.connection_timeout))
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_with_config(client.clone(), cm_config)
+        let conn = RedisConn::connect(client.clone(), cm_config, config.connection_timeout)
             .await
             .map_err(Error::Unavailable)?;
         let dedicated = Arc::new(Dedicated {
@@ -315,8 +315,136 @@ impl RedisBackend {
     /// let _: () = conn.set("report:last-run", "2026-12-04").await?;
     /// # Ok(()) }
     /// ```
-    pub fn connection(&self) -> ConnectionManager {
+    pub fn connection(&self) -> RedisConn {
         self.conn.clone()
+    }
+}
+
+/// The shared connection of a [`RedisBackend`]: a redis-rs [`ConnectionManager`], which
+/// reconnects when its connection drops, made again when it goes silent instead.
+///
+/// A connection whose peer vanished without closing it (a failover that moved the address, a
+/// NAT or firewall that forgot the flow) does not drop: each request times out, and the
+/// manager, which reconnects only on a dropped connection, keeps sending on it until the
+/// kernel gives up on the socket (about a quarter of an hour). So after a request times out,
+/// a `PING` checks the connection (within the connection timeout), and a connection that does
+/// not answer it is replaced by a new one; requests still waiting on the old one time out.
+///
+/// ```no_run
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use redis::AsyncCommands;
+/// let backend = lock_core::RedisBackend::connect("redis://127.0.0.1:6379/").await?;
+/// let mut conn: lock_core::backend::redis::RedisConn = backend.connection();
+/// let n: i64 = conn.incr("visits", 1).await?;
+/// # let _ = n;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisConn(Arc<Shared>);
+
+struct Shared {
+    now: Mutex<ConnectionManager>,
+    client: redis::Client,
+    config: ConnectionManagerConfig,
+    /// How long the check's `PING`, and a new connection, may take.
+    patience: Duration,
+    /// One check at a time: the requests timing out together on a silent connection start one.
+    checking: std::sync::atomic::AtomicBool,
+}
+
+impl RedisConn {
+    async fn connect(
+        client: redis::Client,
+        config: ConnectionManagerConfig,
+        patience: Duration,
+    ) -> redis::RedisResult<RedisConn> {
+        let manager = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+        Ok(RedisConn(Arc::new(Shared {
+            now: Mutex::new(manager),
+            client,
+            config,
+            patience,
+            checking: std::sync::atomic::AtomicBool::new(false),
+        })))
+    }
+
+    /// The redis-rs connection manager requests go to now (a new one after a silent one was
+    /// replaced).
+    pub fn manager(&self) -> ConnectionManager {
+        self.0
+            .now
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// After a request on `manager` timed out: checks it, and replaces it if it is silent.
+    fn timed_out(&self, manager: ConnectionManager) {
+        use std::sync::atomic::Ordering;
+        if self.0.checking.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let shared = self.0.clone();
+        tokio::spawn(async move {
+            let mut probe = manager.clone();
+            let cmd = redis::cmd("PING");
+            let ping = cmd.query_async::<Value>(&mut probe);
+            let silent = !matches!(tokio::time::timeout(shared.patience, ping).await, Ok(Ok(_)));
+            if silent {
+                let fresh = ConnectionManager::new_with_config(
+                    shared.client.clone(),
+                    shared.config.clone(),
+                );
+                match tokio::time::timeout(shared.patience, fresh).await {
+                    Ok(Ok(fresh)) => {
+                        warn!("the shared connection stopped answering; replaced by a new one");
+                        *shared.now.lock().unwrap_or_else(PoisonError::into_inner) = fresh;
+                    }
+                    Ok(Err(e)) => {
+                        warn!(error = %e, "the shared connection stopped answering, and a new one failed");
+                    }
+                    Err(_) => {
+                        warn!(
+                            "the shared connection stopped answering, and a new one took too long"
+                        );
+                    }
+                }
+            }
+            shared.checking.store(false, Ordering::Release);
+        });
+    }
+}
+
+impl redis::aio::ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
+        let mut manager = self.manager();
+        Box::pin(async move {
+            let answer = manager.req_packed_command(cmd).await;
+            if answer.as_ref().is_err_and(redis::RedisError::is_timeout) {
+                self.timed_out(manager);
+            }
+            answer
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<Value>> {
+        let mut manager = self.manager();
+        Box::pin(async move {
+            let answer = manager.req_packed_commands(pipeline, offset, count).await;
+            if answer.as_ref().is_err_and(redis::RedisError::is_timeout) {
+                self.timed_out(manager);
+            }
+            answer
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.manager().get_db()
     }
 }
 

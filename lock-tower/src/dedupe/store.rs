@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 use lock_core::{AnyBackend, ClusterConn, Lease, Locker};
 use redis::Script;
-use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::aio::ConnectionLike;
 use tokio::time::Instant;
 
 /// A completed response, as stored.
@@ -49,7 +49,7 @@ impl std::fmt::Display for StoreError {
 pub(crate) enum Store {
     Memory(Arc<MemStore>),
     Redis {
-        conn: ConnectionManager,
+        conn: lock_core::RedisConn,
         script: Arc<Script>,
     },
     Cluster {
