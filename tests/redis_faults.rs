@@ -46,8 +46,9 @@ async fn fence_survives_restart(flavor: Flavor) {
 
 /// The `stored + 1` half of `max(stored + 1, server time)`: a fence stored ahead of the clock
 /// (a clock stepped back, or fences written by another scheme) still rises by exactly one per
-/// grant, also above 2^53, where a script computing in Lua doubles would round it, and the lost
-/// reply's retry hands back the same fence.
+/// grant, also above 2^53, where a script computing in Lua doubles would round it. (That a lost
+/// reply's retry hands back the same fence is `a_retry_hands_back_the_first_grants_fence`, in
+/// `redis_lost_reply.rs`.)
 async fn fence_ahead_of_the_clock_rises_by_one(flavor: Flavor) {
     let server = Server::start(flavor);
     let locker = Locker::redis(&server.url()).await.expect("connect");

@@ -97,6 +97,58 @@ async fn a_retry_after_the_fence_key_went_gets_a_fence(flavor: Flavor) {
     lease.release().await.expect("release");
 }
 
+/// The retry of a grant whose reply was lost hands back the fence of that grant, read from the
+/// server before the retry arrives, and advances nothing: with the fence from the clock, and
+/// with a stored fence ahead of the clock (the grant took it plus one). The check that only
+/// compared the returned fence with the stored one could not tell, since the script stores what
+/// it returns.
+async fn a_retry_hands_back_the_first_grants_fence(flavor: Flavor) {
+    let (server, proxy, locker) = through_proxy(flavor).await;
+    // A slow link: the retry reaches the server well after the first grant.
+    proxy.set_latency(Duration::from_millis(300));
+    let ahead = u64::MAX / 2;
+    for (key, stored) in [("retry-clock", None), ("retry-ahead", Some(ahead))] {
+        let k = locker.lock_key(key).expect("key");
+        if let Some(f) = stored {
+            let _: () = server.cmd(&["SET", k.fence_key(), &f.to_string()]);
+        }
+        proxy.drop_replies(GRANT, 1);
+        let dropped = proxy.dropped.load(Ordering::SeqCst);
+        let acquiring = tokio::spawn({
+            let locker = locker.clone();
+            async move { locker.try_acquire(key, &opts()).await }
+        });
+        let started = Instant::now();
+        while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 0 {
+            assert!(started.elapsed() < Duration::from_secs(2), "never granted");
+            sleep(Duration::from_millis(2)).await;
+        }
+        let first: String = server.cmd(&["GET", k.fence_key()]);
+        let first: u64 = first.parse().expect("fence");
+        if let Some(f) = stored {
+            assert_eq!(first, f + 1, "a fence ahead of the clock rises by one");
+        }
+        let lease = acquiring
+            .await
+            .expect("task")
+            .expect("the retry resolves the outcome");
+        assert_eq!(
+            proxy.dropped.load(Ordering::SeqCst),
+            dropped + 1,
+            "no reply lost"
+        );
+        assert_eq!(
+            lease.fence().get(),
+            first,
+            "{key}: not the first grant's fence"
+        );
+        let stored_after: String = server.cmd(&["GET", k.fence_key()]);
+        assert_eq!(stored_after.parse::<u64>().expect("fence"), first, "{key}");
+        lease.release().await.expect("release");
+    }
+    proxy.set_latency(Duration::ZERO);
+}
+
 /// Both the grant's reply and the retry's are lost: the caller gets `OutcomeUnknown`, and the
 /// grant that may exist is released in the background, so the key is not left held.
 async fn unresolved_grant_is_released(flavor: Flavor) {
@@ -742,6 +794,10 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn unresolved_grant_is_released() {
                 super::unresolved_grant_is_released($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_retry_hands_back_the_first_grants_fence() {
+                super::a_retry_hands_back_the_first_grants_fence($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn slow_replies_never_give_expired_leases() {
