@@ -327,9 +327,10 @@ impl<B: Backend + Clone> Lease<B> {
     /// ```
     #[instrument(level = "debug", skip(self), fields(key = self.key.user(), fence = self.fence.0))]
     pub async fn release(mut self) -> Result<Release> {
-        // Ended for every view of it from here, whatever the answer: renewal stops, and a
-        // renewal still on its way that finds the key deleted by this release is not a loss.
-        self.state.lost.cancel();
+        // A renewal still on its way that finds the key deleted by this release is not a loss.
+        self.state
+            .releasing
+            .store(true, std::sync::atomic::Ordering::Release);
         if self.renewing {
             self.core.send(Cmd::Remove {
                 id: self.id,
@@ -341,6 +342,10 @@ impl<B: Backend + Clone> Lease<B> {
         // this point (its caller dropped it mid-call) leaves `done` unset, and `Drop` sends it
         // again in the background: it may not have reached the server.
         self.done = true;
+        // Ended for every view of it whatever the answer: renewal has stopped, and after a
+        // failed release the key may be gone (or held by another) already. Not before the
+        // answer: the next local waiter takes its turn on this signal.
+        self.state.lost.cancel();
         let held = answer?;
         self.vacate_turn();
         debug!(held, "released");

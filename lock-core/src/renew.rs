@@ -18,6 +18,11 @@ use crate::types::{LockKey, Token, drift, warn_ahead};
 pub(crate) struct LeaseState {
     times: Mutex<Times>,
     pub(crate) lost: Lost,
+    /// Set when the holder starts a release: a renewal answered "not held" after that found
+    /// the key deleted by the release, which is no loss to warn of. Kept apart from `lost`,
+    /// which fires once the release is answered: the next local waiter takes its turn on it,
+    /// and would otherwise try while the release may still be on its way.
+    pub(crate) releasing: std::sync::atomic::AtomicBool,
     /// Woken when the alarm moves earlier (an extend to a shorter TTL), so that a `lost()`
     /// already asleep until the old alarm wakes at the new one.
     earlier: Notify,
@@ -134,6 +139,7 @@ impl LeaseState {
         Arc::new(LeaseState {
             times: Mutex::new(Times::new(deadline, ahead)),
             lost: Lost::default(),
+            releasing: std::sync::atomic::AtomicBool::new(false),
             earlier: Notify::new(),
         })
     }
@@ -929,7 +935,8 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                 };
                 if !held {
                     if let Some(e) = d.remove(*id) {
-                        if e.state.lost.is_cancelled() {
+                        if e.state.lost.is_cancelled() || e.state.releasing.load(Ordering::Acquire)
+                        {
                             // Released or dropped meanwhile (or lost and said so already): the
                             // holder's own delete, not a loss to warn of.
                             debug!(
