@@ -1236,6 +1236,41 @@ async fn a_cancelled_acquire_leaves_no_member_held(flavor: Flavor) {
     lease.release().await.expect("release");
 }
 
+/// A member whose connection goes silent (black-holed: nothing answers, nothing closes) is cut
+/// off at the member timeout, long before its connection's own 2 s response timeout, and made
+/// again all the same: the quorum keeps granting on the other two meanwhile, and grants land
+/// on that member again within seconds. (Only a response timeout started the check, which a
+/// member cut off at 250 ms never reached: the member stayed silent.)
+async fn a_silent_member_connection_is_replaced(flavor: Flavor) {
+    let servers = start(flavor, 3);
+    let (proxies, locker) = through_proxies(&servers).await;
+    let before = proxies[0].connections();
+    // The member's first connection is its shared command connection.
+    proxies[0].black_hole(0);
+    let started = Instant::now();
+    loop {
+        let lease = locker
+            .try_acquire("silent-member", &opts(2_000))
+            .await
+            .expect("two members of three still grant");
+        let on_first = holds(&servers[0], &locker, "silent-member");
+        lease.release().await.expect("release");
+        if on_first {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the silent member holds nothing 10 s on ({} connections, {before} before)",
+            proxies[0].connections()
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        proxies[0].connections() > before,
+        "no new connection was made"
+    );
+}
+
 macro_rules! suite {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -1331,6 +1366,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn one_undecided_lease_does_not_cost_the_others() {
                 super::one_undecided_lease_does_not_cost_the_others($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_silent_member_connection_is_replaced() {
+                super::a_silent_member_connection_is_replaced($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn renewal_without_a_majority_is_lost() {

@@ -967,6 +967,25 @@ async fn a_silent_command_connection_is_replaced(flavor: Flavor) {
     // The shared connection is the locker's first (the subscription's comes after it).
     let before = proxy.connections();
     proxy.black_hole(0);
+    // Traffic beside the loop below, so that requests sent on the silent connection go on
+    // timing out after it was replaced: they must not replace the new one again.
+    let traffic: Vec<_> = (0..4)
+        .map(|i| {
+            let locker = locker.clone();
+            tokio::spawn(async move {
+                let end = Instant::now() + Duration::from_secs(4);
+                while Instant::now() < end {
+                    if let Ok(l) = locker
+                        .try_acquire(&format!("traffic:{i}"), &LockOptions::new())
+                        .await
+                    {
+                        let _ = l.release().await;
+                    }
+                    sleep(Duration::from_millis(100)).await;
+                }
+            })
+        })
+        .collect();
     let started = Instant::now();
     let mut failures = 0;
     let lease = loop {
@@ -983,8 +1002,15 @@ async fn a_silent_command_connection_is_replaced(flavor: Flavor) {
         );
     };
     assert!(failures >= 1, "the silent connection never failed a call");
-    assert!(proxy.connections() > before, "no new connection was made");
     lease.release().await.expect("release");
+    for t in traffic {
+        t.await.expect("traffic");
+    }
+    assert_eq!(
+        proxy.connections(),
+        before + 1,
+        "not exactly one new connection for one silent one"
+    );
 }
 
 /// A Redis `Locker` kept beyond the runtime it connected on (in a static, used from one

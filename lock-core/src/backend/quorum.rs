@@ -499,14 +499,23 @@ impl QuorumBackend {
         which
             .iter()
             .map(|&i| {
-                let call = self.inner.members.get(i).and_then(OnceLock::get).map(&f);
+                let member = self.inner.members.get(i).and_then(OnceLock::get);
+                let call = member.map(&f);
                 async move {
-                    let result = match call {
-                        None => Err(member_error("quorum member not connected")),
-                        Some(call) => match tokio::time::timeout(limit, call).await {
-                            Ok(r) => r,
-                            Err(_) => Err(member_error("quorum member did not answer in time")),
-                        },
+                    let result = match (call, member) {
+                        (Some(call), Some(member)) => {
+                            match tokio::time::timeout(limit, call).await {
+                                Ok(r) => r,
+                                Err(_) => {
+                                    // Cut off before the connection's own response timeout
+                                    // could fire (and start its check): a member whose
+                                    // connection went silent is made again all the same.
+                                    member.connection().check();
+                                    Err(member_error("quorum member did not answer in time"))
+                                }
+                            }
+                        }
+                        _ => Err(member_error("quorum member not connected")),
                     };
                     (i, result)
                 }

@@ -343,7 +343,9 @@ impl RedisBackend {
 pub struct RedisConn(Arc<Shared>);
 
 struct Shared {
-    now: Mutex<ConnectionManager>,
+    /// The manager requests go to, and how many times it was replaced: a request that timed
+    /// out on an earlier one (sent before the replacement) says nothing of the current one.
+    now: Mutex<(ConnectionManager, u64)>,
     client: redis::Client,
     config: ConnectionManagerConfig,
     /// How long the check's `PING`, and a new connection, may take.
@@ -360,7 +362,7 @@ impl RedisConn {
     ) -> redis::RedisResult<RedisConn> {
         let manager = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
         Ok(RedisConn(Arc::new(Shared {
-            now: Mutex::new(manager),
+            now: Mutex::new((manager, 0)),
             client,
             config,
             patience,
@@ -371,6 +373,10 @@ impl RedisConn {
     /// The redis-rs connection manager requests go to now (a new one after a silent one was
     /// replaced).
     pub fn manager(&self) -> ConnectionManager {
+        self.current().0
+    }
+
+    fn current(&self) -> (ConnectionManager, u64) {
         self.0
             .now
             .lock()
@@ -378,14 +384,32 @@ impl RedisConn {
             .clone()
     }
 
-    /// After a request on `manager` timed out: checks it, and replaces it if it is silent.
-    fn timed_out(&self, manager: ConnectionManager) {
+    /// Checks the current connection, and replaces it if it is silent: for a caller that gave
+    /// up on a request before the response timeout could fire (a quorum's member timeout).
+    pub(crate) fn check(&self) {
+        let (manager, generation) = self.current();
+        self.timed_out(manager, generation);
+    }
+
+    /// After a request on `manager` (the `generation`th) timed out: checks it, and replaces it
+    /// if it is silent. Only the current one: a request sent before a replacement may time out
+    /// after it, on the connection already replaced.
+    fn timed_out(&self, manager: ConnectionManager, generation: u64) {
         use std::sync::atomic::Ordering;
-        if self.0.checking.swap(true, Ordering::AcqRel) {
+        /// Clears the flag however the check ends, also when its task is dropped unfinished
+        /// (its runtime shut down): left set, it would keep every later check from starting.
+        struct Checking(Arc<Shared>);
+        impl Drop for Checking {
+            fn drop(&mut self) {
+                self.0.checking.store(false, Ordering::Release);
+            }
+        }
+        if self.current().1 != generation || self.0.checking.swap(true, Ordering::AcqRel) {
             return;
         }
-        let shared = self.0.clone();
+        let checking = Checking(self.0.clone());
         tokio::spawn(async move {
+            let shared = &checking.0;
             let mut probe = manager.clone();
             let cmd = redis::cmd("PING");
             let ping = cmd.query_async::<Value>(&mut probe);
@@ -398,7 +422,8 @@ impl RedisConn {
                 match tokio::time::timeout(shared.patience, fresh).await {
                     Ok(Ok(fresh)) => {
                         warn!("the shared connection stopped answering; replaced by a new one");
-                        *shared.now.lock().unwrap_or_else(PoisonError::into_inner) = fresh;
+                        let mut now = shared.now.lock().unwrap_or_else(PoisonError::into_inner);
+                        *now = (fresh, generation + 1);
                     }
                     Ok(Err(e)) => {
                         warn!(error = %e, "the shared connection stopped answering, and a new one failed");
@@ -410,18 +435,18 @@ impl RedisConn {
                     }
                 }
             }
-            shared.checking.store(false, Ordering::Release);
+            drop(checking);
         });
     }
 }
 
 impl redis::aio::ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
-        let mut manager = self.manager();
+        let (mut manager, generation) = self.current();
         Box::pin(async move {
             let answer = manager.req_packed_command(cmd).await;
             if answer.as_ref().is_err_and(redis::RedisError::is_timeout) {
-                self.timed_out(manager);
+                self.timed_out(manager, generation);
             }
             answer
         })
@@ -433,11 +458,11 @@ impl redis::aio::ConnectionLike for RedisConn {
         offset: usize,
         count: usize,
     ) -> redis::RedisFuture<'a, Vec<Value>> {
-        let mut manager = self.manager();
+        let (mut manager, generation) = self.current();
         Box::pin(async move {
             let answer = manager.req_packed_commands(pipeline, offset, count).await;
             if answer.as_ref().is_err_and(redis::RedisError::is_timeout) {
-                self.timed_out(manager);
+                self.timed_out(manager, generation);
             }
             answer
         })
