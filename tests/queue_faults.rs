@@ -206,11 +206,19 @@ async fn corrupt_attempts(flavor: Flavor) {
         assert_eq!(kept, found);
     }
     // Attempts changed from outside while the job was leased (-1 and -5 are below zero, 2.5
-    // is no integer): the reaper returns it to pending as any other expired lease and says
-    // so, attempts reported as 0 at the least (-1 was read as the reply's marker of a
-    // foreign key type: reported dead while it went to pending; -5 and 2.5 failed the reap
+    // is no integer, nan is no number, inf and 1e30 are above any limit): the reaper moves it
+    // as any other expired lease (past the attempt limit to the dead set) and says where,
+    // attempts reported within 0..2^53 (-1 was read as the reply's marker of a foreign key
+    // type: reported dead while it went to pending; -5, 2.5 and the rest failed the reap
     // after it moved the jobs).
-    for found in ["-1", "-5", "2.5"] {
+    for (found, to) in [
+        ("-1", JobState::Pending),
+        ("-5", JobState::Pending),
+        ("2.5", JobState::Pending),
+        ("nan", JobState::Pending),
+        ("inf", JobState::Dead),
+        ("1e30", JobState::Dead),
+    ] {
         let leased = q.enqueue(b"leased").await.expect("enqueue");
         let got = q.claim(ms(50)).await.expect("claim").expect("job");
         assert_eq!(got.id(), leased);
@@ -219,12 +227,8 @@ async fn corrupt_attempts(flavor: Flavor) {
         sleep(ms(150)).await;
         let reaped = q.reap().await.expect("reap");
         let seen: Vec<_> = reaped.iter().map(|r| (r.id, r.to)).collect();
-        assert_eq!(seen, vec![(leased, JobState::Pending)], "{found}");
-        assert_eq!(
-            q.job(leased).await.expect("job").state,
-            JobState::Pending,
-            "{found}"
-        );
+        assert_eq!(seen, vec![(leased, to)], "{found}");
+        assert_eq!(q.job(leased).await.expect("job").state, to, "{found}");
         // Its next claim sets it aside (as above) or hands it out; either way the queue is
         // left empty for the next round.
         while let Some(c) = q.claim(ms(5_000)).await.expect("claim") {

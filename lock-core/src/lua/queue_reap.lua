@@ -35,9 +35,12 @@ for _, id in ipairs(expired) do
       redis.call('ZADD', KEYS[1], id, id)
     end
     out[#out + 1] = id
-    -- As stored, but never below zero (changed from outside): the claim that finds it so sets
-    -- the job aside; the reply reports what this call did, not the corruption.
-    out[#out + 1] = math.max(math.floor(att), 0)
+    -- As stored, but a count a reply can carry (changed from outside, it may be below zero,
+    -- NaN, or huge: tonumber reads "nan" and "1e30"): the claim that finds it so sets the
+    -- job aside; the reply reports what this call did, not the corruption.
+    local shown = 0
+    if att == att and att > 0 then shown = math.floor(math.min(att, 9007199254740992)) end
+    out[#out + 1] = shown
     out[#out + 1] = to
   elseif t ~= 'none' then
     set_aside(id, now)
