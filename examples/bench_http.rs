@@ -9,8 +9,9 @@
 //! cargo run --release --example bench_http --features tower -- --connections 32 --seconds 3 --rounds 3
 //! ```
 //!
-//! Rounds alternate between the routes in short slices, each round in another order (so no
-//! route always follows the same one), and the totals count, so load from other processes on a
+//! Rounds alternate between the routes in short slices, each round starting at the next route
+//! (the order turns: the first slice of a round follows another route each time), and the
+//! totals count, so load from other processes on a
 //! shared machine falls on every route alike. Besides requests/s the program prints the CPU
 //! time this process spent per request (from `/proc/self/stat` on Linux). Other processes' load
 //! still moves it (caches, frequency, the scheduler), so compare runs made together. It is the
@@ -229,8 +230,8 @@ async fn main() -> Result<(), BoxError> {
     let mut totals = [Total::default(); 3];
     let mut errors = 0;
     for round in 0..a.rounds {
-        // Each round starts at another route: a slice can be slowed by what the one before it
-        // left behind, so no route always comes after the same one.
+        // Each round starts at the next route: a slice can be slowed by what the one before
+        // it left behind, and the first slice of a round follows a different one each time.
         for k in 0..routes.len() {
             let i = (k + round) % routes.len();
             let route = routes[i];

@@ -3271,3 +3271,28 @@ async fn setups_that_dedupe_nothing_are_a_500() {
         assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler ran");
     }
 }
+
+/// A `route_param` key the matched route does not have fails every request the same way: the
+/// layer's setup at fault, 500, the handler not run; passed through where the user chose that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_param_the_route_lacks_is_a_500() {
+    let locker = lock_core::Locker::memory();
+    for (pass, want) in [
+        (false, StatusCode::INTERNAL_SERVER_ERROR),
+        (true, StatusCode::CREATED),
+    ] {
+        let mut layer = DedupeLayer::new(locker.clone()).key(KeyExtractor::route_param("delivery"));
+        if pass {
+            layer = layer.pass_through_without_key();
+        }
+        let runs = Arc::new(AtomicUsize::new(0));
+        let addr = serve(counting(layer, runs.clone(), Duration::ZERO)).await;
+        let r = send(addr, Method::POST, "/hooks/a", &[], "{}").await;
+        assert_eq!(r.status, want, "{}", r.text());
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            usize::from(pass),
+            "pass {pass}"
+        );
+    }
+}

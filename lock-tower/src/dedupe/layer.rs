@@ -132,7 +132,7 @@ impl DedupeConfig {
 ///
 /// | situation | answer |
 /// |---|---|
-/// | no key | 400 (or pass through: [`pass_through_without_key`](Self::pass_through_without_key)) |
+/// | no key | 400 (or pass through: [`pass_through_without_key`](Self::pass_through_without_key)); a [`KeyExtractor::route_param`] the matched route does not have is the layer's setup at fault: 500 ([`Reason::Misconfigured`]), logged at `error` (or pass through) |
 /// | duplicate while the first still runs | 409 with `Retry-After` (or wait: [`wait`](Self::wait)) |
 /// | duplicate after the first completed | the stored status, headers and body, with `Idempotent-Replayed: true` |
 /// | same key, different method, path or body | 422 ([`Reason::KeyReused`], configurable, e.g. 409) |
