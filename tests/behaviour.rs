@@ -399,7 +399,9 @@ async fn fences_strictly_increase(h: Harness) {
 async fn kept_fences_are_forgotten(h: Harness) {
     let locker = h.locker().await;
     let forgets = !matches!(h, Harness::Quorum(_));
-    let brief = opts(100).renew(false).keep_fence(Duration::from_secs(2));
+    // A TTL of a second: the first acquire of a fresh locker also loads the script (and over
+    // TLS on a loaded machine took more than a 100 ms lease's validity, reported lost).
+    let brief = opts(1_000).renew(false).keep_fence(Duration::from_secs(2));
     let first = locker.try_acquire("once", &brief).await.expect("acquire");
     let f1 = first.fence();
     assert_eq!(first.release().await.expect("release"), Release::Released);
