@@ -619,12 +619,23 @@ async fn late_grant_is_given_back(server: &Server, locker: &Locker, key: &str, f
         );
         sleep(Duration::from_millis(5)).await;
     }
-    let give_up = Instant::now() + Duration::from_secs(3);
-    while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1 {
-        let pttl: i64 = server.cmd(&["PTTL", k.lock_key()]);
+    freed_within(
+        server,
+        k.lock_key(),
+        Duration::from_secs(3),
+        "the late grant",
+    )
+    .await;
+}
+
+/// Waits for `lock_key` to be gone from the server, failing after `limit` with what holds it.
+async fn freed_within(server: &Server, lock_key: &str, limit: Duration, what: &str) {
+    let give_up = Instant::now() + limit;
+    while server.cmd::<i64>(&["EXISTS", lock_key]) == 1 {
+        let pttl: i64 = server.cmd(&["PTTL", lock_key]);
         assert!(
             Instant::now() < give_up,
-            "the late grant still holds the key ({pttl} ms left)"
+            "{what} still holds the key ({pttl} ms left)"
         );
         sleep(Duration::from_millis(20)).await;
     }
@@ -702,15 +713,7 @@ async fn a_replicated_acquire_on_a_dropped_connection_leaves_nothing_held(flavor
         "the reply was lost"
     );
     let k = locker.lock_key("dropped-link").expect("key");
-    let give_up = Instant::now() + Duration::from_secs(3);
-    while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1 {
-        let pttl: i64 = server.cmd(&["PTTL", k.lock_key()]);
-        assert!(
-            Instant::now() < give_up,
-            "the grant still holds the key ({pttl} ms left)"
-        );
-        sleep(Duration::from_millis(20)).await;
-    }
+    freed_within(&server, k.lock_key(), Duration::from_secs(3), "the grant").await;
 }
 
 /// A release whose caller gives up before it is answered: the guard's drop sends it again (it

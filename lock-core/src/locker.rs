@@ -1312,53 +1312,36 @@ mod tests {
         forward_to_memory!();
     }
 
-    /// The memory backend answering its next `left` extends with no answer at all, after
-    /// running them: a backend breaking the one-answer-per-item contract.
-    #[derive(Clone)]
-    struct Miscounting {
+    /// The memory backend with its extends changed: sent `before` late, answered `after`
+    /// late, counted, and the next `miscount` answered with no answer at all (a backend
+    /// breaking the one-answer-per-item contract).
+    #[derive(Clone, Default)]
+    struct Extends {
         inner: MemoryBackend,
-        left: Arc<AtomicU64>,
+        before: Duration,
+        after: Duration,
+        sent: Arc<AtomicU64>,
+        miscount: Arc<AtomicU64>,
     }
 
-    impl Backend for Miscounting {
+    impl Backend for Extends {
         forward_grants_to_memory!();
         fn extend(
             &self,
             items: &[(LockKey, Token)],
             ttl: Duration,
         ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+            self.sent.fetch_add(1, Ordering::SeqCst);
             let (me, items) = (self.clone(), items.to_vec());
             async move {
+                tokio::time::sleep(me.before).await;
                 let ran = me.inner.extend(&items, ttl).await?;
+                tokio::time::sleep(me.after).await;
                 let miscount = me
-                    .left
+                    .miscount
                     .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
                     .is_ok();
                 Ok(if miscount { Vec::new() } else { ran })
-            }
-        }
-        forward_to_memory!();
-    }
-
-    /// The memory backend answering every extend `delay` after running it.
-    #[derive(Clone)]
-    struct SlowExtends {
-        inner: MemoryBackend,
-        delay: Duration,
-    }
-
-    impl Backend for SlowExtends {
-        forward_grants_to_memory!();
-        fn extend(
-            &self,
-            items: &[(LockKey, Token)],
-            ttl: Duration,
-        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
-            let (me, items) = (self.clone(), items.to_vec());
-            async move {
-                let ran = me.inner.extend(&items, ttl).await;
-                tokio::time::sleep(me.delay).await;
-                ran
             }
         }
         forward_to_memory!();
@@ -1370,9 +1353,9 @@ mod tests {
     /// never came again: the lease ran down and was reported lost within its first TTL.)
     #[tokio::test(start_paused = true)]
     async fn extends_from_two_tasks_keep_the_lease() {
-        let backend = SlowExtends {
-            inner: MemoryBackend::new(),
-            delay: Duration::from_millis(10),
+        let backend = Extends {
+            after: Duration::from_millis(10),
+            ..Extends::default()
         };
         let locker = Locker::new(backend);
         let fixed = LockOptions::new().ttl(Duration::from_secs(1)).renew(false);
@@ -1403,29 +1386,6 @@ mod tests {
         );
     }
 
-    /// The memory backend running every extend `delay` after it was sent.
-    #[derive(Clone)]
-    struct LateExtends {
-        inner: MemoryBackend,
-        delay: Duration,
-    }
-
-    impl Backend for LateExtends {
-        forward_grants_to_memory!();
-        fn extend(
-            &self,
-            items: &[(LockKey, Token)],
-            ttl: Duration,
-        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
-            let (me, items) = (self.clone(), items.to_vec());
-            async move {
-                tokio::time::sleep(me.delay).await;
-                me.inner.extend(&items, ttl).await
-            }
-        }
-        forward_to_memory!();
-    }
-
     mod captured {
         include!(concat!(
             env!("CARGO_MANIFEST_DIR"),
@@ -1446,9 +1406,10 @@ mod tests {
             .finish();
         let _logging = tracing::subscriber::set_default(subscriber);
         let memory = MemoryBackend::new();
-        let locker = Locker::new(LateExtends {
+        let locker = Locker::new(Extends {
             inner: memory.clone(),
-            delay: Duration::from_millis(50),
+            before: Duration::from_millis(50),
+            ..Extends::default()
         });
         let lease = locker
             .try_acquire("k", &opts(Duration::from_millis(300)))
@@ -1479,9 +1440,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_answer_of_another_count_is_no_verdict() {
         let memory = MemoryBackend::new();
-        let backend = Miscounting {
+        let backend = Extends {
             inner: memory.clone(),
-            left: Arc::new(AtomicU64::new(1)),
+            miscount: Arc::new(AtomicU64::new(1)),
+            ..Extends::default()
         };
         let locker = Locker::new(backend.clone());
         let renewing = locker
@@ -1490,7 +1452,7 @@ mod tests {
             .expect("acquire");
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(
-            backend.left.load(Ordering::SeqCst),
+            backend.miscount.load(Ordering::SeqCst),
             0,
             "no renewal was sent"
         );
@@ -1501,7 +1463,7 @@ mod tests {
 
         let fixed = LockOptions::new().ttl(Duration::from_secs(10)).renew(false);
         let lease = locker.try_acquire("fixed", &fixed).await.expect("acquire");
-        backend.left.store(1, Ordering::SeqCst);
+        backend.miscount.store(1, Ordering::SeqCst);
         let extended = lease.extend(Duration::from_secs(20)).await;
         assert!(
             matches!(extended, Err(Error::OutcomeUnknown { op: "extend", .. })),
@@ -1943,34 +1905,14 @@ mod tests {
         ));
     }
 
-    /// The memory backend counting the extends it is sent.
-    #[derive(Clone)]
-    struct CountedExtends {
-        inner: MemoryBackend,
-        extends: Arc<AtomicU64>,
-    }
-
-    impl Backend for CountedExtends {
-        forward_grants_to_memory!();
-        fn extend(
-            &self,
-            items: &[(LockKey, Token)],
-            ttl: Duration,
-        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
-            self.extends.fetch_add(1, Ordering::SeqCst);
-            self.inner.extend(items, ttl)
-        }
-        forward_to_memory!();
-    }
-
     /// Dropping a renewing guard stops its renewal at once: dropped just before its first
     /// renewal was due, it is never renewed (and it is released), while a guard kept is.
     #[tokio::test(start_paused = true)]
     async fn a_dropped_guard_is_never_renewed() {
         let memory = MemoryBackend::new();
-        let backend = CountedExtends {
+        let backend = Extends {
             inner: memory.clone(),
-            extends: Arc::default(),
+            ..Extends::default()
         };
         let locker = Locker::new(backend.clone());
         let o = opts(Duration::from_millis(300));
@@ -1979,17 +1921,13 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(95)).await;
         drop(dropped);
         tokio::time::sleep(Duration::from_secs(1)).await;
-        assert_eq!(
-            backend.extends.load(Ordering::SeqCst),
-            0,
-            "renewed after drop"
-        );
+        assert_eq!(backend.sent.load(Ordering::SeqCst), 0, "renewed after drop");
         let key = locker.lock_key("dropped").expect("key");
         assert!(!memory.is_held(&key), "not released");
         // The control: the same lease kept is renewed on that schedule.
         let kept = locker.try_acquire("kept", &o).await.expect("acquire");
         tokio::time::sleep(Duration::from_millis(350)).await;
-        assert!(backend.extends.load(Ordering::SeqCst) >= 2);
+        assert!(backend.sent.load(Ordering::SeqCst) >= 2);
         kept.release().await.expect("release");
     }
 
