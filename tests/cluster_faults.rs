@@ -292,15 +292,24 @@ async fn nothing_runs_twice_when_connections_drop(flavor: Flavor) {
 
     // Claims lease for 1 s, so that jobs stranded by a failed claim can be reaped below.
     const CLAIM_TTL: Duration = Duration::from_secs(1);
+    // Five seconds, and on a machine loaded by other work longer, until enough lock cycles ran
+    // to tell (at most 40 s): a fixed window made too few on a busy machine (66 and 79 in CI
+    // with the Redis and Valkey runs side by side; 12 and 23 from the build before).
     let stop_at = Instant::now() + Duration::from_secs(5);
+    let hard_stop = Instant::now() + Duration::from_secs(40);
+    let cycles = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut tasks = Vec::new();
     for t in 0..6usize {
-        let (locker, queue) = (locker.clone(), queue.clone());
+        let (locker, queue, cycles) = (locker.clone(), queue.clone(), cycles.clone());
         tasks.push(tokio::spawn(async move {
             let mut seen = Seen::default();
             let opts = LockOptions::new().ttl(Duration::from_secs(30)).renew(false);
             let mut i = 0u64;
-            while Instant::now() < stop_at {
+            let more = || {
+                let now = Instant::now();
+                now < stop_at || (now < hard_stop && cycles.load(Ordering::Relaxed) < 150)
+            };
+            while more() {
                 i += 1;
                 let payload = format!("{t}-{i}");
                 let stored = queue.enqueue(&payload).await;
@@ -310,7 +319,10 @@ async fn nothing_runs_twice_when_connections_drop(flavor: Flavor) {
                 // may answer NotHeld only if its script ran twice.
                 match locker.try_acquire(&format!("t{t}-k{i}"), &opts).await {
                     Ok(lease) => match lease.release().await {
-                        Ok(Release::Released) => seen.cycles += 1,
+                        Ok(Release::Released) => {
+                            seen.cycles += 1;
+                            cycles.fetch_add(1, Ordering::Relaxed);
+                        }
                         Ok(Release::NotHeld) => seen.not_held += 1,
                         Err(e) if e.is_transient() => seen.errors += 1,
                         Err(e) => panic!("unexpected release error: {e}"),
