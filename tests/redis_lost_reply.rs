@@ -74,11 +74,7 @@ async fn a_retry_after_the_fence_key_went_gets_a_fence(flavor: Flavor) {
         let locker = locker.clone();
         async move { locker.try_acquire("fence-gone", &opts()).await }
     });
-    let started = Instant::now();
-    while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 0 {
-        assert!(started.elapsed() < Duration::from_secs(2), "never granted");
-        sleep(Duration::from_millis(2)).await;
-    }
+    granted_within(&server, k.lock_key(), Duration::from_secs(2)).await;
     let deleted: i64 = server.cmd(&["DEL", k.fence_key()]);
     assert_eq!(deleted, 1, "the retry came first");
     let lease = acquiring
@@ -118,11 +114,7 @@ async fn a_retry_hands_back_the_first_grants_fence(flavor: Flavor) {
             let locker = locker.clone();
             async move { locker.try_acquire(key, &opts()).await }
         });
-        let started = Instant::now();
-        while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 0 {
-            assert!(started.elapsed() < Duration::from_secs(2), "never granted");
-            sleep(Duration::from_millis(2)).await;
-        }
+        granted_within(&server, k.lock_key(), Duration::from_secs(2)).await;
         let first: String = server.cmd(&["GET", k.fence_key()]);
         let first: u64 = first.parse().expect("fence");
         if let Some(f) = stored {
@@ -626,6 +618,15 @@ async fn late_grant_is_given_back(server: &Server, locker: &Locker, key: &str, f
         "the late grant",
     )
     .await;
+}
+
+/// Waits for a grant of `lock_key` to land on the server (its reply may still be on its way).
+async fn granted_within(server: &Server, lock_key: &str, limit: Duration) {
+    let give_up = Instant::now() + limit;
+    while server.cmd::<i64>(&["EXISTS", lock_key]) == 0 {
+        assert!(Instant::now() < give_up, "never granted");
+        sleep(Duration::from_millis(2)).await;
+    }
 }
 
 /// Waits for `lock_key` to be gone from the server, failing after `limit` with what holds it.

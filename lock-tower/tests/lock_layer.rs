@@ -1513,29 +1513,6 @@ async fn http2_streams_lock_and_a_reset_stream_releases() {
     .await
 }
 
-/// A key whose stored fence is 2^64 - 1 (set from outside) can never be granted: 503 without
-/// `Retry-After`, since retrying cannot help, and the handler does not run.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_exhausted_fence_is_503_without_retry_after() {
-    common::bounded(async {
-        let server = support::Server::start(support::Flavor::Redis);
-        let locker = lock_core::Locker::redis(&server.url())
-            .await
-            .expect("connect");
-        let key = locker.lock_key("9").expect("key");
-        let _: () = server.cmd(&["SET", key.fence_key(), &u64::MAX.to_string()]);
-        let (tx, mut entered) = mpsc::unbounded_channel();
-        let layer = LockLayer::new(locker, KeyExtractor::route_param("id"));
-        // One permit: a handler that ran would finish and answer 200, not hang.
-        let addr = serve(gated(layer, tx, Arc::new(Semaphore::new(1)))).await;
-        let r = post_to(addr, "/accounts/9/withdraw").await;
-        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
-        assert_eq!(r.header("retry-after"), None, "retrying cannot help");
-        assert!(entered.try_recv().is_err(), "the handler ran");
-    })
-    .await
-}
-
 /// Setups that would lock nothing, or refuse with a success, are the layer's fault: 500
 /// (`Reason::Misconfigured`) and the handler does not run, never a request let through unlocked
 /// or a refusal the client reads as done. A route parameter the route lacks passes through
@@ -1612,26 +1589,41 @@ async fn setups_that_lock_nothing_are_a_500() {
     held.release().await.expect("release");
 }
 
-/// A key whose server name holds another program's value (a hash where the lock key goes):
-/// 503 without `Retry-After`, since a retry meets the same value, nothing is overwritten, and
-/// the handler does not run.
+/// Keys no grant can be made for, set up from outside: a stored fence of 2^64 - 1 (no higher
+/// one exists), and a lock key holding another program's value (a hash). Each is 503 without
+/// `Retry-After`, since a retry meets the same state; the handler does not run, and the hash is
+/// left as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_holding_another_type_is_503_without_retry_after() {
+async fn keys_no_grant_can_be_made_for_are_503_without_retry_after() {
     common::bounded(async {
         let server = support::Server::start(support::Flavor::Redis);
         let locker = lock_core::Locker::redis(&server.url())
             .await
             .expect("connect");
-        let key = locker.lock_key("9").expect("key");
-        let _: i64 = server.cmd(&["HSET", key.lock_key(), "theirs", "1"]);
+        let exhausted = locker.lock_key("8").expect("key");
+        let _: () = server.cmd(&["SET", exhausted.fence_key(), &u64::MAX.to_string()]);
+        let foreign = locker.lock_key("9").expect("key");
+        let _: i64 = server.cmd(&["HSET", foreign.lock_key(), "theirs", "1"]);
         let (tx, mut entered) = mpsc::unbounded_channel();
         let layer = LockLayer::new(locker, KeyExtractor::route_param("id"));
+        // One permit: a handler that ran would finish and answer 200, not hang.
         let addr = serve(gated(layer, tx, Arc::new(Semaphore::new(1)))).await;
-        let r = post_to(addr, "/accounts/9/withdraw").await;
-        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
-        assert_eq!(r.header("retry-after"), None, "retrying cannot help");
-        assert!(entered.try_recv().is_err(), "the handler ran");
-        let theirs: String = server.cmd(&["HGET", key.lock_key(), "theirs"]);
+        for account in ["8", "9"] {
+            let r = post_to(addr, &format!("/accounts/{account}/withdraw")).await;
+            assert_eq!(
+                r.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{account}: {}",
+                r.text()
+            );
+            assert_eq!(
+                r.header("retry-after"),
+                None,
+                "{account}: retrying cannot help"
+            );
+            assert!(entered.try_recv().is_err(), "{account}: the handler ran");
+        }
+        let theirs: String = server.cmd(&["HGET", foreign.lock_key(), "theirs"]);
         assert_eq!(theirs, "1");
     })
     .await
