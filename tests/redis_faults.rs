@@ -636,8 +636,9 @@ async fn renewal_is_batched(flavor: Flavor) {
     let window = Instant::now();
     sleep(ttl * 2).await;
     let scripts = calls(&server, "evalsha") + calls(&server, "eval");
-    // Renewals come every third of the TTL; a round may split in two where leases fall due a
-    // moment apart, and one more may start as the window closes.
+    // Renewals come every third of the TTL, and one more may start as the window closes.
+    // Leases fall due as they were granted, within a sixth of the TTL of each other unless the
+    // machine is slow: those further apart may take one round more to come into step.
     let rounds =
         u64::try_from(window.elapsed().as_millis() / (ttl / 3).as_millis()).expect("ms") + 1;
     let batches = 600u64.div_ceil(256);
@@ -646,7 +647,7 @@ async fn renewal_is_batched(flavor: Flavor) {
         "{scripts} script calls in {rounds} rounds: not renewed?"
     );
     assert!(
-        scripts <= 2 * batches * rounds,
+        scripts <= batches * (rounds + 1),
         "{scripts} script calls for 600 leases in {rounds} rounds"
     );
     assert!(leases.iter().all(|l| !l.is_lost()), "a lease was lost");

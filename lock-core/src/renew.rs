@@ -597,9 +597,18 @@ struct Entry {
     filed_renew: Option<Instant>,
 }
 
-/// Leases due within this window of the first due one renew in the same batch: early renewal is
-/// harmless, and it turns many leases into few script calls.
+/// Leases due within a window of the first due one renew in the same batch: early renewal is
+/// harmless, and it turns many leases into few script calls. The window is a sixth of the first
+/// due lease's TTL (half its renewal interval), and at least this much. Leases renewed together
+/// share a send time and so stay in step: leases acquired a moment apart (a burst spread over a
+/// loaded machine, or over time) fall into one batch a round after their first renewal, where a
+/// fixed window of a few milliseconds kept every phase it did not cover apart for good, a call
+/// each per round.
 const BATCH_WINDOW: Duration = Duration::from_millis(20);
+
+fn batch_window(ttl: Duration) -> Duration {
+    (ttl / 6).max(BATCH_WINDOW)
+}
 
 /// The leases of one batch: their ids and what the backend needs to renew them.
 type Batch = (Vec<u64>, Vec<(LockKey, Token)>);
@@ -741,11 +750,15 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
         // as sent before it, so that its reply, carrying the TTL from before the extend, may
         // then only shorten the deadline.
         let sent_at = Instant::now();
-        let first_due = d.renews.first().is_some_and(|(t, _)| *t <= now);
+        let window = d.renews.first().filter(|(t, _)| *t <= now).map(|(_, id)| {
+            d.entries
+                .get(id)
+                .map_or(BATCH_WINDOW, |e| batch_window(e.ttl))
+        });
         let mut deferred = Vec::new();
         let mut lost = Vec::new();
         while let Some(&(at, id)) = d.renews.first() {
-            if !first_due || at > now + BATCH_WINDOW {
+            if window.is_none_or(|w| at > now + w) {
                 break;
             }
             d.renews.remove(&(at, id));
