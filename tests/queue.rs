@@ -1416,6 +1416,125 @@ async fn concurrent_reaps_move_each_job_once(h: Harness) {
     }
 }
 
+/// Churn: eight workers claim with 40 ms leases and work 0-80 ms without renewing, so about
+/// half their leases lapse, while two reapers sweep every 10 ms. Every job ends done exactly
+/// once, by its last claim; no attempt number (the fence) is handed out twice; every claim
+/// either completed or was reaped, and every reaped claim's complete was refused; nothing is
+/// left active, pending or dead.
+async fn churn_of_lapsing_leases_loses_nothing(h: Harness) {
+    const JOBS: usize = 150;
+    const LEASE: Duration = Duration::from_millis(40);
+    let producer = h.open(Queue::builder("churn").max_attempts(0)).await;
+    let payloads: Vec<Vec<u8>> = (0..JOBS).map(|i| i.to_string().into_bytes()).collect();
+    let ids = producer.enqueue_many(&payloads).await.expect("enqueue");
+    let stop = Arc::new(AtomicBool::new(false));
+    let claims: Arc<Mutex<Vec<(JobId, u64)>>> = Arc::default();
+    let accepted: Arc<Mutex<HashMap<JobId, Vec<u64>>>> = Arc::default();
+    let refused: Arc<Mutex<Vec<(JobId, u64)>>> = Arc::default();
+    let mut workers = Vec::new();
+    for seed in 0..8u64 {
+        let q = h.open(Queue::builder("churn").max_attempts(0)).await;
+        let (stop, claims, accepted, refused) = (
+            stop.clone(),
+            claims.clone(),
+            accepted.clone(),
+            refused.clone(),
+        );
+        workers.push(tokio::spawn(async move {
+            // A small LCG: different work times per worker, the same each run.
+            let mut state = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            while !stop.load(Ordering::SeqCst) {
+                let Some(claim) = q.claim(LEASE).await.expect("claim") else {
+                    sleep(ms(5)).await;
+                    continue;
+                };
+                let (id, attempts) = (claim.id(), claim.attempts());
+                claims.lock().expect("claims").push((id, attempts));
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                sleep(ms((state >> 33) % 80)).await;
+                match claim.complete().await {
+                    Ok(()) => accepted
+                        .lock()
+                        .expect("accepted")
+                        .entry(id)
+                        .or_default()
+                        .push(attempts),
+                    Err(Error::Stale { .. } | Error::LeaseLost { .. }) => {
+                        refused.lock().expect("refused").push((id, attempts))
+                    }
+                    Err(e) => panic!("complete of {id} at {attempts}: {e}"),
+                }
+            }
+        }));
+    }
+    let reaped: Arc<Mutex<Vec<(JobId, u64)>>> = Arc::default();
+    let mut reapers = Vec::new();
+    for _ in 0..2 {
+        let q = h.open(Queue::builder("churn").max_attempts(0)).await;
+        let (stop, reaped) = (stop.clone(), reaped.clone());
+        reapers.push(tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                for r in q.reap().await.expect("reap") {
+                    assert_eq!(r.to, JobState::Pending, "{r:?}");
+                    reaped.lock().expect("reaped").push((r.id, r.attempts));
+                }
+                sleep(ms(10)).await;
+            }
+        }));
+    }
+    let all_done = eventually(Duration::from_secs(60), || async {
+        accepted.lock().expect("accepted").len() == JOBS
+    })
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    for t in workers.into_iter().chain(reapers) {
+        t.await.expect("a worker or reaper panicked");
+    }
+    let accepted = accepted.lock().expect("accepted").clone();
+    assert!(all_done, "{} of {JOBS} jobs done in time", accepted.len());
+    let mut claims = claims.lock().expect("claims").clone();
+    let mut reaped = reaped.lock().expect("reaped").clone();
+    let mut refused = refused.lock().expect("refused").clone();
+    // The churn this is about happened.
+    assert!(
+        reaped.len() >= JOBS / 10,
+        "only {} leases reaped: too little churn to tell",
+        reaped.len()
+    );
+    for id in &ids {
+        let done = accepted.get(id).map(Vec::as_slice);
+        let info = producer.job(*id).await.expect("job");
+        assert_eq!(info.state, JobState::Done, "{id}");
+        assert_eq!(done, Some(&[info.attempts][..]), "{id}: completes accepted");
+        let mut attempts: Vec<u64> = claims
+            .iter()
+            .filter(|(c, _)| c == id)
+            .map(|(_, a)| *a)
+            .collect();
+        attempts.sort_unstable();
+        let expected: Vec<u64> = (1..=info.attempts).collect();
+        assert_eq!(attempts, expected, "{id}: attempts claimed");
+    }
+    // Each claim but a job's last was reaped, and its holder's complete refused.
+    claims.sort_unstable();
+    let mut not_last: Vec<(JobId, u64)> = claims
+        .iter()
+        .filter(|(id, a)| accepted.get(id).is_some_and(|done| done[0] != *a))
+        .copied()
+        .collect();
+    not_last.sort_unstable();
+    reaped.sort_unstable();
+    refused.sort_unstable();
+    assert_eq!(reaped, not_last, "reaped claims");
+    assert_eq!(refused, not_last, "refused completes");
+    let c = producer.counts().await.expect("counts");
+    assert_eq!((c.pending, c.active, c.delayed, c.dead), (0, 0, 0, 0));
+}
+
 /// `max_attempts(0)` sets no limit: a job retried more often than the default limit allows
 /// stays pending.
 async fn no_attempt_limit_with_zero(h: Harness) {
@@ -1665,6 +1784,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn concurrent_reaps_move_each_job_once() {
                 super::concurrent_reaps_move_each_job_once(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn churn_of_lapsing_leases_loses_nothing() {
+                super::churn_of_lapsing_leases_loses_nothing(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn no_attempt_limit_with_zero() {
