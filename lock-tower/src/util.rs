@@ -128,3 +128,15 @@ pub(crate) fn empty_methods<B>(rejections: &Rejections) -> Response<LockBody<B>>
         .log("the layer is misconfigured", &detail);
     reject(rejections, Reason::Misconfigured, None, detail)
 }
+
+/// The answer to every request through a layer that takes its key from a JSON body but may
+/// read none of it (a body limit of 0): 500, logged at `error` once per layer. Each request
+/// would otherwise be refused as too large (413) or as lacking its key (400), blaming clients
+/// for the layer's setup.
+pub(crate) fn no_room_for_key<B>(rejections: &Rejections) -> Response<LockBody<B>> {
+    let detail = "the layer's body limit is 0, so it can read no JSON key from a request body";
+    rejections
+        .setup_logged
+        .log("the layer is misconfigured", &detail);
+    reject(rejections, Reason::Misconfigured, None, detail)
+}

@@ -3253,14 +3253,19 @@ async fn a_claim_key_holding_another_type_is_503_without_retry_after() {
     .await
 }
 
-/// An empty method list would dedupe nothing, and a refusal sent as a success would tell the
-/// sender its delivery was handled: both are the layer's fault, 500, the handler not run.
+/// An empty method list would dedupe nothing, a refusal sent as a success would tell the
+/// sender its delivery was handled, and a JSON-body key with a body limit of 0 can never be
+/// read (each delivery was refused as too large): all the layer's fault, 500, the handler not
+/// run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn setups_that_dedupe_nothing_are_a_500() {
     let locker = lock_core::Locker::memory();
     for layer in [
         DedupeLayer::new(locker.clone()).methods(Vec::new()),
         DedupeLayer::new(locker.clone()).reject_status(Reason::MissingKey, StatusCode::ACCEPTED),
+        DedupeLayer::new(locker.clone())
+            .key(KeyExtractor::json_field("/id"))
+            .request_body_limit(0),
     ] {
         let runs = Arc::new(AtomicUsize::new(0));
         let addr = serve(counting(layer, runs.clone(), Duration::ZERO)).await;

@@ -1514,6 +1514,7 @@ async fn http2_streams_lock_and_a_reset_stream_releases() {
 }
 
 /// Setups that would lock nothing, or refuse with a success, are the layer's fault: 500
+/// (a JSON-body key with a body limit of 0 refused every request as too large, or keyless)
 /// (`Reason::Misconfigured`) and the handler does not run, never a request let through unlocked
 /// or a refusal the client reads as done. A route parameter the route lacks passes through
 /// where the user chose that (one layer over routes with and without it).
@@ -1548,6 +1549,12 @@ async fn setups_that_lock_nothing_are_a_500() {
             )),
         )
         .route(
+            "/no-room/{id}",
+            handler(ran.clone()).route_layer(
+                LockLayer::new(locker.clone(), KeyExtractor::json_field("/id")).body_limit(0),
+            ),
+        )
+        .route(
             "/typo-passes/{id}",
             handler(ran.clone()).route_layer(
                 LockLayer::new(locker.clone(), KeyExtractor::route_param("account"))
@@ -1559,7 +1566,7 @@ async fn setups_that_lock_nothing_are_a_500() {
         .try_acquire("7", &lock_core::LockOptions::new())
         .await
         .expect("hold");
-    for path in ["/no-methods/7", "/busy-is-ok/7", "/typo/7"] {
+    for path in ["/no-methods/7", "/busy-is-ok/7", "/typo/7", "/no-room/7"] {
         let r = post_to(addr, path).await;
         assert_eq!(
             r.status,

@@ -145,7 +145,7 @@ impl DedupeConfig {
 /// | stored result changed from outside (a status no response has, a field gone) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error`; neither replayed nor run again until it expires or is deleted |
 /// | [`retention`](Self::retention) (1 ms to a year) or [`claim_ttl`](Self::claim_ttl) (lock-core's `MIN_TTL` to `MAX_TTL`) out of range | 500 ([`Reason::Misconfigured`]), logged at `error`; the handler does not run |
 /// | the claim's stored fence is 2^64 - 1 (`Error::FenceExhausted`: no claim is possible), or its server name holds another program's value (`Error::WrongType`) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error`; the handler does not run |
-/// | a backend with no result store (a Redlock quorum), an empty [`methods`](Self::methods) list, or a [`reject_status`](Self::reject_status) that is not 4xx/5xx | 500 ([`Reason::Misconfigured`], no `Retry-After`), logged at `error`; the handler does not run |
+/// | a backend with no result store (a Redlock quorum), an empty [`methods`](Self::methods) list, a JSON-body key with a [`request_body_limit`](Self::request_body_limit) of 0, or a [`reject_status`](Self::reject_status) that is not 4xx/5xx | 500 ([`Reason::Misconfigured`], no `Retry-After`), logged at `error`; the handler does not run |
 /// | request with a key, body above the cap (1 MiB) | 413 (the body is read only for a keyed request's fingerprint: without a key in the request head (header, path, route parameter, closure), the request is answered or passed through unread; a JSON-body key is looked for in the body, up to the cap) |
 /// | response body fails while the layer reads it, or ends before its declared `Content-Length` | 500 ([`Reason::ResponseFailed`]); nothing stored, claim released (past the cap: the caller sees a cut-off body) |
 /// | response body above the stored cap (256 KiB) | the first caller gets the full body; once it ended well (before the caller sees its end), the stored result keeps status and headers only, and replays carry an empty body with `Idempotent-Body-Omitted: true`; if it fails past the cap, nothing is stored and the claim is released |
@@ -466,7 +466,9 @@ impl DedupeLayer {
     }
 
     /// The largest request body read for the fingerprint (default 1 MiB); a keyed request
-    /// above it gets 413.
+    /// above it gets 413. With a key from the request head, 0 admits only requests without a
+    /// body; with a JSON-body key it leaves no room for the key: every request is answered 500
+    /// ([`Reason::Misconfigured`]), logged at `error`.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};

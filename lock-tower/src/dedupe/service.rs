@@ -19,7 +19,9 @@ use crate::future::ResponseFuture;
 use crate::key::KeyProblem;
 use crate::lock::service::{declared_len, refuse, release};
 use crate::reject::Reason;
-use crate::util::{MethodFilter, RequestBody, bodiless, empty_methods, read_capped, reject};
+use crate::util::{
+    MethodFilter, RequestBody, bodiless, empty_methods, no_room_for_key, read_capped, reject,
+};
 
 /// Marks a response that is a replay of a stored result.
 pub(crate) const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
@@ -196,6 +198,9 @@ where
     // for a keyed request's fingerprint, so a request without a key passes on with its body
     // untouched and unbounded (or is refused at once, without uploading it first).
     let mut head_key = None;
+    if cfg.key.needs_body() && cfg.request_limit == 0 {
+        return Ok(no_room_for_key(rejections));
+    }
     if !cfg.key.needs_body() {
         match cfg.key.extract(&mut parts, None).await {
             Ok(k) => head_key = Some(k),

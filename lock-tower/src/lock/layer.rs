@@ -85,7 +85,7 @@ impl LockConfig {
 /// | lease lost while the body streamed | the body ends with an error (the response is cut off) |
 /// | lock backend unreachable | 503 with `Retry-After: 1` |
 /// | the key's stored fence is 2^64 - 1 (`Error::FenceExhausted`: no grant is possible), or its server name holds another program's value (`Error::WrongType`) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error` |
-/// | the layer's [`ttl`](Self::ttl) out of range (below `MIN_TTL`, above `MAX_TTL`), a [`key_prefix`](Self::key_prefix) no key can follow, an empty [`methods`](Self::methods) list, a route parameter the route lacks, or a [`reject_status`](Self::reject_status) that is not 4xx/5xx | 500 ([`Reason::Misconfigured`]), logged at `error` |
+/// | the layer's [`ttl`](Self::ttl) out of range (below `MIN_TTL`, above `MAX_TTL`), a [`key_prefix`](Self::key_prefix) no key can follow, an empty [`methods`](Self::methods) list, a route parameter the route lacks, a JSON-body key with a [`body_limit`](Self::body_limit) of 0, or a [`reject_status`](Self::reject_status) that is not 4xx/5xx | 500 ([`Reason::Misconfigured`]), logged at `error` |
 ///
 /// Every status is configurable ([`reject_status`](Self::reject_status)); bodies are
 /// `application/problem+json` unless a [`rejection_response`](Self::rejection_response) is set.
@@ -336,7 +336,9 @@ impl LockLayer {
     }
 
     /// The most the layer reads of a request body to find a JSON key (default 64 KiB); above it
-    /// the answer is [`Reason::BodyTooLarge`] (413). Unused for other key sources.
+    /// the answer is [`Reason::BodyTooLarge`] (413). Unused for other key sources. With a
+    /// JSON-body key, 0 leaves no room for the key: every request is answered 500
+    /// ([`Reason::Misconfigured`]), logged at `error`.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};

@@ -16,7 +16,9 @@ use crate::extract::Held;
 use crate::future::ResponseFuture;
 use crate::key::{Key, KeyProblem};
 use crate::reject::Reason;
-use crate::util::{MethodFilter, RequestBody, bodiless, empty_methods, read_capped, reject};
+use crate::util::{
+    MethodFilter, RequestBody, bodiless, empty_methods, no_room_for_key, read_capped, reject,
+};
 
 /// The service [`LockLayer`](super::LockLayer) wraps around an inner service.
 ///
@@ -136,6 +138,9 @@ where
         let (body, lease) = {
             let (body, key) = {
                 let (body, key) = if cfg.key.needs_body() {
+                    if cfg.body_limit == 0 {
+                        return Ok(no_room_for_key(&cfg.rejections));
+                    }
                     match Box::pin(key_from_body(&cfg, &mut parts, body)).await {
                         Ok((body, key)) => (body, key),
                         Err(res) => return Ok(res),
