@@ -595,17 +595,27 @@ struct Entry {
     filed_deadline: Instant,
     /// When it is filed in `Driver::renews`; `None` while a renewal is in flight.
     filed_renew: Option<Instant>,
+    /// When it may go early, with a batch sent for another lease's round: the key it is filed
+    /// under in `Driver::early` beside `filed_renew`.
+    filed_early: Instant,
+    /// Whether `filed_renew` is the lease's next round (a third of its TTL after the last
+    /// send), not a retry after a failure or a wait for an extend in flight. Only a round
+    /// takes other leases along early: a lease retried every 250 ms while its node fails over
+    /// would otherwise take every lease near its round along four times a second.
+    planned: bool,
 }
 
-/// Leases due within a window of the first due one renew in the same batch: early renewal is
-/// harmless, and it turns many leases into few script calls. The window is a sixth of the first
-/// due lease's TTL (half its renewal interval), and at least this much. Leases renewed together
-/// share a send time and so stay in step: leases acquired a moment apart (a burst spread over a
-/// loaded machine, or over time) fall into one batch a round after their first renewal, where a
-/// fixed window of a few milliseconds kept every phase it did not cover apart for good, a call
-/// each per round.
+/// Leases due within this window of a due one renew in the same batch: early renewal is
+/// harmless, and it turns many leases into few script calls.
 const BATCH_WINDOW: Duration = Duration::from_millis(20);
 
+/// How early a lease may renew to join a batch sent for another lease's round: a sixth of its
+/// TTL (half its renewal interval), and at least [`BATCH_WINDOW`]. Leases renewed together
+/// share a send time and so stay in step: leases of one TTL granted a moment apart (a burst
+/// spread over a loaded machine, or over time) fall into one batch a round after their first
+/// renewal, where a fixed window of a few milliseconds kept every phase it did not cover apart
+/// for good, a call each per round. Each lease's own TTL sets its window, so a long lease's
+/// round does not take short leases along far ahead of theirs, nor the other way round.
 fn batch_window(ttl: Duration) -> Duration {
     (ttl / 6).max(BATCH_WINDOW)
 }
@@ -627,17 +637,44 @@ struct Driver {
     entries: HashMap<u64, Entry>,
     deadlines: BTreeSet<(Instant, u64)>,
     renews: BTreeSet<(Instant, u64)>,
+    /// The same leases by when each may go early (see [`batch_window`]).
+    early: BTreeSet<(Instant, u64)>,
 }
 
 impl Driver {
+    /// Files the lease's next round, at `at`.
     fn file_renew(&mut self, id: u64, at: Instant) {
+        self.file(id, at, true);
+    }
+
+    /// Files a retry of the lease (after a failure, or while an extend travels), at `at`.
+    fn file_retry(&mut self, id: u64, at: Instant) {
+        self.file(id, at, false);
+    }
+
+    fn file(&mut self, id: u64, at: Instant, planned: bool) {
+        self.unfile_renew(id);
         if let Some(e) = self.entries.get_mut(&id) {
-            if let Some(old) = e.filed_renew.take() {
-                self.renews.remove(&(old, id));
-            }
+            let early = if planned {
+                at.checked_sub(batch_window(e.ttl)).unwrap_or(at)
+            } else {
+                at
+            };
             e.filed_renew = Some(at);
+            e.filed_early = early;
+            e.planned = planned;
             self.renews.insert((at, id));
+            self.early.insert((early, id));
         }
+    }
+
+    /// Takes the lease out of the renewal timers; whether it was filed for its round.
+    fn unfile_renew(&mut self, id: u64) -> Option<bool> {
+        let e = self.entries.get_mut(&id)?;
+        let at = e.filed_renew.take()?;
+        self.renews.remove(&(at, id));
+        self.early.remove(&(e.filed_early, id));
+        Some(e.planned)
     }
 
     fn file_deadline(&mut self, id: u64) {
@@ -655,11 +692,9 @@ impl Driver {
     }
 
     fn remove(&mut self, id: u64) -> Option<Entry> {
+        self.unfile_renew(id);
         let e = self.entries.remove(&id)?;
         self.deadlines.remove(&(e.filed_deadline, id));
-        if let Some(at) = e.filed_renew {
-            self.renews.remove(&(at, id));
-        }
         Some(e)
     }
 
@@ -750,20 +785,44 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
         // as sent before it, so that its reply, carrying the TTL from before the extend, may
         // then only shorten the deadline.
         let sent_at = Instant::now();
-        let window = d.renews.first().filter(|(t, _)| *t <= now).map(|(_, id)| {
-            d.entries
-                .get(id)
-                .map_or(BATCH_WINDOW, |e| batch_window(e.ttl))
-        });
+        // The leases due, those due within the batch window of them, and, when a lease's
+        // round is among them, the leases that may go early with it.
+        let mut taken = Vec::new();
+        let mut round = false;
+        if d.renews.first().is_some_and(|(t, _)| *t <= now) {
+            while let Some(&(at, id)) = d.renews.first() {
+                if at > now + BATCH_WINDOW {
+                    break;
+                }
+                match d.unfile_renew(id) {
+                    Some(planned) => {
+                        round |= planned;
+                        taken.push(id);
+                    }
+                    // Filed under no entry (not expected): dropped, or it would be looked at
+                    // again at once, for ever.
+                    None => {
+                        d.renews.remove(&(at, id));
+                    }
+                }
+            }
+        }
+        if round {
+            while let Some(&(early, id)) = d.early.first() {
+                if early > now {
+                    break;
+                }
+                if d.unfile_renew(id).is_some() {
+                    taken.push(id);
+                } else {
+                    d.early.remove(&(early, id));
+                }
+            }
+        }
         let mut deferred = Vec::new();
         let mut lost = Vec::new();
-        while let Some(&(at, id)) = d.renews.first() {
-            if window.is_none_or(|w| at > now + w) {
-                break;
-            }
-            d.renews.remove(&(at, id));
-            if let Some(e) = d.entries.get_mut(&id) {
-                e.filed_renew = None;
+        for id in taken {
+            if let Some(e) = d.entries.get(&id) {
                 // Counted lost already (an extend answered after the alarm, a holder that saw
                 // the alarm pass): renewed no more, as its holder may have stopped; a renewal
                 // would only keep the key from others for another TTL.
@@ -786,7 +845,7 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
             }
         }
         for (id, ttl) in deferred.drain(..) {
-            d.file_renew(id, now + (ttl / 10).min(Duration::from_millis(250)));
+            d.file_retry(id, now + (ttl / 10).min(Duration::from_millis(250)));
         }
         for (ttl, (ids, items)) in due {
             let backend = backend.clone();
@@ -872,6 +931,8 @@ fn apply<B: Backend + Clone>(backend: &B, d: &mut Driver, cmd: Cmd) {
                     state,
                     filed_deadline: deadline,
                     filed_renew: None,
+                    filed_early: deadline,
+                    planned: true,
                 },
             );
             d.deadlines.insert((deadline, id));
@@ -893,12 +954,12 @@ fn apply<B: Backend + Clone>(backend: &B, d: &mut Driver, cmd: Cmd) {
             let refiled = d
                 .entries
                 .get(&id)
-                .map(|e| e.filed_renew.map(|at| e.state.renew_by(at)));
+                .map(|e| e.filed_renew.map(|at| (e.state.renew_by(at), e.planned)));
             if let Some(filed) = refiled {
                 // None: a renewal is in flight, and its answer files the next one by the
                 // new alarm.
-                if let Some(at) = filed {
-                    d.file_renew(id, at);
+                if let Some((at, planned)) = filed {
+                    d.file(id, at, planned);
                 }
                 d.file_deadline(id);
             }
@@ -943,7 +1004,7 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                     e.state.renewal_unknown(sent_at + ttl - drift(ttl));
                     let retry = Instant::now() + (e.ttl / 10).min(Duration::from_millis(250));
                     debug!(key = e.key.user(), "renewal outcome unknown; retrying");
-                    d.file_renew(*id, retry);
+                    d.file_retry(*id, retry);
                     continue;
                 };
                 if !held {
@@ -992,7 +1053,7 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                 // Retry soon; the deadline timer marks the lease lost if none succeeds in time.
                 let retry = Instant::now() + (e.ttl / 10).min(Duration::from_millis(250));
                 debug!(key = e.key.user(), error = %err, "renewal failed; retrying");
-                d.file_renew(*id, retry);
+                d.file_retry(*id, retry);
             }
         }
     }
