@@ -960,6 +960,126 @@ async fn an_unanswered_extend_is_of_unknown_outcome(flavor: Flavor) {
     );
 }
 
+/// The command connection to one node goes silent (its peer gone without closing it: a
+/// forgotten NAT flow, an address moved by a failover): requests to that node time out, a
+/// check finds the node silent on this connection but answering a new one, and the new
+/// connection takes over. A renewing lease of that node, with no other traffic, is kept (its
+/// renewal's own timeout starts the check); then, silenced again, the locker grants keys of
+/// that node again within seconds. (redis-rs makes a node's connection again when it drops,
+/// not when it goes silent: every request to the node timed out until the kernel gave up on
+/// the socket.)
+async fn a_silent_node_connection_is_replaced(flavor: Flavor) {
+    let cluster = Cluster::start(flavor, 3, 0);
+    // Node 0 is reached through a proxy: it announces the proxy's port as its own.
+    let proxy = support::proxy::Proxy::start(cluster.nodes[0].port).await;
+    let port = proxy.port.to_string();
+    let _: () = cluster.nodes[0].cmd(&["CONFIG", "SET", "cluster-announce-ip", "127.0.0.1"]);
+    let _: () = cluster.nodes[0].cmd(&["CONFIG", "SET", "cluster-announce-port", &port]);
+    let announced = |n: &support::Server| {
+        let slots: Vec<(i64, i64, Vec<::redis::Value>)> = n.cmd(&["CLUSTER", "SLOTS"]);
+        slots.iter().any(|(_, _, master)| {
+            master
+                .get(1)
+                .and_then(|p| ::redis::from_redis_value_ref::<u16>(p).ok())
+                == Some(proxy.port)
+        })
+    };
+    let started = Instant::now();
+    while !cluster.nodes.iter().all(announced) {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the proxy's port was not announced by every node"
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    // The check waits up to the connection timeout for each answer. A response timeout above
+    // a quarter of the renewing lease's TTL (below), so that the renewal's own deadline, not
+    // a request's timeout, is what gives up on the silent node there.
+    let config = leasehold::RedisConfig {
+        response_timeout: Duration::from_secs(3),
+        connection_timeout: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let backend = leasehold::ClusterBackend::connect_with(&urls, config)
+        .await
+        .expect("connect");
+    let locker = Locker::new(AnyBackend::Cluster(backend));
+    // Two keys served by node 0, so reached through the proxy.
+    let opts = LockOptions::new().renew(false);
+    let mut names = Vec::new();
+    for i in 0.. {
+        let n = format!("silent-{i}");
+        let lease = locker.try_acquire(&n, &opts).await.expect("grant");
+        let key = locker.lock_key(&n).expect("key");
+        let (_, owner) = slot_and_owner(&cluster, key.lock_key());
+        lease.release().await.expect("release");
+        if owner == 0 {
+            names.push(n);
+            if names.len() == 2 {
+                break;
+            }
+        }
+    }
+    assert!(
+        proxy.connections() >= 1,
+        "node 0 was not reached through the proxy"
+    );
+    // Every connection made through the proxy so far goes silent; new ones are not touched.
+    let silence = || {
+        let silenced = proxy.connections();
+        for i in 0..silenced {
+            proxy.black_hole(i);
+        }
+        silenced
+    };
+
+    // A renewing lease alone: renewed at a third of its 8 s, that renewal is given up at a
+    // quarter of the TTL (4.7 s), the check replaces the connection, and a retry (every
+    // 250 ms) gets through on the new one before the alarm (at about 7.7 s).
+    let ttl = Duration::from_secs(8);
+    let held = locker
+        .try_acquire(&names[0], &LockOptions::new().ttl(ttl))
+        .await
+        .expect("grant");
+    let silenced = silence();
+    sleep(ttl + Duration::from_millis(200)).await;
+    assert!(
+        !held.is_lost(),
+        "a renewing lease was lost to a silent connection"
+    );
+    assert!(
+        proxy.connections() > silenced,
+        "kept without a new connection to node 0"
+    );
+    held.release().await.expect("release");
+
+    let name = &names[1];
+    let silenced = silence();
+    let started = Instant::now();
+    let mut failures = 0;
+    let lease = loop {
+        match locker.try_acquire(name, &opts).await {
+            Ok(lease) => break lease,
+            Err(e) => {
+                assert!(e.is_transient(), "{e:?}");
+                failures += 1;
+            }
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "still failing 10 s after the connection went silent ({failures} failures)"
+        );
+    };
+    assert!(failures >= 1, "the silent connection never failed a call");
+    assert!(
+        proxy.connections() > silenced,
+        "granted without a new connection to node 0"
+    );
+    lease.release().await.expect("release");
+}
+
 /// Every scenario above on a Redis cluster and on a Valkey cluster, as
 /// `on_redis::<scenario>` and `on_valkey::<scenario>`.
 macro_rules! on_each_flavor {
@@ -999,6 +1119,7 @@ on_each_flavor!(
     renewal_is_batched_per_master_out_of_memory,
     renewal_is_batched_on_a_one_node_cluster,
     a_renewing_lease_outlives_a_stalled_masters_failover,
+    a_silent_node_connection_is_replaced,
 );
 
 /// The README's ACL section says the plain `leasehold` rule cannot even connect to a cluster

@@ -2,6 +2,7 @@
 //! node, following the slot map) for commands, and another for sharded pub/sub.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -14,7 +15,7 @@ use redis::cluster_routing::{
 use redis::{Cmd, ProtocolVersion, PushInfo, PushKind, RedisFuture, Script, Value};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use super::Backend;
 use super::redis::{EXTEND_CHUNK, RedisConfig, Scripts, ops};
@@ -208,6 +209,11 @@ pub struct ClusterConn {
 struct Link {
     /// How long refusals of requests that did not run are answered by sending again.
     patience: Duration,
+    /// How long a check of a connection that may have gone silent waits for each answer: a
+    /// `PING` of every master, a new connection.
+    check_patience: Duration,
+    /// Whether such a check is running: one at a time.
+    checking: AtomicBool,
     /// Makes the client of each connection.
     builder: MakeBuilder,
     now: Mutex<Connected>,
@@ -218,6 +224,9 @@ struct Link {
 #[derive(Clone)]
 struct Connected {
     inner: ClusterConnection,
+    /// How many times the connection was made again: a request that timed out on an earlier
+    /// one says nothing of the current one.
+    generation: u64,
     /// Where the connection's pushes go: closed once the task taking them, started on the
     /// connection's runtime, is gone.
     pushes: mpsc::UnboundedSender<PushInfo>,
@@ -238,7 +247,11 @@ async fn open(builder: ClusterClientBuilder) -> redis::RedisResult<Connected> {
         .get_async_connection()
         .await?;
     tokio::spawn(async move { while taken.recv().await.is_some() {} });
-    Ok(Connected { inner, pushes })
+    Ok(Connected {
+        inner,
+        generation: 0,
+        pushes,
+    })
 }
 
 /// Makes a client builder for the backend's nodes and settings.
@@ -294,27 +307,108 @@ impl ClusterConn {
 
     /// The connection, made again on this runtime if the one it was made on has shut down.
     async fn live(&self) -> redis::RedisResult<ClusterConnection> {
-        let now = || {
-            self.link
-                .now
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clone()
-        };
-        let current = now();
+        Ok(self.live_connected().await?.inner)
+    }
+
+    fn current(&self) -> Connected {
+        self.link
+            .now
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// [`live`](Self::live), with its generation.
+    async fn live_connected(&self) -> redis::RedisResult<Connected> {
+        let current = self.current();
         if !current.pushes.is_closed() {
-            return Ok(current.inner);
+            return Ok(current);
         }
         let _one = self.link.reconnecting.lock().await;
-        let current = now();
+        let current = self.current();
         if !current.pushes.is_closed() {
-            return Ok(current.inner);
+            return Ok(current);
         }
         debug!("the cluster connection went with the runtime it was made on; connecting again");
-        let fresh = open((self.link.builder)()).await?;
+        let mut fresh = open((self.link.builder)()).await?;
+        fresh.generation = current.generation + 1;
         *self.link.now.lock().unwrap_or_else(PoisonError::into_inner) = fresh.clone();
-        Ok(fresh.inner)
+        Ok(fresh)
     }
+
+    /// Checks the current connection, and makes it again if it is silent: for a caller that
+    /// gave up on a request before the response timeout could fire (a renewal's deadline).
+    pub(crate) fn check(&self) {
+        self.timed_out(self.current().generation);
+    }
+
+    /// After a request on the `generation`th connection timed out: checks whether every master
+    /// answers a `PING` on it, and if one does not, makes a new connection and takes it in its
+    /// place when every master answers on that one.
+    ///
+    /// redis-rs makes a node's connection again when it drops, not when its peer is gone
+    /// without closing it (a forgotten NAT flow, an address moved by a failover): the requests
+    /// routed to that node would time out until the kernel gave up on the socket. A master
+    /// that is itself stalled answers no new connection either, so the current one is kept
+    /// (redis-rs and the slot map deal with that: the node's replica takes over).
+    fn timed_out(&self, generation: u64) {
+        /// Clears the flag however the check ends, also when its task is dropped unfinished
+        /// (its runtime shut down): left set, it would keep every later check from starting.
+        struct Checking(Arc<Link>);
+        impl Drop for Checking {
+            fn drop(&mut self) {
+                self.0.checking.store(false, Ordering::Release);
+            }
+        }
+        let current = self.current();
+        if current.generation != generation || self.link.checking.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let checking = Checking(self.link.clone());
+        tokio::spawn(async move {
+            let link = &checking.0;
+            if every_master_answers(&current.inner, link.check_patience).await {
+                return;
+            }
+            let fresh = tokio::time::timeout(link.check_patience, open((link.builder)())).await;
+            match fresh {
+                Ok(Ok(mut fresh))
+                    if every_master_answers(&fresh.inner, link.check_patience).await =>
+                {
+                    let mut now = link.now.lock().unwrap_or_else(PoisonError::into_inner);
+                    if now.generation == generation {
+                        warn!(
+                            "a cluster node's connection stopped answering; the cluster connection was made again"
+                        );
+                        fresh.generation = generation + 1;
+                        *now = fresh;
+                    }
+                }
+                Ok(Ok(_)) => debug!(
+                    "a cluster master answers no new connection either; the connection is kept"
+                ),
+                Ok(Err(e)) => {
+                    debug!(error = %e, "a cluster node stopped answering, and a new connection failed")
+                }
+                Err(_) => {
+                    debug!("a cluster node stopped answering, and a new connection took too long")
+                }
+            }
+        });
+    }
+}
+
+/// Whether every master answers a `PING` on `conn` within `patience`.
+async fn every_master_answers(conn: &ClusterConnection, patience: Duration) -> bool {
+    let mut conn = conn.clone();
+    let ping = conn.route_command(
+        redis::cmd("PING"),
+        RoutingInfo::MultiNode((
+            MultipleNodeRoutingInfo::AllMasters,
+            Some(ResponsePolicy::AllSucceeded),
+        )),
+    );
+    matches!(tokio::time::timeout(patience, ping).await, Ok(Ok(_)))
 }
 
 /// The first pause before a refused request is sent again; it doubles up to [`LAST_PAUSE`].
@@ -370,12 +464,21 @@ impl Pauses {
 impl ConnectionLike for ClusterConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
-            let mut inner = self.live().await?;
+            let Connected {
+                mut inner,
+                generation,
+                ..
+            } = self.live_connected().await?;
             let mut pauses = Pauses::new(self.link.patience);
             loop {
                 match inner.req_packed_command(cmd).await {
                     Err(e) if unrun(&e) && pauses.wait(&e).await => {}
-                    other => return other,
+                    other => {
+                        if other.as_ref().is_err_and(redis::RedisError::is_timeout) {
+                            self.timed_out(generation);
+                        }
+                        return other;
+                    }
                 }
             }
         })
@@ -390,8 +493,16 @@ impl ConnectionLike for ClusterConn {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
-            let mut inner = self.live().await?;
-            inner.req_packed_commands(pipeline, offset, count).await
+            let Connected {
+                mut inner,
+                generation,
+                ..
+            } = self.live_connected().await?;
+            let answer = inner.req_packed_commands(pipeline, offset, count).await;
+            if answer.as_ref().is_err_and(redis::RedisError::is_timeout) {
+                self.timed_out(generation);
+            }
+            answer
         })
     }
 
@@ -436,12 +547,15 @@ impl ClusterBackend {
     pub async fn connect_with(nodes: &[&str], config: RedisConfig) -> Result<ClusterBackend> {
         config.validate()?;
         let patience = config.response_timeout;
+        let check_patience = config.connection_timeout;
         let nodes: Vec<String> = nodes.iter().map(|n| n.to_string()).collect();
         let builder: MakeBuilder = Arc::new(move || client_builder(&nodes, &config));
         let connected = open(builder()).await.map_err(Error::Unavailable)?;
         let conn = ClusterConn {
             link: Arc::new(Link {
                 patience,
+                check_patience,
+                checking: AtomicBool::new(false),
                 builder,
                 now: Mutex::new(connected),
                 reconnecting: tokio::sync::Mutex::new(()),
@@ -597,6 +711,8 @@ impl ClusterBackend {
                     // rather than to the same address until the leases run out.
                     debug!("renewal timed out on one node; its leases are retried");
                     *self.slots.lock().unwrap_or_else(PoisonError::into_inner) = None;
+                    // Or its connection went silent, which a new connection cures.
+                    self.conn.check();
                     return (vec![None; chunk.len()], None);
                 }
             }
