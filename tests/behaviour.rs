@@ -194,8 +194,11 @@ async fn exclusion(h: Harness) {
 /// Scenario 1: a stale holder's release is a no-op and does not touch the new holder.
 async fn token_checked_release(h: Harness) {
     let locker = h.locker().await;
+    // A waiting acquire, which gives back a grant whose reply came after its 100 ms (the
+    // first call of a fresh locker also loads the script; over TLS on a loaded machine that
+    // took longer) and asks again.
     let a = locker
-        .try_acquire("r1", &opts(100).renew(false))
+        .acquire("r1", &opts(100).renew(false).wait(Duration::from_secs(5)))
         .await
         .expect("a");
     sleep(Duration::from_millis(200)).await;
@@ -460,8 +463,13 @@ async fn kept_fences_are_forgotten(h: Harness) {
         .as_micros() as u64
         + 3_600_000_000;
     h.set_fence(&locker, "ahead", &hour_ahead.to_string());
-    let brief = opts(100).renew(false).keep_fence(Duration::from_millis(50));
-    let ahead = locker.try_acquire("ahead", &brief).await.expect("acquire");
+    // Waiting, so that a grant whose reply came after its 100 ms is given back and asked for
+    // again rather than failing the test on a loaded machine.
+    let brief = opts(100)
+        .renew(false)
+        .keep_fence(Duration::from_millis(50))
+        .wait(Duration::from_secs(5));
+    let ahead = locker.acquire("ahead", &brief).await.expect("acquire");
     assert!(ahead.fence().0 > hour_ahead);
     ahead.release().await.expect("release");
     let pttl = h.fence_pttl(&locker, "ahead").expect("a server");
@@ -625,19 +633,26 @@ async fn wait_times_out(h: Harness) {
 /// Scenario 11: a holder that vanishes without releasing frees the key at expiry.
 async fn holder_crash_frees_on_expiry(h: Harness) {
     let locker = h.locker().await;
+    // Waiting, so that a grant whose reply came after its 500 ms (a loaded machine, the
+    // script loaded by this first call) is given back and asked for again.
     let a = locker
-        .try_acquire("crash", &opts(200).renew(false))
+        .acquire(
+            "crash",
+            &opts(500).renew(false).wait(Duration::from_secs(5)),
+        )
         .await
         .expect("a");
     let t = Instant::now();
     // A crashed process runs no destructor, so nothing releases the lease.
     std::mem::forget(a);
     let b = locker
-        .acquire("crash", &opts(1_000).wait(Duration::from_secs(3)))
+        .acquire("crash", &opts(1_000).wait(Duration::from_secs(5)))
         .await
         .expect("b after expiry");
     let waited = t.elapsed();
-    assert!(waited < Duration::from_millis(200 + 300), "{waited:?}");
+    // Woken at the expiry (by the timer set from the holder's time left), not by the end of
+    // its wait: within a second past the TTL.
+    assert!(waited < Duration::from_millis(500 + 1_000), "{waited:?}");
     drop(b);
 }
 
@@ -646,11 +661,13 @@ async fn holder_crash_frees_on_expiry(h: Harness) {
 /// only at its deadline, and renewal does not recreate it.
 async fn renewal_and_loss(h: Harness) {
     let locker = h.locker().await;
-    let a = locker.try_acquire("renew", &opts(150)).await.expect("a");
-    sleep(Duration::from_millis(600)).await;
+    // Four TTLs; each renewal's reply has about 370 ms to come (a 150 ms lease left 90 ms,
+    // twelve times in a row, on a loaded machine over TLS or to a quorum).
+    let a = locker.try_acquire("renew", &opts(600)).await.expect("a");
+    sleep(Duration::from_millis(2_400)).await;
     assert!(!a.is_lost(), "renewal should keep the lease");
     assert!(matches!(
-        locker.try_acquire("renew", &opts(150)).await,
+        locker.try_acquire("renew", &opts(600)).await,
         Err(Error::Busy { .. })
     ));
     h.delete(&locker, "renew");
@@ -762,12 +779,14 @@ async fn extend_to_a_shorter_ttl(h: Harness) {
 /// A lease left to run out is reported lost before its local deadline, not at or after it.
 async fn lost_fires_before_the_deadline(h: Harness) {
     let locker = h.locker().await;
+    // Lost 2.5% of the TTL + 3 ms ahead of the deadline: 53 ms for 2 s, room for this task to
+    // be woken on a loaded machine (8 ms for the 200 ms this had).
     let lease = locker
-        .try_acquire("runs-out", &opts(200).renew(false))
+        .try_acquire("runs-out", &opts(2_000).renew(false))
         .await
         .expect("grant");
     let deadline = Instant::now() + lease.remaining();
-    tokio::time::timeout(Duration::from_secs(1), lease.lost())
+    tokio::time::timeout(Duration::from_secs(5), lease.lost())
         .await
         .expect("lost fired");
     let told = Instant::now();
@@ -1223,8 +1242,9 @@ async fn waiters_take_turns(h: Harness) {
                 // Work while holding, then straight back into line. Long enough that the task
                 // before this one is back in line (a release round trip after its turn)
                 // before this turn ends, also on a loaded machine over TLS: at 2 ms a task
-                // was once late, and the next one queued ahead of it.
-                sleep(Duration::from_millis(20)).await;
+                // was once late, and the next one queued ahead of it; 100 ms leaves room for
+                // a thread kept off its core that long.
+                sleep(Duration::from_millis(100)).await;
                 lease.release().await.expect("release");
             }
         }));

@@ -175,6 +175,9 @@ async fn three_down_clear_error(flavor: Flavor) {
 async fn fences_follow_the_majority(flavor: Flavor) {
     let mut servers = start(flavor, 5);
     let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    // Scripts loaded first: a member whose first call (with the load) outlasted the 250 ms
+    // member timeout on a loaded machine would miss the grant checked below.
+    warm_up(&locker).await;
     let k = locker.lock_key("moving").expect("key");
     let high: u64 = 1_000_000_000_000_000_000;
     let _: () = servers[0].cmd(&["SET", k.fence_key(), &high.to_string()]);
@@ -272,6 +275,9 @@ async fn retry_grant(locker: &Locker, key: &str) -> Fence {
 async fn renewal_reaches_every_member(flavor: Flavor) {
     let servers = start(flavor, 5);
     let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    // The acquire and release scripts loaded first (a member whose first acquire outlasted the
+    // member timeout would hold no copy from the start); the renewal's script stays unloaded.
+    warm_up(&locker).await;
     let a = locker
         .try_acquire("everywhere", &opts(600))
         .await

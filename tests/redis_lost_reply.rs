@@ -225,15 +225,19 @@ async fn slow_replies_never_give_expired_leases(flavor: Flavor) {
         let took = asked.elapsed();
         match result {
             Ok(lease) => {
-                // Read the server's TTL first: our estimate, taken after, must not exceed it.
-                let pttl: i64 = server.cmd(&["PTTL", k.lock_key()]);
+                // The validity as handed out (read at once: at 0.9 of the TTL it has about
+                // 20 ms left), then the server's TTL: the local deadline must not pass the
+                // server's expiry, which is at most the PTTL after its reply came.
                 let remaining = lease.remaining();
+                let deadline = Instant::now() + remaining;
                 assert!(
                     remaining > Duration::ZERO,
                     "delay {factor}: handed out expired"
                 );
+                let pttl: i64 = server.cmd(&["PTTL", k.lock_key()]);
+                let expiry = Instant::now() + Duration::from_millis(pttl.max(0) as u64 + 1);
                 assert!(
-                    remaining <= Duration::from_millis(pttl.max(0) as u64 + 1),
+                    deadline <= expiry,
                     "delay {factor}: validity {remaining:?} overstates the server's {pttl} ms"
                 );
                 handed_out += 1;
@@ -335,20 +339,23 @@ async fn renewal_keeps_a_lease_over_a_slow_link(flavor: Flavor) {
     let server = Server::start(flavor);
     let proxy = Proxy::start(server.port).await;
     let locker = Locker::redis(&proxy.url()).await.expect("connect");
-    let ttl = Duration::from_millis(300);
+    // Scaled so that each renewal's reply has about 750 ms to spare (at 300 ms and a 100 ms
+    // round trip it had 85 ms, a dozen times in a row); timed from the grant's arrival instead,
+    // the first renewal's reply would still come after the deadline.
+    let ttl = Duration::from_millis(1_200);
     let o = LockOptions::new().ttl(ttl);
     // Every script loaded before the slow link: a first EVALSHA answered NOSCRIPT costs two
     // more round trips.
     let warm = locker.try_acquire("warm", &o).await.expect("warm");
     warm.extend(ttl).await.expect("extend");
     warm.release().await.expect("release");
-    // 50 ms each way: every round trip takes at least 100 ms, a third of the TTL.
-    proxy.set_latency(Duration::from_millis(50));
+    // 200 ms each way: every round trip takes at least 400 ms, a third of the TTL.
+    proxy.set_latency(Duration::from_millis(200));
     let lease = locker.try_acquire("far", &o).await.expect("grant");
     sleep(ttl * 4).await;
     assert!(
         !lease.is_lost(),
-        "renewal over a 100 ms round trip lost a 300 ms lease"
+        "renewal over a 400 ms round trip lost a 1.2 s lease"
     );
     assert_eq!(lease.release().await.expect("release"), Release::Released);
 }
@@ -359,7 +366,9 @@ async fn stalled_renewals_are_told_before_the_deadline(flavor: Flavor) {
     let server = Server::start(flavor);
     let proxy = Proxy::start(server.port).await;
     let locker = Locker::redis(&proxy.url()).await.expect("connect");
-    let o = LockOptions::new().ttl(Duration::from_millis(1_000));
+    // Told 2.5% of the TTL + 3 ms ahead of the deadline: 103 ms at 4 s, room for a watcher to
+    // be woken on a loaded machine (28 ms at 1 s).
+    let o = LockOptions::new().ttl(Duration::from_millis(4_000));
     let mut leases = Vec::new();
     for i in 0..8 {
         leases.push(
@@ -382,7 +391,7 @@ async fn stalled_renewals_are_told_before_the_deadline(flavor: Flavor) {
         }));
     }
     for w in watchers {
-        let (told, deadline) = tokio::time::timeout(Duration::from_secs(2), w)
+        let (told, deadline) = tokio::time::timeout(Duration::from_secs(6), w)
             .await
             .expect("lost fired")
             .expect("join");

@@ -539,8 +539,11 @@ async fn brief_refusal(flavor: Flavor, cond: Condition, members: usize) {
         let urls: Vec<&str> = lock_urls.iter().map(String::as_str).collect();
         Locker::redlock(&urls).await.expect("connect")
     };
-    // Renewal every third of the TTL, retries every tenth (at most 250 ms).
-    let ttl = Duration::from_millis(2_000);
+    // Renewal every third of the TTL, retries every tenth (at most 250 ms). 4 s, so that the
+    // condition can be cleared (a background save on each of three members, for MISCONF) and a
+    // retry get through well before the lease's alarm on a loaded machine: at 2 s that left
+    // about 400 ms.
+    let ttl = Duration::from_millis(4_000);
     let lease = locker
         .try_acquire("brief", &LockOptions::new().ttl(ttl))
         .await
@@ -566,8 +569,8 @@ async fn brief_refusal(flavor: Flavor, cond: Condition, members: usize) {
         other => panic!("extend under {cond:?}: want the server's refusal, got {other:?}"),
     }
     assert!(!lease.is_lost(), "a refused extend marked the lease lost");
-    // Past the first renewal (a third of the TTL) and two of its retries.
-    sleep(ttl * 3 / 5).await;
+    // Past the first renewal (a third of the TTL) and its retries, counted from the grant.
+    tokio::time::sleep_until(granted + ttl * 3 / 5).await;
     assert!(
         !lease.is_lost(),
         "the lease was reported lost (seen {:?} after the grant) while every server held it",
