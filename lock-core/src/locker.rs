@@ -1486,6 +1486,32 @@ mod tests {
         assert!(!healthy.is_lost());
     }
 
+    /// A short lease's rounds take no lease of another TTL along: a script call carries one
+    /// TTL, so such a lease would go in a call of its own, early for nothing. (When each
+    /// lease's window applied to every round, a 60 s lease beside a 3 s one renewed every 10 s
+    /// instead of every 20 s: 4 renewals in 45 s, where 2 do.)
+    #[tokio::test(start_paused = true)]
+    async fn rounds_take_only_leases_of_their_ttl_along() {
+        let backend = Extends::default();
+        let items = backend.items.clone();
+        let locker = Locker::new(backend);
+        let start = Instant::now();
+        let short = locker
+            .try_acquire("short", &opts(Duration::from_secs(3)))
+            .await
+            .expect("acquire");
+        let long = locker
+            .try_acquire("long", &opts(Duration::from_secs(60)))
+            .await
+            .expect("acquire");
+        tokio::time::sleep_until(start + Duration::from_millis(45_500)).await;
+        let items = items.lock().expect("items").clone();
+        // Rounds of the long lease at 20 s and 40 s; of the short one every second.
+        assert_eq!(items.get("long"), Some(&2), "{items:?}");
+        assert_eq!(items.get("short"), Some(&45), "{items:?}");
+        assert!(!short.is_lost() && !long.is_lost());
+    }
+
     mod captured {
         include!(concat!(
             env!("CARGO_MANIFEST_DIR"),

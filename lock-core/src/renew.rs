@@ -595,9 +595,9 @@ struct Entry {
     filed_deadline: Instant,
     /// When it is filed in `Driver::renews`; `None` while a renewal is in flight.
     filed_renew: Option<Instant>,
-    /// When it may go early, with a batch sent for another lease's round: the key it is filed
-    /// under in `Driver::early` beside `filed_renew`.
-    filed_early: Instant,
+    /// When it may go early, with a batch sent for another lease's round, and the TTL it is
+    /// filed under for that: its keys in `Driver::early` beside `filed_renew`.
+    filed_early: (Duration, Instant),
     /// Whether `filed_renew` is the lease's next round (a third of its TTL after the last
     /// send), not a retry after a failure or a wait for an extend in flight. Only a round
     /// takes other leases along early: a lease retried every 250 ms while its node fails over
@@ -614,8 +614,9 @@ const BATCH_WINDOW: Duration = Duration::from_millis(20);
 /// share a send time and so stay in step: leases of one TTL granted a moment apart (a burst
 /// spread over a loaded machine, or over time) fall into one batch a round after their first
 /// renewal, where a fixed window of a few milliseconds kept every phase it did not cover apart
-/// for good, a call each per round. Each lease's own TTL sets its window, so a long lease's
-/// round does not take short leases along far ahead of theirs, nor the other way round.
+/// for good, a call each per round. Only leases of the TTL of a lease whose round it is go
+/// along (a script call carries one TTL, so a lease of another would go in a call of its own,
+/// early for nothing).
 fn batch_window(ttl: Duration) -> Duration {
     (ttl / 6).max(BATCH_WINDOW)
 }
@@ -637,8 +638,8 @@ struct Driver {
     entries: HashMap<u64, Entry>,
     deadlines: BTreeSet<(Instant, u64)>,
     renews: BTreeSet<(Instant, u64)>,
-    /// The same leases by when each may go early (see [`batch_window`]).
-    early: BTreeSet<(Instant, u64)>,
+    /// The same leases by TTL, then by when each may go early (see [`batch_window`]).
+    early: HashMap<Duration, BTreeSet<(Instant, u64)>>,
 }
 
 impl Driver {
@@ -661,10 +662,10 @@ impl Driver {
                 at
             };
             e.filed_renew = Some(at);
-            e.filed_early = early;
+            e.filed_early = (e.ttl, early);
             e.planned = planned;
             self.renews.insert((at, id));
-            self.early.insert((early, id));
+            self.early.entry(e.ttl).or_default().insert((early, id));
         }
     }
 
@@ -673,8 +674,20 @@ impl Driver {
         let e = self.entries.get_mut(&id)?;
         let at = e.filed_renew.take()?;
         self.renews.remove(&(at, id));
-        self.early.remove(&(e.filed_early, id));
+        let (ttl, early) = e.filed_early;
+        if let Some(set) = self.early.get_mut(&ttl) {
+            set.remove(&(early, id));
+            if set.is_empty() {
+                self.early.remove(&ttl);
+            }
+        }
         Some(e.planned)
+    }
+
+    /// The first lease of TTL `ttl` whose time to go early has come by `now`.
+    fn first_early(&self, ttl: Duration, now: Instant) -> Option<u64> {
+        let &(early, id) = self.early.get(&ttl)?.first()?;
+        (early <= now).then_some(id)
     }
 
     fn file_deadline(&mut self, id: u64) {
@@ -785,10 +798,30 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
         // as sent before it, so that its reply, carrying the TTL from before the extend, may
         // then only shorten the deadline.
         let sent_at = Instant::now();
-        // The leases due, those due within the batch window of them, and, when a lease's
-        // round is among them, the leases that may go early with it.
-        let mut taken = Vec::new();
-        let mut round = false;
+        let mut deferred = Vec::new();
+        let mut lost = Vec::new();
+        // Puts a lease taken out of the timers into its batch; the TTL it is filed by when it
+        // went into one.
+        let mut batch = |d: &Driver, id: u64| -> Option<Duration> {
+            let e = d.entries.get(&id)?;
+            // Counted lost already (an extend answered after the alarm, a holder that saw the
+            // alarm pass): renewed no more, as its holder may have stopped; a renewal would
+            // only keep the key from others for another TTL.
+            if e.state.is_lost() {
+                lost.push(id);
+                return None;
+            }
+            let Some(ttl) = e.state.renewal_ttl(e.ttl, sent_at) else {
+                deferred.push((id, e.ttl));
+                return None;
+            };
+            let slot = due.entry(ttl).or_default();
+            slot.0.push(id);
+            slot.1.push((e.key.clone(), e.token.clone()));
+            Some(e.ttl)
+        };
+        // The leases due, and those due within the batch window of them.
+        let mut rounds = HashSet::new();
         if d.renews.first().is_some_and(|(t, _)| *t <= now) {
             while let Some(&(at, id)) = d.renews.first() {
                 if at > now + BATCH_WINDOW {
@@ -796,8 +829,11 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
                 }
                 match d.unfile_renew(id) {
                     Some(planned) => {
-                        round |= planned;
-                        taken.push(id);
+                        if let Some(ttl) = batch(&d, id)
+                            && planned
+                        {
+                            rounds.insert(ttl);
+                        }
                     }
                     // Filed under no entry (not expected): dropped, or it would be looked at
                     // again at once, for ever.
@@ -807,36 +843,15 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
                 }
             }
         }
-        if round {
-            while let Some(&(early, id)) = d.early.first() {
-                if early > now {
-                    break;
-                }
+        // With them, for each TTL whose round went into a batch, the leases of that TTL whose
+        // time to go early has come.
+        for ttl in rounds {
+            while let Some(id) = d.first_early(ttl, now) {
                 if d.unfile_renew(id).is_some() {
-                    taken.push(id);
-                } else {
-                    d.early.remove(&(early, id));
+                    batch(&d, id);
+                } else if let Some(set) = d.early.get_mut(&ttl) {
+                    set.pop_first();
                 }
-            }
-        }
-        let mut deferred = Vec::new();
-        let mut lost = Vec::new();
-        for id in taken {
-            if let Some(e) = d.entries.get(&id) {
-                // Counted lost already (an extend answered after the alarm, a holder that saw
-                // the alarm pass): renewed no more, as its holder may have stopped; a renewal
-                // would only keep the key from others for another TTL.
-                if e.state.is_lost() {
-                    lost.push(id);
-                    continue;
-                }
-                let Some(ttl) = e.state.renewal_ttl(e.ttl, sent_at) else {
-                    deferred.push((id, e.ttl));
-                    continue;
-                };
-                let slot = due.entry(ttl).or_default();
-                slot.0.push(id);
-                slot.1.push((e.key.clone(), e.token.clone()));
             }
         }
         for id in lost {
@@ -931,7 +946,7 @@ fn apply<B: Backend + Clone>(backend: &B, d: &mut Driver, cmd: Cmd) {
                     state,
                     filed_deadline: deadline,
                     filed_renew: None,
-                    filed_early: deadline,
+                    filed_early: (ttl, deadline),
                     planned: true,
                 },
             );
