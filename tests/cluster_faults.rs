@@ -2,6 +2,8 @@
 //! rising, and the double grants the failover caused are counted and printed (a failover can
 //! lose a lock; that is the documented limit, and the fence is what protects the data).
 
+#[path = "support/captured.rs"]
+mod captured;
 mod support;
 
 use std::sync::{Arc, Mutex};
@@ -985,9 +987,17 @@ async fn an_unanswered_extend_is_of_unknown_outcome(flavor: Flavor) {
 /// renewal's own timeout starts the check); then, silenced again, the locker grants keys of
 /// that node again within seconds. (redis-rs makes a node's connection again when it drops,
 /// not when it goes silent: every request to the node timed out until the kernel gave up on
-/// the socket.)
-async fn a_silent_node_connection_is_replaced(flavor: Flavor) {
-    let cluster = Cluster::start(flavor, 3, 0);
+/// the socket.) With `dead_master`, another master is down meanwhile (its shard has no
+/// replica): a new connection cannot reach it either, and is taken all the same, as it reaches
+/// node 0 where the old one did not.
+async fn silent_node_connection_replaced(flavor: Flavor, dead_master: bool) {
+    let mut cluster = Cluster::start(flavor, 3, 0);
+    if dead_master {
+        // The other shards keep serving while one is down.
+        for node in &cluster.nodes {
+            let _: () = node.cmd(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
+        }
+    }
     // Node 0 is reached through a proxy: it announces the proxy's port as its own.
     let proxy = support::proxy::Proxy::start(cluster.nodes[0].port).await;
     let port = proxy.port.to_string();
@@ -1044,6 +1054,12 @@ async fn a_silent_node_connection_is_replaced(flavor: Flavor) {
         proxy.connections() >= 1,
         "node 0 was not reached through the proxy"
     );
+    // Killed: its connections drop, and it refuses new ones. (A master stopped instead, whose
+    // connections stay open unanswered, keeps a new connection from being made within the
+    // check's time: see the README.)
+    if dead_master {
+        cluster.nodes[2].kill();
+    }
     // Every connection made through the proxy so far goes silent; new ones are not touched.
     let silence = || {
         let silenced = proxy.connections();
@@ -1098,6 +1114,14 @@ async fn a_silent_node_connection_is_replaced(flavor: Flavor) {
     lease.release().await.expect("release");
 }
 
+async fn a_silent_node_connection_is_replaced(flavor: Flavor) {
+    silent_node_connection_replaced(flavor, false).await
+}
+
+async fn a_silent_node_connection_is_replaced_beside_a_dead_master(flavor: Flavor) {
+    silent_node_connection_replaced(flavor, true).await
+}
+
 /// Every scenario above on a Redis cluster and on a Valkey cluster, as
 /// `on_redis::<scenario>` and `on_valkey::<scenario>`.
 macro_rules! on_each_flavor {
@@ -1138,6 +1162,7 @@ on_each_flavor!(
     renewal_is_batched_on_a_one_node_cluster,
     a_renewing_lease_outlives_a_stalled_masters_failover,
     a_silent_node_connection_is_replaced,
+    a_silent_node_connection_is_replaced_beside_a_dead_master,
 );
 
 /// The README's ACL section says the plain `leasehold` rule cannot even connect to a cluster
@@ -1453,4 +1478,77 @@ fn a_redis_cluster_locker_outlives_the_runtime_it_connected_on() {
 #[test]
 fn a_valkey_cluster_locker_outlives_the_runtime_it_connected_on() {
     a_cluster_locker_outlives_the_runtime_it_connected_on(Flavor::Valkey);
+}
+
+/// A master stalled with no replica (its connections open, nothing answering): every request
+/// to it times out and starts a check of the connection, which finds no better one to make
+/// (a new connection cannot reach the master either). Checks then pause, 1 s doubling, rather
+/// than connect to every node again at each timeout: at most 4 checks in 6 s of requests
+/// timing out one after another (about 10 here; with no pause, 9 checks). On a current-thread
+/// runtime, so that the subscriber set for this test sees the
+/// checks' own tasks.
+#[tokio::test]
+async fn checks_pause_while_a_master_is_stalled() {
+    let log = captured::Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(log.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let _logging = tracing::subscriber::set_default(subscriber);
+    let cluster = Cluster::start(Flavor::Redis, 3, 0);
+    for node in &cluster.nodes {
+        let _: () = node.cmd(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
+    }
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let config = leasehold::RedisConfig {
+        response_timeout: Duration::from_millis(300),
+        connection_timeout: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let backend = leasehold::ClusterBackend::connect_with(&urls, config)
+        .await
+        .expect("connect");
+    let locker = Locker::new(AnyBackend::Cluster(backend));
+    let opts = LockOptions::new().renew(false);
+    let mut name = None;
+    for i in 0.. {
+        let n = format!("stalled-{i}");
+        let lease = locker.try_acquire(&n, &opts).await.expect("grant");
+        let key = locker.lock_key(&n).expect("key");
+        let (_, owner) = slot_and_owner(&cluster, key.lock_key());
+        lease.release().await.expect("release");
+        if owner == 2 {
+            name = Some(n);
+            break;
+        }
+    }
+    let name = name.expect("a key of node 2");
+    let _stalled = cluster.nodes[2].pause();
+    let started = Instant::now();
+    let mut failures = 0;
+    while started.elapsed() < Duration::from_secs(6) {
+        match locker.try_acquire(&name, &opts).await {
+            Ok(_) => panic!("granted by a stalled master"),
+            Err(e) => {
+                assert!(e.is_transient(), "{e:?}");
+                failures += 1;
+            }
+        }
+    }
+    let checks = log
+        .text()
+        .lines()
+        .filter(|l| l.contains("the connection is kept"))
+        .count();
+    // With no pause nearly every failed request starts a check of its own.
+    assert!(
+        failures >= 6,
+        "only {failures} requests failed: too few to tell"
+    );
+    assert!(
+        (1..=4).contains(&checks),
+        "{checks} checks kept the connection in 6 s ({failures} requests timed out)"
+    );
 }

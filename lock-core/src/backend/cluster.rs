@@ -204,8 +204,9 @@ pub struct ClusterConn {
 }
 
 /// The connection a [`ClusterConn`] sends on, made again when the runtime it was made on has
-/// shut down: redis-rs runs each cluster connection in a task of that runtime, and once the task
-/// is gone every request fails unsent ("Unable to send command"), for ever.
+/// shut down (redis-rs runs each cluster connection in a task of that runtime, and once the task
+/// is gone every request fails unsent, "Unable to send command", for ever), and replaced when a
+/// check after a timeout finds a master silent on it but answering a new one.
 struct Link {
     /// How long refusals of requests that did not run are answered by sending again.
     patience: Duration,
@@ -214,6 +215,9 @@ struct Link {
     check_patience: Duration,
     /// Whether such a check is running: one at a time.
     checking: AtomicBool,
+    /// After a check that kept the connection (a master answers neither it nor a new one):
+    /// no check before this instant, and the pause after the next such check.
+    pause: Mutex<(Option<Instant>, Duration)>,
     /// Makes the client of each connection.
     builder: MakeBuilder,
     now: Mutex<Connected>,
@@ -290,8 +294,10 @@ fn client_builder(nodes: &[String], config: &RedisConfig) -> ClusterClientBuilde
 impl ClusterConn {
     /// The underlying redis-rs connection (built with no resending of its own), for what
     /// `ConnectionLike` does not cover, such as routing a command to a chosen node. Requests
-    /// sent through it directly are not sent again on any refusal. Made again first when the
-    /// runtime the current one was made on has shut down; that can fail as a connect does.
+    /// sent through it directly are not sent again on any refusal, and their timeouts start no
+    /// check of the connection; the one returned is not replaced when a check replaces this
+    /// `ClusterConn`'s (ask again for the current one). Made again first when the runtime the
+    /// current one was made on has shut down; that can fail as a connect does.
     ///
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
@@ -332,8 +338,12 @@ impl ClusterConn {
         debug!("the cluster connection went with the runtime it was made on; connecting again");
         let mut fresh = open((self.link.builder)()).await?;
         fresh.generation = current.generation + 1;
-        *self.link.now.lock().unwrap_or_else(PoisonError::into_inner) = fresh.clone();
-        Ok(fresh)
+        let mut now = self.link.now.lock().unwrap_or_else(PoisonError::into_inner);
+        // A check may have replaced it meanwhile; that one is as new.
+        if now.generation == current.generation {
+            *now = fresh;
+        }
+        Ok(now.clone())
     }
 
     /// Checks the current connection, and makes it again if it is silent: for a caller that
@@ -344,13 +354,14 @@ impl ClusterConn {
 
     /// After a request on the `generation`th connection timed out: checks whether every master
     /// answers a `PING` on it, and if one does not, makes a new connection and takes it in its
-    /// place when every master answers on that one.
+    /// place when it answers every master the current one answers, and more.
     ///
     /// redis-rs makes a node's connection again when it drops, not when its peer is gone
     /// without closing it (a forgotten NAT flow, an address moved by a failover): the requests
     /// routed to that node would time out until the kernel gave up on the socket. A master
-    /// that is itself stalled answers no new connection either, so the current one is kept
-    /// (redis-rs and the slot map deal with that: the node's replica takes over).
+    /// that is itself stalled or down answers no new connection either, so the current one is
+    /// kept; then no check runs for a pause (1 s, doubling to 30 s while checks keep finding
+    /// nothing better), as each one makes a connection to every node.
     fn timed_out(&self, generation: u64) {
         /// Clears the flag however the check ends, also when its task is dropped unfinished
         /// (its runtime shut down): left set, it would keep every later check from starting.
@@ -361,54 +372,111 @@ impl ClusterConn {
             }
         }
         let current = self.current();
-        if current.generation != generation || self.link.checking.swap(true, Ordering::AcqRel) {
+        let paused = {
+            let pause = self
+                .link
+                .pause
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            pause.0.is_some_and(|until| Instant::now() < until)
+        };
+        if current.generation != generation
+            || paused
+            || self.link.checking.swap(true, Ordering::AcqRel)
+        {
             return;
         }
         let checking = Checking(self.link.clone());
         tokio::spawn(async move {
             let link = &checking.0;
-            if every_master_answers(&current.inner, link.check_patience).await {
+            let patience = link.check_patience;
+            let map = slot_map_on(&current.inner, patience).await;
+            let before = match &map {
+                Some(map) => answering(&current.inner, map, patience).await,
+                None => Vec::new(),
+            };
+            if map.is_some() && before.iter().all(|a| *a) {
                 return;
             }
-            let fresh = tokio::time::timeout(link.check_patience, open((link.builder)())).await;
-            match fresh {
-                Ok(Ok(mut fresh))
-                    if every_master_answers(&fresh.inner, link.check_patience).await =>
-                {
-                    let mut now = link.now.lock().unwrap_or_else(PoisonError::into_inner);
-                    if now.generation == generation {
-                        warn!(
-                            "a cluster node's connection stopped answering; the cluster connection was made again"
-                        );
-                        fresh.generation = generation + 1;
-                        *now = fresh;
-                    }
-                }
-                Ok(Ok(_)) => debug!(
-                    "a cluster master answers no new connection either; the connection is kept"
-                ),
-                Ok(Err(e)) => {
-                    debug!(error = %e, "a cluster node stopped answering, and a new connection failed")
-                }
-                Err(_) => {
-                    debug!("a cluster node stopped answering, and a new connection took too long")
-                }
+            let kept = |why: &str| {
+                let mut pause = link.pause.lock().unwrap_or_else(PoisonError::into_inner);
+                warn!(pause = ?pause.1, "a cluster node stopped answering, and {why}; the connection is kept");
+                pause.0 = Some(Instant::now() + pause.1);
+                pause.1 = (pause.1 * 2).min(LAST_CHECK_PAUSE);
+            };
+            // A connect may wait out the connection timeout twice (on the first nodes, then on
+            // the masters of the slot map they give) where a node does not answer, and the
+            // response timeout for the map.
+            let connecting = 2 * patience + link.patience;
+            let mut fresh = match tokio::time::timeout(connecting, open((link.builder)())).await {
+                Ok(Ok(fresh)) => fresh,
+                Ok(Err(e)) => return kept(&format!("a new connection failed ({e})")),
+                Err(_) => return kept("a new connection took too long"),
+            };
+            let map = match map {
+                Some(map) => map,
+                None => match slot_map_on(&fresh.inner, patience).await {
+                    Some(map) => map,
+                    None => return kept("no slot map came on a new connection"),
+                },
+            };
+            let before = if before.is_empty() {
+                vec![false; map.nodes.len()]
+            } else {
+                before
+            };
+            let after = answering(&fresh.inner, &map, patience).await;
+            let covers = before.iter().zip(&after).all(|(b, a)| *a || !*b);
+            let count = |v: &[bool]| v.iter().filter(|a| **a).count();
+            if !covers || count(&after) <= count(&before) {
+                return kept("a new connection reaches it no better");
             }
+            let mut now = link.now.lock().unwrap_or_else(PoisonError::into_inner);
+            if now.generation == generation {
+                warn!(
+                    "a cluster node's connection stopped answering; the cluster connection was made again"
+                );
+                fresh.generation = generation + 1;
+                *now = fresh;
+            }
+            *link.pause.lock().unwrap_or_else(PoisonError::into_inner) = (None, FIRST_CHECK_PAUSE);
         });
     }
 }
 
-/// Whether every master answers a `PING` on `conn` within `patience`.
-async fn every_master_answers(conn: &ClusterConnection, patience: Duration) -> bool {
+/// The pause after a check that kept the connection; it doubles up to [`LAST_CHECK_PAUSE`]
+/// while checks keep finding nothing better.
+const FIRST_CHECK_PAUSE: Duration = Duration::from_secs(1);
+const LAST_CHECK_PAUSE: Duration = Duration::from_secs(30);
+
+/// The masters as `conn` gets them from the first master to answer `CLUSTER SLOTS`.
+async fn slot_map_on(conn: &ClusterConnection, patience: Duration) -> Option<SlotMap> {
     let mut conn = conn.clone();
-    let ping = conn.route_command(
-        redis::cmd("PING"),
+    let ask = conn.route_command(
+        redis::cmd("CLUSTER").arg("SLOTS").clone(),
         RoutingInfo::MultiNode((
             MultipleNodeRoutingInfo::AllMasters,
-            Some(ResponsePolicy::AllSucceeded),
+            Some(ResponsePolicy::OneSucceeded),
         )),
     );
-    matches!(tokio::time::timeout(patience, ping).await, Ok(Ok(_)))
+    let reply = tokio::time::timeout(patience, ask).await.ok()?.ok()?;
+    SlotMap::parse(&reply)
+}
+
+/// Which masters of `map` answer a `PING` on `conn` within `patience`, in the map's order:
+/// one master's silence does not hide how the others answer.
+async fn answering(conn: &ClusterConnection, map: &SlotMap, patience: Duration) -> Vec<bool> {
+    let pings = (0..map.nodes.len()).map(|at| {
+        let mut conn = conn.clone();
+        async move {
+            let Some(route) = map.route(at) else {
+                return false;
+            };
+            let ping = conn.route_command(redis::cmd("PING"), route);
+            matches!(tokio::time::timeout(patience, ping).await, Ok(Ok(_)))
+        }
+    });
+    futures_util::future::join_all(pings).await
 }
 
 /// The first pause before a refused request is sent again; it doubles up to [`LAST_PAUSE`].
@@ -556,6 +624,7 @@ impl ClusterBackend {
                 patience,
                 check_patience,
                 checking: AtomicBool::new(false),
+                pause: Mutex::new((None, FIRST_CHECK_PAUSE)),
                 builder,
                 now: Mutex::new(connected),
                 reconnecting: tokio::sync::Mutex::new(()),
@@ -737,7 +806,10 @@ impl ClusterBackend {
                     debug!(error = %e, "renewal failed in one slot; its leases are retried");
                     first_error.get_or_insert(e);
                 }
-                Err(_) => debug!("renewal timed out in one slot; its leases are retried"),
+                Err(_) => {
+                    debug!("renewal timed out in one slot; its leases are retried");
+                    self.conn.check();
+                }
             }
         }
         (out, first_error)
