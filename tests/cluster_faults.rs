@@ -1020,36 +1020,13 @@ async fn silent_node_connection_replaced(flavor: Flavor, dead_master: bool) {
         );
         sleep(Duration::from_millis(50)).await;
     }
-    let urls = cluster.urls();
-    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     // The check waits up to the connection timeout for each answer. A response timeout above
     // a quarter of the renewing lease's TTL (below), so that the renewal's own deadline, not
     // a request's timeout, is what gives up on the silent node there.
-    let config = leasehold::RedisConfig {
-        response_timeout: Duration::from_secs(3),
-        connection_timeout: Duration::from_millis(100),
-        ..Default::default()
-    };
-    let backend = leasehold::ClusterBackend::connect_with(&urls, config)
-        .await
-        .expect("connect");
-    let locker = Locker::new(AnyBackend::Cluster(backend));
+    let locker = timed_locker(&cluster, Duration::from_secs(3), Duration::from_millis(100)).await;
     // Two keys served by node 0, so reached through the proxy.
     let opts = LockOptions::new().renew(false);
-    let mut names = Vec::new();
-    for i in 0.. {
-        let n = format!("silent-{i}");
-        let lease = locker.try_acquire(&n, &opts).await.expect("grant");
-        let key = locker.lock_key(&n).expect("key");
-        let (_, owner) = slot_and_owner(&cluster, key.lock_key());
-        lease.release().await.expect("release");
-        if owner == 0 {
-            names.push(n);
-            if names.len() == 2 {
-                break;
-            }
-        }
-    }
+    let names = names_on(&cluster, &locker, 0, 2).await;
     assert!(
         proxy.connections() >= 1,
         "node 0 was not reached through the proxy"
@@ -1112,6 +1089,41 @@ async fn silent_node_connection_replaced(flavor: Flavor, dead_master: bool) {
         "granted without a new connection to node 0"
     );
     lease.release().await.expect("release");
+}
+
+/// A locker on `cluster` with the given response and connection timeouts.
+async fn timed_locker(cluster: &Cluster, response: Duration, connection: Duration) -> Locker {
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let config = leasehold::RedisConfig {
+        response_timeout: response,
+        connection_timeout: connection,
+        ..Default::default()
+    };
+    let backend = leasehold::ClusterBackend::connect_with(&urls, config)
+        .await
+        .expect("connect");
+    Locker::new(AnyBackend::Cluster(backend))
+}
+
+/// `n` lock names whose keys node `node` serves (each taken and released once to find out).
+async fn names_on(cluster: &Cluster, locker: &Locker, node: usize, n: usize) -> Vec<String> {
+    let opts = LockOptions::new().renew(false);
+    let mut names = Vec::new();
+    for i in 0.. {
+        let name = format!("on-{node}-{i}");
+        let lease = locker.try_acquire(&name, &opts).await.expect("grant");
+        let key = locker.lock_key(&name).expect("key");
+        let (_, owner) = slot_and_owner(cluster, key.lock_key());
+        lease.release().await.expect("release");
+        if owner == node {
+            names.push(name);
+            if names.len() == n {
+                break;
+            }
+        }
+    }
+    names
 }
 
 async fn a_silent_node_connection_is_replaced(flavor: Flavor) {
@@ -1500,31 +1512,14 @@ async fn checks_pause_while_a_master_is_stalled() {
     for node in &cluster.nodes {
         let _: () = node.cmd(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
     }
-    let urls = cluster.urls();
-    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
-    let config = leasehold::RedisConfig {
-        response_timeout: Duration::from_millis(300),
-        connection_timeout: Duration::from_millis(100),
-        ..Default::default()
-    };
-    let backend = leasehold::ClusterBackend::connect_with(&urls, config)
-        .await
-        .expect("connect");
-    let locker = Locker::new(AnyBackend::Cluster(backend));
+    let locker = timed_locker(
+        &cluster,
+        Duration::from_millis(300),
+        Duration::from_millis(100),
+    )
+    .await;
     let opts = LockOptions::new().renew(false);
-    let mut name = None;
-    for i in 0.. {
-        let n = format!("stalled-{i}");
-        let lease = locker.try_acquire(&n, &opts).await.expect("grant");
-        let key = locker.lock_key(&n).expect("key");
-        let (_, owner) = slot_and_owner(&cluster, key.lock_key());
-        lease.release().await.expect("release");
-        if owner == 2 {
-            name = Some(n);
-            break;
-        }
-    }
-    let name = name.expect("a key of node 2");
+    let name = names_on(&cluster, &locker, 2, 1).await.remove(0);
     let _stalled = cluster.nodes[2].pause();
     let started = Instant::now();
     let mut failures = 0;
