@@ -122,11 +122,10 @@ pub(crate) fn method_filter(
 /// The answer to every request through a layer whose method list is empty: 500, logged at
 /// `error` once per layer.
 pub(crate) fn empty_methods<B>(rejections: &Rejections) -> Response<LockBody<B>> {
-    let detail = "the layer's method list is empty, so it would lock no request";
-    rejections
-        .setup_logged
-        .log("the layer is misconfigured", &detail);
-    reject(rejections, Reason::Misconfigured, None, detail)
+    misconfigured(
+        rejections,
+        "the layer's method list is empty, so it would lock no request",
+    )
 }
 
 /// The answer to every request through a layer that takes its key from a JSON body but may
@@ -134,7 +133,13 @@ pub(crate) fn empty_methods<B>(rejections: &Rejections) -> Response<LockBody<B>>
 /// would otherwise be refused as too large (413) or as lacking its key (400), blaming clients
 /// for the layer's setup.
 pub(crate) fn no_room_for_key<B>(rejections: &Rejections) -> Response<LockBody<B>> {
-    let detail = "the layer's body limit is 0, so it can read no JSON key from a request body";
+    misconfigured(
+        rejections,
+        "the layer's body limit is 0, so it can read no JSON key from a request body",
+    )
+}
+
+fn misconfigured<B>(rejections: &Rejections, detail: &'static str) -> Response<LockBody<B>> {
     rejections
         .setup_logged
         .log("the layer is misconfigured", &detail);
