@@ -651,8 +651,8 @@ async fn holder_crash_frees_on_expiry(h: Harness) {
         .expect("b after expiry");
     let waited = t.elapsed();
     // Woken at the expiry (by the timer set from the holder's time left), not by the end of
-    // its wait: within a second past the TTL.
-    assert!(waited < Duration::from_millis(500 + 1_000), "{waited:?}");
+    // its wait: within half a second past the TTL.
+    assert!(waited < Duration::from_millis(500 + 500), "{waited:?}");
     drop(b);
 }
 

@@ -1496,7 +1496,8 @@ fn a_valkey_cluster_locker_outlives_the_runtime_it_connected_on() {
 /// to it times out and starts a check of the connection, which finds no better one to make
 /// (a new connection cannot reach the master either). Checks then pause, 1 s doubling, rather
 /// than connect to every node again at each timeout: at most 4 checks in 6 s of requests
-/// timing out one after another (about 10 here; with no pause, 9 checks). On a current-thread
+/// timing out one after another (about 10 failed requests here; with no pause, 9 checks). On
+/// a current-thread
 /// runtime, so that the subscriber set for this test sees the
 /// checks' own tasks.
 #[tokio::test]

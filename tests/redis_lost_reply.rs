@@ -339,7 +339,7 @@ async fn renewal_keeps_a_lease_over_a_slow_link(flavor: Flavor) {
     let server = Server::start(flavor);
     let proxy = Proxy::start(server.port).await;
     let locker = Locker::redis(&proxy.url()).await.expect("connect");
-    // Scaled so that each renewal's reply has about 750 ms to spare (at 300 ms and a 100 ms
+    // Scaled so that each renewal's reply has about 350 ms to spare (at 300 ms and a 100 ms
     // round trip it had 85 ms, a dozen times in a row); timed from the grant's arrival instead,
     // the first renewal's reply would still come after the deadline.
     let ttl = Duration::from_millis(1_200);

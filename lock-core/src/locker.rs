@@ -1452,10 +1452,11 @@ mod tests {
     }
 
     /// A lease retried after its renewal went unanswered (every 250 ms, as its node fails
-    /// over, say) takes no other lease along early: a healthy lease renews once a round, a
-    /// third of its TTL apart. (When the first due lease's TTL set the window, each retry of
-    /// a 3 s lease took along every lease due within half a second: the healthy one renewed
-    /// every 250 ms, 9 times here where 7 do.)
+    /// over, say) takes no other lease along early, not even one of its own TTL: only a
+    /// lease's round does. A healthy 6 s lease beside it renews once a round, a third of its
+    /// TTL apart: at 3.2 s and 5.2 s. (With every renewal taking along leases within a sixth
+    /// of their TTL, each retry took the healthy lease along once it was within a second of
+    /// its round: 4 renewals by 5.9 s, at 2.25, 3.25, 4.25 and 5.25 s.)
     #[tokio::test(start_paused = true)]
     async fn a_retried_lease_takes_no_other_along() {
         let backend = Extends {
@@ -1464,22 +1465,22 @@ mod tests {
         };
         let items = backend.items.clone();
         let locker = Locker::new(backend);
+        let ttl = opts(Duration::from_secs(6));
         let start = Instant::now();
         let unanswered = locker
-            .try_acquire("unanswered", &opts(Duration::from_secs(3)))
+            .try_acquire("unanswered", &ttl)
             .await
             .expect("acquire");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let healthy = locker
-            .try_acquire("healthy", &opts(Duration::from_millis(1_200)))
-            .await
-            .expect("acquire");
-        // The healthy lease's rounds: at 500, 900, ..., 2900.
-        tokio::time::sleep_until(start + Duration::from_millis(2_950)).await;
+        // Granted past the window of the other's first round (at 2 s, back to 1 s), so
+        // that round does not take it along.
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+        let healthy = locker.try_acquire("healthy", &ttl).await.expect("acquire");
+        // The unanswered lease is retried from 2 s on, until it counts as lost (5.8 s).
+        tokio::time::sleep_until(start + Duration::from_millis(5_900)).await;
         let items = items.lock().expect("items").clone();
-        assert_eq!(items.get("healthy"), Some(&7), "{items:?}");
+        assert_eq!(items.get("healthy"), Some(&2), "{items:?}");
         assert!(
-            items.get("unanswered").is_some_and(|n| *n >= 5),
+            items.get("unanswered").is_some_and(|n| *n >= 10),
             "not retried: {items:?}"
         );
         assert!(unanswered.is_lost(), "renewed without an answer");

@@ -1514,9 +1514,9 @@ async fn http2_streams_lock_and_a_reset_stream_releases() {
 }
 
 /// Setups that would lock nothing, or refuse with a success, are the layer's fault: 500
-/// (a JSON-body key with a body limit of 0 refused every request as too large, or keyless)
 /// (`Reason::Misconfigured`) and the handler does not run, never a request let through unlocked
-/// or a refusal the client reads as done. A route parameter the route lacks passes through
+/// or a refusal the client reads as done. A JSON-body key with a body limit of 0 can read no
+/// key, so every request would be refused as too large or keyless, blaming the client. A route parameter the route lacks passes through
 /// where the user chose that (one layer over routes with and without it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn setups_that_lock_nothing_are_a_500() {

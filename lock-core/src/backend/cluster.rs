@@ -210,8 +210,9 @@ pub struct ClusterConn {
 struct Link {
     /// How long refusals of requests that did not run are answered by sending again.
     patience: Duration,
-    /// How long a check of a connection that may have gone silent waits for each answer: a
-    /// `PING` of every master, a new connection.
+    /// How long a check of a connection that may have gone silent waits for each answer (the
+    /// slot map, each master's `PING`); a new connection gets twice this and the response
+    /// timeout.
     check_patience: Duration,
     /// Whether such a check is running: one at a time.
     checking: AtomicBool,
@@ -371,6 +372,11 @@ impl ClusterConn {
                 self.0.checking.store(false, Ordering::Release);
             }
         }
+        // The check runs on a task of its own: a connection used outside a runtime (which
+        // redis-rs's cluster client does not support anyway) is not checked.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let current = self.current();
         let paused = {
             let pause = self
@@ -387,7 +393,7 @@ impl ClusterConn {
             return;
         }
         let checking = Checking(self.link.clone());
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             let link = &checking.0;
             let patience = link.check_patience;
             let map = slot_map_on(&current.inner, patience).await;
@@ -396,6 +402,10 @@ impl ClusterConn {
                 None => Vec::new(),
             };
             if map.is_some() && before.iter().all(|a| *a) {
+                // Healthy again: the next trouble starts from the first pause, not from where
+                // an earlier one left it.
+                *link.pause.lock().unwrap_or_else(PoisonError::into_inner) =
+                    (None, FIRST_CHECK_PAUSE);
                 return;
             }
             let kept = |why: &str| {

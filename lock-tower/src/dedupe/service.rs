@@ -194,13 +194,13 @@ where
     }
     let rejections = &cfg.rejections;
     let (mut parts, body) = req.into_parts();
+    if cfg.key.needs_body() && cfg.request_limit == 0 {
+        return Ok(no_room_for_key(rejections));
+    }
     // A key in the request's head is looked for before the body is read: the body is read only
     // for a keyed request's fingerprint, so a request without a key passes on with its body
     // untouched and unbounded (or is refused at once, without uploading it first).
     let mut head_key = None;
-    if cfg.key.needs_body() && cfg.request_limit == 0 {
-        return Ok(no_room_for_key(rejections));
-    }
     if !cfg.key.needs_body() {
         match cfg.key.extract(&mut parts, None).await {
             Ok(k) => head_key = Some(k),
