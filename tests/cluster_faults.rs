@@ -1068,21 +1068,8 @@ async fn silent_node_connection_replaced(flavor: Flavor, dead_master: bool) {
 
     let name = &names[1];
     let silenced = silence();
-    let started = Instant::now();
-    let mut failures = 0;
-    let lease = loop {
-        match locker.try_acquire(name, &opts).await {
-            Ok(lease) => break lease,
-            Err(e) => {
-                assert!(e.is_transient(), "{e:?}");
-                failures += 1;
-            }
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "still failing 10 s after the connection went silent ({failures} failures)"
-        );
-    };
+    let (lease, failures) =
+        support::granted_again(&locker, name, &opts, Duration::from_secs(10)).await;
     assert!(failures >= 1, "the silent connection never failed a call");
     assert!(
         proxy.connections() > silenced,

@@ -987,21 +987,13 @@ async fn a_silent_command_connection_is_replaced(flavor: Flavor) {
             })
         })
         .collect();
-    let started = Instant::now();
-    let mut failures = 0;
-    let lease = loop {
-        match locker.try_acquire("after", &LockOptions::new()).await {
-            Ok(lease) => break lease,
-            Err(e) => {
-                assert!(e.is_transient(), "{e:?}");
-                failures += 1;
-            }
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "still failing 10 s after the connection went silent ({failures} failures)"
-        );
-    };
+    let (lease, failures) = support::granted_again(
+        &locker,
+        "after",
+        &LockOptions::new(),
+        Duration::from_secs(10),
+    )
+    .await;
     assert!(failures >= 1, "the silent connection never failed a call");
     lease.release().await.expect("release");
     for t in traffic {

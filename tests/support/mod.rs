@@ -575,3 +575,28 @@ fn signal(pid: u32, sig: &str) {
         .expect("run kill");
     assert!(status.success(), "kill -{sig} {pid} failed");
 }
+
+/// Asks for `name` until it is granted, for at most `limit`, for tests of a connection that went
+/// bad: the lease, and how many asks failed first. Each failure must be one a retry may cure.
+pub async fn granted_again(
+    locker: &lock_core::Locker,
+    name: &str,
+    opts: &lock_core::LockOptions,
+    limit: Duration,
+) -> (lock_core::Lease, u32) {
+    let started = Instant::now();
+    let mut failures = 0;
+    loop {
+        match locker.try_acquire(name, opts).await {
+            Ok(lease) => return (lease, failures),
+            Err(e) => {
+                assert!(e.is_transient(), "{e:?}");
+                failures += 1;
+            }
+        }
+        assert!(
+            started.elapsed() < limit,
+            "still failing {limit:?} after the connection went bad ({failures} failures)"
+        );
+    }
+}
