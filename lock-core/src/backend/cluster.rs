@@ -459,18 +459,31 @@ impl ClusterConn {
 const FIRST_CHECK_PAUSE: Duration = Duration::from_secs(1);
 const LAST_CHECK_PAUSE: Duration = Duration::from_secs(30);
 
-/// The masters as `conn` gets them from the first master to answer `CLUSTER SLOTS`.
-async fn slot_map_on(conn: &ClusterConnection, patience: Duration) -> Option<SlotMap> {
-    let mut conn = conn.clone();
-    let ask = conn.route_command(
-        redis::cmd("CLUSTER").arg("SLOTS").clone(),
-        RoutingInfo::MultiNode((
-            MultipleNodeRoutingInfo::AllMasters,
-            Some(ResponsePolicy::OneSucceeded),
-        )),
-    );
-    let reply = tokio::time::timeout(patience, ask).await.ok()?.ok()?;
+/// The slot map as `conn` gets it from the first master to answer `CLUSTER SLOTS`. Every master
+/// is asked: the map is wanted after a node stopped answering, and a node picked at random may
+/// be that stalled one, which would leave the next renewal round without a map, routed by the
+/// client's own map, which names the stalled node until it answers again.
+async fn fetch_slot_map(conn: &ClusterConnection) -> Option<SlotMap> {
+    let reply = conn
+        .clone()
+        .route_command(
+            redis::cmd("CLUSTER").arg("SLOTS").clone(),
+            RoutingInfo::MultiNode((
+                MultipleNodeRoutingInfo::AllMasters,
+                Some(ResponsePolicy::OneSucceeded),
+            )),
+        )
+        .await
+        .ok()?;
     SlotMap::parse(&reply)
+}
+
+/// [`fetch_slot_map`] within `patience`.
+async fn slot_map_on(conn: &ClusterConnection, patience: Duration) -> Option<SlotMap> {
+    tokio::time::timeout(patience, fetch_slot_map(conn))
+        .await
+        .ok()
+        .flatten()
 }
 
 /// Which masters of `map` answer a `PING` on `conn` within `patience`, in the map's order:
@@ -685,25 +698,7 @@ impl ClusterBackend {
         {
             return Some(map);
         }
-        let reply = self
-            .conn
-            .live()
-            .await
-            .ok()?
-            // Every master is asked and the first answer taken: the map is fetched again after
-            // a node stopped answering, and a node picked at random may be that stalled one,
-            // which would leave the next round without a map, routed by the client's own map,
-            // which names the stalled node until it answers again.
-            .route_command(
-                redis::cmd("CLUSTER").arg("SLOTS").clone(),
-                RoutingInfo::MultiNode((
-                    MultipleNodeRoutingInfo::AllMasters,
-                    Some(ResponsePolicy::OneSucceeded),
-                )),
-            )
-            .await
-            .ok()?;
-        let map = Arc::new(SlotMap::parse(&reply)?);
+        let map = Arc::new(fetch_slot_map(&self.conn.live().await.ok()?).await?);
         *self.slots.lock().unwrap_or_else(PoisonError::into_inner) = Some(map.clone());
         Some(map)
     }
