@@ -788,6 +788,46 @@ async fn a_malformed_extend_reply_is_no_verdict(flavor: Flavor) {
     assert_eq!(lease.release().await.expect("release"), Release::Released);
 }
 
+/// A handoff between two waiters of one locker holds one round trip: the next waiter's turn
+/// comes once the release is in line on the connection, and its acquire, sent behind the
+/// release on the same connection, reaches the server after it. Over a link of 150 ms each way
+/// the grant comes about 300 ms after the release starts; waiting for the release's answer
+/// first, it came after 600.
+async fn a_handoff_holds_one_round_trip(flavor: Flavor) {
+    let (_server, proxy, locker) = through_proxy(flavor).await;
+    let wait = opts().wait(Duration::from_secs(10));
+    let first = locker.acquire("handoff", &wait).await.expect("first");
+    let fence = first.fence();
+    let waiter = tokio::spawn({
+        let (locker, wait) = (locker.clone(), wait.clone());
+        async move {
+            let lease = locker.acquire("handoff", &wait).await;
+            (lease, Instant::now())
+        }
+    });
+    // The waiter queues for its turn; it sends nothing while the turn is held here.
+    sleep(Duration::from_millis(200)).await;
+    let one_way = Duration::from_millis(150);
+    proxy.set_latency(one_way);
+    let started = Instant::now();
+    assert_eq!(first.release().await.expect("release"), Release::Released);
+    let (second, granted) = waiter.await.expect("waiter task");
+    let second = second.expect("the waiter is granted the key");
+    let handoff = granted - started;
+    assert!(
+        second.fence() > fence,
+        "{:?} after {fence:?}",
+        second.fence()
+    );
+    assert!(
+        handoff < one_way * 3,
+        "the grant came {handoff:?} after the release started: more than one round trip of {:?}",
+        one_way * 2
+    );
+    proxy.set_latency(Duration::ZERO);
+    second.release().await.expect("release");
+}
+
 macro_rules! lost_replies {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -860,6 +900,10 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_cancelled_release_is_sent_again() {
                 super::a_cancelled_release_is_sent_again($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_handoff_holds_one_round_trip() {
+                super::a_handoff_holds_one_round_trip($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_release_reply() {

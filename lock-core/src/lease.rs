@@ -344,7 +344,9 @@ impl<B: Backend + Clone> Lease<B> {
         self.done = true;
         // Ended for every view of it whatever the answer: renewal has stopped, and after a
         // failed release the key may be gone (or held by another) already. Not before the
-        // answer: the next local waiter takes its turn on this signal.
+        // answer: `info().lost()` would tell watchers the lease is over while the server may
+        // still hold it, and where the turn waits for the answer, the next local waiter takes
+        // its turn on this signal.
         self.state.lost.cancel();
         let held = answer?;
         self.vacate_turn();
@@ -360,7 +362,20 @@ impl<B: Backend + Clone> Lease<B> {
 impl<B: Backend + Clone> Lease<B> {
     /// The token-checked delete, asked twice when the first answer was lost.
     async fn release_on_server(&self) -> Result<bool> {
-        let held = match self.core.backend.release(&self.key, &self.token).await {
+        // The next local waiter goes once the release is in line on the connection: its
+        // acquire reaches the server behind the release, a round trip sooner than if it waited
+        // for the answer. Only the turn goes early; the lease ends for every other view of it
+        // when the answer comes.
+        let first = match &self.turn {
+            Some(turn) => {
+                let vacate = turn.vacate_later(self.state.clone());
+                (self.core.backend)
+                    .release_in_line(&self.key, &self.token, vacate)
+                    .await
+            }
+            None => self.core.backend.release(&self.key, &self.token).await,
+        };
+        let held = match first {
             Ok(held) => held,
             // A token-checked delete is safe to repeat; only the second answer can be ambiguous.
             Err(Error::OutcomeUnknown { .. }) => {

@@ -20,8 +20,9 @@ pub(crate) struct LeaseState {
     pub(crate) lost: Lost,
     /// Set when the holder starts a release: a renewal answered "not held" after that found
     /// the key deleted by the release, which is no loss to warn of. Kept apart from `lost`,
-    /// which fires once the release is answered: the next local waiter takes its turn on it,
-    /// and would otherwise try while the release may still be on its way.
+    /// which fires once the release is answered: fired sooner, it would tell watchers the
+    /// lease is over while the server may still hold it, and let the next local waiter take
+    /// its turn before the release is in line ahead of its acquire.
     pub(crate) releasing: std::sync::atomic::AtomicBool,
     /// Woken when the alarm moves earlier (an extend to a shorter TTL), so that a `lost()`
     /// already asleep until the old alarm wakes at the new one.

@@ -142,16 +142,41 @@ impl TurnHandle {
 
     /// Hands the turn on if `state`'s lease still holds it.
     pub(crate) fn vacate(&self, state: &Arc<LeaseState>) {
-        let t = self.turnstile();
+        self.turnstile().vacate(state);
+    }
+
+    /// [`vacate`](Self::vacate), to be called later from anywhere (another task included).
+    ///
+    /// It keeps no count on the turnstile: [`Drop`] removes the registry's entry by that count,
+    /// and the call may come after every handle has gone, or never. The count it takes while
+    /// it runs is taken and given back under the registry's lock, where `Drop` reads it.
+    pub(crate) fn vacate_later(&self, state: Arc<LeaseState>) -> impl FnOnce() + Send + 'static {
+        let registry = self.registry.clone();
+        let t = Arc::downgrade(
+            self.turnstile
+                .as_ref()
+                .expect("a live handle has its turnstile"),
+        );
+        move || {
+            let _keys = registry.keys.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(t) = t.upgrade() {
+                t.vacate(&state);
+            }
+        }
+    }
+}
+
+impl Turnstile {
+    fn vacate(&self, state: &Arc<LeaseState>) {
         let permit = {
-            let mut holder = t.holder.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut holder = self.holder.lock().unwrap_or_else(PoisonError::into_inner);
             match holder.as_ref() {
                 Some((s, _)) if Arc::ptr_eq(s, state) => holder.take(),
                 _ => None,
             }
         };
         if permit.is_some() {
-            t.changed.send_modify(|n| *n += 1);
+            self.changed.send_modify(|n| *n += 1);
         }
         // Dropping the permit wakes the next waiter in line.
         drop(permit);
@@ -195,6 +220,37 @@ mod tests {
         );
         drop(first);
         assert_eq!(reg.len(), 0, "no entry outlives its users");
+    }
+
+    /// A release hands the turn on from wherever its request goes out, possibly after its
+    /// lease and handle are gone: the call hands the turn on while the handle lives, and keeps
+    /// no registry entry alive after it.
+    #[tokio::test]
+    async fn a_turn_vacated_later_goes_on_and_keeps_no_entry() {
+        let reg = Arc::new(Turnstiles::default());
+        let far = Instant::now() + Duration::from_secs(5);
+        let h = reg.enter("k");
+        let permit = h.wait_turn(far).await.expect("free turn");
+        let state = LeaseState::new(far, Duration::ZERO);
+        h.hold(state.clone(), permit);
+        let waiter = tokio::spawn({
+            let reg = reg.clone();
+            async move { reg.enter("k").wait_turn(far).await.is_some() }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished(), "the turn is held");
+        h.vacate_later(state.clone())();
+        assert!(waiter.await.expect("waiter"), "the waiter got the turn");
+
+        let permit = h.wait_turn(far).await.expect("free turn again");
+        h.hold(state.clone(), permit);
+        let later = h.vacate_later(state.clone());
+        // The lease dropped before its release went out: it vacates, and its handle goes.
+        h.vacate(&state);
+        drop(h);
+        assert_eq!(reg.len(), 0, "a pending call keeps no entry");
+        later();
+        assert_eq!(reg.len(), 0);
     }
 
     #[tokio::test]

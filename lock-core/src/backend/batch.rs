@@ -51,7 +51,14 @@ struct State<F: Flush> {
     items: Vec<F::Item>,
     /// Where each queued item's answer goes, in the same order.
     replies: Vec<Reply<F>>,
+    /// What to call once a queued item's call is in line on the connection, by index into
+    /// `items` (few items have one: only releases that hand a turn on).
+    in_line: Vec<(usize, InLine)>,
 }
+
+/// Called once an item's script call is in line on the connection: polled once, it has put its
+/// request on the queue to the server, ahead of every request made after.
+pub(super) type InLine = Box<dyn FnOnce() + Send>;
 
 /// A queued item's answer, sent back with the item: a caller who left after it was sent but
 /// before it read it hands both to [`Flush::unclaimed`].
@@ -72,6 +79,7 @@ impl<F: Flush> Batcher<F> {
                 scheduled: false,
                 items: Vec::new(),
                 replies: Vec::new(),
+                in_line: Vec::new(),
             }),
         })
     }
@@ -84,6 +92,18 @@ impl<F: Flush> Batcher<F> {
     /// `None` when no answer came: the batch was dropped (its runtime shut down) or answered
     /// short, so the item may or may not have been carried out.
     pub(super) async fn run(self: &Arc<Self>, item: F::Item) -> Option<Result<F::Reply>> {
+        self.run_in_line(item, None::<fn()>).await
+    }
+
+    /// [`run`](Self::run), calling `in_line` once the item's call has been polled once, so that
+    /// its request is in line on the connection (redis-rs queues a request to its connection
+    /// on the first poll, in order). Not called when the item is not sent.
+    pub(super) async fn run_in_line(
+        self: &Arc<Self>,
+        item: F::Item,
+        in_line: Option<impl FnOnce() + Send + 'static>,
+    ) -> Option<Result<F::Reply>> {
+        let mut in_line = in_line;
         let queued = {
             let mut state = self.state();
             if state.in_flight == 0 && !state.scheduled {
@@ -91,6 +111,10 @@ impl<F: Flush> Batcher<F> {
                 Ok(item)
             } else {
                 let (tx, rx) = oneshot::channel();
+                if let Some(f) = in_line.take() {
+                    let index = state.items.len();
+                    state.in_line.push((index, Box::new(f)));
+                }
                 state.items.push(item);
                 state.replies.push(tx);
                 if !state.scheduled {
@@ -108,7 +132,16 @@ impl<F: Flush> Batcher<F> {
                     flush: &self.flush,
                     item: Some(&item),
                 };
-                let answer = self.flush.flush(std::slice::from_ref(&item)).await.pop();
+                let mut flush = std::pin::pin!(self.flush.flush(std::slice::from_ref(&item)));
+                let answer = std::future::poll_fn(|cx| {
+                    let polled = flush.as_mut().poll(cx);
+                    if let Some(f) = in_line.take() {
+                        f();
+                    }
+                    polled
+                })
+                .await
+                .pop();
                 unanswered.item = None;
                 answer
             }
@@ -135,30 +168,50 @@ impl<F: Flush> Batcher<F> {
             let Some(this) = scheduled.0.take() else {
                 return;
             };
-            let (items, replies) = {
+            let (items, replies, in_line) = {
                 let mut state = this.state();
                 state.scheduled = false;
                 state.in_flight += 1;
                 (
                     std::mem::take(&mut state.items),
                     std::mem::take(&mut state.replies),
+                    std::mem::take(&mut state.in_line),
                 )
             };
             let _in_flight = InFlight(this.clone());
-            this.send(items, replies).await;
+            this.send(items, replies, in_line).await;
         });
     }
 
-    async fn send(&self, mut items: Vec<F::Item>, mut replies: Vec<Reply<F>>) {
+    async fn send(
+        &self,
+        mut items: Vec<F::Item>,
+        mut replies: Vec<Reply<F>>,
+        mut in_line: Vec<(usize, InLine)>,
+    ) {
         if !F::SEND_ABANDONED && replies.iter().any(|tx| tx.is_closed()) {
+            // Not sent, so not in line: those items' calls are dropped uncalled.
+            let kept: Vec<bool> = replies.iter().map(|tx| !tx.is_closed()).collect();
+            in_line.retain(|(i, _)| kept[*i]);
             (items, replies) = items
                 .into_iter()
                 .zip(replies)
                 .filter(|(_, tx)| !tx.is_closed())
                 .unzip();
         }
-        let calls = items.chunks(MAX_BATCH).map(|chunk| self.flush.flush(chunk));
-        let answers = futures_util::future::join_all(calls).await;
+        let answers = {
+            let calls = items.chunks(MAX_BATCH).map(|chunk| self.flush.flush(chunk));
+            let mut calls = std::pin::pin!(futures_util::future::join_all(calls));
+            // The first poll of the join polls every call once.
+            std::future::poll_fn(|cx| {
+                let polled = calls.as_mut().poll(cx);
+                for (_, f) in in_line.drain(..) {
+                    f();
+                }
+                polled
+            })
+            .await
+        };
         // An answer list shorter than its chunk drops the rest's senders: told no answer came.
         let mut items = items.into_iter();
         let mut replies = replies.into_iter();
@@ -230,6 +283,7 @@ impl<F: Flush> Drop for Scheduled<F> {
                 (
                     std::mem::take(&mut state.items),
                     std::mem::take(&mut state.replies),
+                    std::mem::take(&mut state.in_line),
                 )
             };
             drop(queue);
@@ -354,6 +408,107 @@ mod tests {
             vec![(1, true)]
         );
         assert_eq!(alone.await.expect("answered").expect("echoed"), 0);
+    }
+
+    /// What an item's `in_line` call recorded: the items whose calls were out.
+    fn noted(calls: &Arc<Mutex<Vec<u32>>>, i: u32) -> impl FnOnce() + Send + 'static {
+        let calls = calls.clone();
+        move || calls.lock().expect("calls").push(i)
+    }
+
+    /// A release hands its key's turn on once its call is out, before the answer: a lone item's
+    /// `in_line` comes with its call's first poll, a queued one's with its batch's.
+    #[tokio::test]
+    async fn in_line_comes_when_the_call_is_out_not_when_answered() {
+        let b = echo::<true>(false);
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let alone = tokio::spawn({
+            let (b, f) = (b.clone(), noted(&calls, 0));
+            async move { b.run_in_line(0, Some(f)).await }
+        });
+        until_calls(&b, 1).await;
+        assert_eq!(
+            *calls.lock().expect("calls"),
+            vec![0],
+            "the lone call is out"
+        );
+        let queued = tokio::spawn({
+            let (b, f) = (b.clone(), noted(&calls, 1));
+            async move { b.run_in_line(1, Some(f)).await }
+        });
+        let plain = tokio::spawn({
+            let b = b.clone();
+            async move { b.run(2).await }
+        });
+        until_calls(&b, 2).await;
+        assert_eq!(
+            sizes(&b),
+            vec![1, 2],
+            "the two queued items went out as one call"
+        );
+        assert_eq!(
+            *calls.lock().expect("calls"),
+            vec![0, 1],
+            "the batch is out"
+        );
+        assert!(
+            !alone.is_finished() && !queued.is_finished(),
+            "nothing answered yet"
+        );
+        b.flush.gate.add_permits(100);
+        for (task, i) in [(alone, 0), (queued, 1), (plain, 2)] {
+            let answer = task
+                .await
+                .expect("task")
+                .expect("answered")
+                .expect("echoed");
+            assert_eq!(answer, i);
+        }
+        assert_eq!(
+            *calls.lock().expect("calls"),
+            vec![0, 1],
+            "each called once"
+        );
+    }
+
+    /// An item not sent (an acquire whose caller left while it was queued) is not in line.
+    #[tokio::test]
+    async fn an_item_not_sent_is_never_in_line() {
+        let b = echo::<false>(false);
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let alone = tokio::spawn({
+            let b = b.clone();
+            async move { b.run(0).await }
+        });
+        until_calls(&b, 1).await;
+        let mut queued = Box::pin(b.run_in_line(1, Some(noted(&calls, 1))));
+        std::future::poll_fn(|cx| {
+            assert!(queued.as_mut().poll(cx).is_pending());
+            Poll::Ready(())
+        })
+        .await;
+        // Its caller leaves before the scheduled flush takes the queue (that flush runs on this
+        // thread, at the next await at the earliest).
+        drop(queued);
+        b.flush.gate.add_permits(100);
+        assert_eq!(
+            alone
+                .await
+                .expect("task")
+                .expect("answered")
+                .expect("echoed"),
+            0
+        );
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(5);
+        while b.state().scheduled || b.state().in_flight > 0 {
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "the flush never ended"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(sizes(&b), vec![1], "the queued item was not sent");
+        assert!(calls.lock().expect("calls").is_empty());
     }
 
     fn sizes<const SEND: bool>(b: &Batcher<Echo<SEND>>) -> Vec<usize> {

@@ -958,6 +958,21 @@ impl Backend for RedisBackend {
         (self.releases.run(item).await).unwrap_or_else(|| Err(unanswered("release", key)))
     }
 
+    /// In line once its script call was polled: redis-rs puts a request on its connection's
+    /// queue on the first poll, and the connection sends in queue order. A release behind a
+    /// reconnection is not yet in line then; an acquire that overtakes it is told the key is
+    /// held and waits for the release's wake-up.
+    async fn release_in_line(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        in_line: impl FnOnce() + Send + 'static,
+    ) -> Result<bool> {
+        let item = (key.clone(), token.clone());
+        (self.releases.run_in_line(item, Some(in_line)).await)
+            .unwrap_or_else(|| Err(unanswered("release", key)))
+    }
+
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
         crate::types::validate_ttl(ttl)?;
         // Chunks go out together on the multiplexed connection: one pipelined burst, no
