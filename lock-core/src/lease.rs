@@ -310,6 +310,12 @@ impl<B: Backend + Clone> Lease<B> {
     /// server: a lease that expired or passed to another holder is reported as
     /// [`Release::NotHeld`] and left alone.
     ///
+    /// The next holder may be granted the key before this returns, a waiter of this same
+    /// [`Locker`](crate::Locker) included: on a Redis/Valkey server or a Redlock quorum, the
+    /// next local waiter's acquire is sent as soon as the release is in line ahead of it on the
+    /// connection, not when the release is answered. This lease's [`lost`](Self::lost) signal
+    /// (and its [`LeaseInfo`]'s) fires when the answer comes.
+    ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
     /// use lock_core::{LockOptions, Locker};
@@ -345,8 +351,8 @@ impl<B: Backend + Clone> Lease<B> {
         // Ended for every view of it whatever the answer: renewal has stopped, and after a
         // failed release the key may be gone (or held by another) already. Not before the
         // answer: `info().lost()` would tell watchers the lease is over while the server may
-        // still hold it, and where the turn waits for the answer, the next local waiter takes
-        // its turn on this signal.
+        // still hold it, and waiters watching this lease would take the turn before the
+        // release is in line ahead of their acquire.
         self.state.lost.cancel();
         let held = answer?;
         self.vacate_turn();

@@ -7,9 +7,11 @@
 //! per [`Locker`](crate::Locker) makes local waiters queue instead: only the head of the queue
 //! asks the server, and a task that asks again after releasing joins the back.
 //!
-//! The turn is held with the lease and handed on when the lease is released, dropped or lost. A
-//! holder that stops without dropping its guard cannot stall the queue past its lease: waiters
-//! watch the current holder's lease and take the turn back once it is lost.
+//! The turn is held with the lease and handed on when the lease is released, dropped or lost; on
+//! a release, as soon as the backend has put the release in line ahead of the next waiter's
+//! acquire (`Backend::release_in_line`), before its answer. A holder that stops without dropping
+//! its guard cannot stall the queue past its lease: waiters watch the current holder's lease and
+//! take the turn back once it is lost.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};

@@ -95,9 +95,10 @@ impl<F: Flush> Batcher<F> {
         self.run_in_line(item, None::<fn()>).await
     }
 
-    /// [`run`](Self::run), calling `in_line` once the item's call has been polled once, so that
-    /// its request is in line on the connection (redis-rs queues a request to its connection
-    /// on the first poll, in order). Not called when the item is not sent.
+    /// [`run`](Self::run), calling `in_line` once the item's call has been polled once, which in
+    /// the common case puts its request in line on the connection (redis-rs queues a request to
+    /// its connection on the first poll, in order; `RedisBackend::release_in_line` lists when
+    /// not). Not called when the item is not sent.
     pub(super) async fn run_in_line(
         self: &Arc<Self>,
         item: F::Item,
@@ -468,6 +469,36 @@ mod tests {
             *calls.lock().expect("calls"),
             vec![0, 1],
             "each called once"
+        );
+    }
+
+    /// A queued release whose caller left is sent all the same, and is in line with its batch.
+    #[tokio::test]
+    async fn an_abandoned_item_sent_anyway_is_in_line() {
+        let b = echo::<true>(false);
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let alone = tokio::spawn({
+            let b = b.clone();
+            async move { b.run(0).await }
+        });
+        until_calls(&b, 1).await;
+        let mut queued = Box::pin(b.run_in_line(1, Some(noted(&calls, 1))));
+        std::future::poll_fn(|cx| {
+            assert!(queued.as_mut().poll(cx).is_pending());
+            Poll::Ready(())
+        })
+        .await;
+        drop(queued);
+        until_calls(&b, 2).await;
+        assert_eq!(*calls.lock().expect("calls"), vec![1]);
+        b.flush.gate.add_permits(100);
+        assert_eq!(
+            alone
+                .await
+                .expect("task")
+                .expect("answered")
+                .expect("echoed"),
+            0
         );
     }
 

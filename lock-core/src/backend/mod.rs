@@ -174,12 +174,13 @@ pub trait Backend: Send + Sync + 'static {
     }
 
     /// [`release`](Backend::release), calling `in_line` once the release is in line ahead of
-    /// every request made after the call, so that the server runs it first. The locker then
-    /// hands the key's turn to the next waiter in this process, whose acquire, travelling
-    /// behind the release, takes one round trip where waiting for the answer takes two. The
-    /// default calls `in_line` when the answer came. Calling it too early costs speed, never
-    /// safety: an acquire that overtakes the release finds the key held and waits for the
-    /// release's wake-up.
+    /// every request sent on its connection after the call, so that the server runs it before
+    /// them. The locker then hands the key's turn to the next waiter in this process, whose
+    /// acquire, travelling behind the release, takes one round trip where waiting for the
+    /// answer takes two. The default calls `in_line` when the answer came. Calling it too early
+    /// costs speed, never safety: an acquire that overtakes the release finds the key held,
+    /// subscribes to its wake-ups and asks again (about one round trip more than waiting for
+    /// the answer would have taken).
     fn release_in_line(
         &self,
         key: &LockKey,

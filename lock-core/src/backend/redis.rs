@@ -959,9 +959,13 @@ impl Backend for RedisBackend {
     }
 
     /// In line once its script call was polled: redis-rs puts a request on its connection's
-    /// queue on the first poll, and the connection sends in queue order. A release behind a
-    /// reconnection is not yet in line then; an acquire that overtakes it is told the key is
-    /// held and waits for the release's wake-up.
+    /// queue on the first poll, and the connection sends in queue order. Not so in rarer cases,
+    /// where the next acquire may overtake the release (and find the key held, at the cost of a
+    /// round trip): a reconnection under way (both wait for it, and either may go first), a
+    /// script the server no longer has (the release's `EVALSHA` is refused `NOSCRIPT` and sent
+    /// again after the acquire), the connection replaced after a silent spell, redis-rs's
+    /// queue full, the task's tokio budget spent at that poll, and an acquire waiting for
+    /// replicas (it goes on a connection of its own).
     async fn release_in_line(
         &self,
         key: &LockKey,
