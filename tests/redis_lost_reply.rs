@@ -793,10 +793,15 @@ async fn a_malformed_extend_reply_is_no_verdict(flavor: Flavor) {
 /// release on the same connection, reaches the server after it. Over a link of 150 ms each way
 /// the grant comes about as long after the release starts as an uncontended acquire takes
 /// (300 ms); waiting for the release's answer first, it came a round trip later (607 ms).
-async fn a_handoff_holds_one_round_trip(flavor: Flavor) {
+///
+/// The same when the holder drops its guard instead, renewing or not: the release goes in the
+/// background, and the turn with it once it is in line. Handed on at the drop, the waiter asked
+/// before the release was sent, found the key held, subscribed and asked again (about 900 ms).
+async fn a_handoff_holds_one_round_trip(flavor: Flavor, end: End) {
     let (_server, proxy, locker) = through_proxy(flavor).await;
     let wait = opts().wait(Duration::from_secs(10));
-    let first = locker.acquire("handoff", &wait).await.expect("first");
+    let held = wait.clone().renew(end == End::DropRenewing);
+    let first = locker.acquire("handoff", &held).await.expect("first");
     let fence = first.fence();
     let waiter = tokio::spawn({
         let (locker, wait) = (locker.clone(), wait.clone());
@@ -813,7 +818,10 @@ async fn a_handoff_holds_one_round_trip(flavor: Flavor) {
     let alone = locker.acquire("alone", &wait).await.expect("uncontended");
     let uncontended = started.elapsed();
     let started = Instant::now();
-    assert_eq!(first.release().await.expect("release"), Release::Released);
+    match end {
+        End::Release => assert_eq!(first.release().await.expect("release"), Release::Released),
+        End::Drop | End::DropRenewing => drop(first),
+    }
     let (second, granted) = waiter.await.expect("waiter task");
     let second = second.expect("the waiter is granted the key");
     let handoff = granted - started;
@@ -824,12 +832,22 @@ async fn a_handoff_holds_one_round_trip(flavor: Flavor) {
     );
     assert!(
         handoff < uncontended + one_way,
-        "the grant came {handoff:?} after the release started, an uncontended acquire took \
-         {uncontended:?}: the release's answer was waited for"
+        "{end:?}: the grant came {handoff:?} after the holder let go, an uncontended acquire \
+         took {uncontended:?}: the release was not overlapped"
     );
     proxy.set_latency(Duration::ZERO);
     second.release().await.expect("release");
     alone.release().await.expect("release");
+}
+
+/// How a holder lets go of its lease.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum End {
+    Release,
+    /// The guard dropped, renewal off: the release is spawned.
+    Drop,
+    /// The guard of a renewing lease dropped: the renewal driver releases it.
+    DropRenewing,
 }
 
 /// The rarer case: the next acquire overtakes the release. The server lost the release script
@@ -948,7 +966,19 @@ macro_rules! lost_replies {
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_handoff_holds_one_round_trip() {
-                super::a_handoff_holds_one_round_trip($flavor).await
+                super::a_handoff_holds_one_round_trip($flavor, End::Release).await
+            }
+            // One thread: the waiter and the release's task run in the order they were
+            // woken, so a turn handed on before the release is in line is always overtaking.
+            #[tokio::test(flavor = "current_thread")]
+            async fn a_handoff_from_a_dropped_guard_holds_one_round_trip() {
+                super::a_handoff_holds_one_round_trip($flavor, End::Drop).await
+            }
+            // One thread: the waiter and the release's task run in the order they were
+            // woken, so a turn handed on before the release is in line is always overtaking.
+            #[tokio::test(flavor = "current_thread")]
+            async fn a_handoff_from_a_dropped_renewing_guard_holds_one_round_trip() {
+                super::a_handoff_holds_one_round_trip($flavor, End::DropRenewing).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_release_reply() {

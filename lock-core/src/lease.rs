@@ -7,7 +7,7 @@ use tracing::{debug, instrument};
 use crate::backend::{AnyBackend, Backend};
 use crate::error::{Error, Result};
 use crate::locker::Core;
-use crate::renew::{Cmd, LeaseState};
+use crate::renew::{Cmd, Dropped, LeaseState};
 use crate::turnstile::TurnHandle;
 use crate::types::{Fence, LockKey, Token, drift, warn_ahead};
 
@@ -374,9 +374,9 @@ impl<B: Backend + Clone> Lease<B> {
         // when the answer comes.
         let first = match &self.turn {
             Some(turn) => {
-                let vacate = turn.vacate_later(self.state.clone());
+                let turn = turn.hand_on(self.state.clone());
                 (self.core.backend)
-                    .release_in_line(&self.key, &self.token, vacate)
+                    .release_in_line(&self.key, &self.token, move || drop(turn))
                     .await
             }
             None => self.core.backend.release(&self.key, &self.token).await,
@@ -444,31 +444,45 @@ impl<B: Backend + Clone> Drop for MaybeExtended<'_, B> {
 
 impl<B: Backend + Clone> Drop for Lease<B> {
     fn drop(&mut self) {
-        // Also after a failed release: the next waiter must not wait for the lease's deadline.
-        self.vacate_turn();
         if self.done {
+            // Also after a failed release: the next waiter must not wait for the lease's
+            // deadline.
+            self.vacate_turn();
             return;
         }
+        // The turn goes on once the background release is in line ahead of the next waiter's
+        // acquire (or as soon as it cannot be sent: the `HandOn` goes with it, and hands on
+        // wherever it is dropped). Handed on now, the waiter would ask while the key is still
+        // held, and pay a subscription and another round trip for it.
+        let hand_on = self.turn.as_ref().map(|t| t.leave(self.state.clone()));
         self.state.lost.cancel();
-        let pair = (self.key.clone(), self.token.clone());
+        let mut dropped = Dropped {
+            key: self.key.clone(),
+            token: self.token.clone(),
+            hand_on,
+        };
         if self.renewing {
+            if !self.core.driver_can_run() {
+                // The release waits in the queue for a driver some later runtime starts: the
+                // turn goes on now, not with it.
+                dropped.hand_on = None;
+            }
             // Never blocks: the driver stops renewing and releases on its own task.
             self.core.send(Cmd::Remove {
                 id: self.id,
-                release: Some(pair),
+                release: Some(dropped),
             });
         } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let core = self.core.clone();
-            rt.spawn(async move {
-                let _ = core.backend.release(&pair.0, &pair.1).await;
-            });
+            rt.spawn(async move { dropped.release(&core.backend).await });
         } else {
             // Outside a runtime this thread cannot run the release, but the driver may be
             // running on another one (a multi-thread runtime's workers go on without this
-            // thread); with none, the lease expires with its TTL.
+            // thread); with none, the lease expires with its TTL (and the command, dropped,
+            // hands the turn on).
             let _ = self.core.send_if_running(Cmd::Remove {
                 id: self.id,
-                release: Some(pair),
+                release: Some(dropped),
             });
         }
     }

@@ -268,6 +268,15 @@ impl<B: Backend + Clone> Core<B> {
         inbox.push(cmd);
     }
 
+    /// Whether a command sent now is taken soon: a driver runs, or this thread is in a runtime
+    /// that [`send`](Self::send) starts one on.
+    pub(crate) fn driver_can_run(&self) -> bool {
+        self.driver
+            .get()
+            .is_some_and(|inbox| inbox.running.load(Ordering::Acquire))
+            || tokio::runtime::Handle::try_current().is_ok()
+    }
+
     /// Hands a command to a renewal driver that already runs, and returns whether it did: with
     /// none (and no runtime here to start one on), nothing would ever take it, and queued it
     /// would stay for the locker's life.
@@ -1900,6 +1909,44 @@ mod tests {
             let again = again.unwrap_or_else(|e| panic!("renew {renew}: not released: {e}"));
             rt.block_on(again.release()).expect("release");
         }
+    }
+
+    /// A renewing guard dropped outside any runtime after its driver's runtime shut down: its
+    /// release waits in the queue for a driver a later runtime starts, but its turn goes on at
+    /// once, so a waiter in another runtime is granted the key when its TTL runs out, not
+    /// told its wait timed out.
+    #[test]
+    fn a_guard_dropped_with_no_driver_to_take_it_hands_its_turn_on() {
+        let locker = Locker::memory();
+        let ttl = Duration::from_millis(400);
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let lease = first
+            .block_on(locker.acquire("k", &opts(ttl)))
+            .expect("acquire");
+        // Its driver stops with it.
+        drop(first);
+        let second = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let waiter = second.spawn({
+            let locker = locker.clone();
+            async move {
+                let wait = opts(ttl).wait(Duration::from_secs(3));
+                locker.acquire("k", &wait).await
+            }
+        });
+        // The waiter queues behind the lease's turn.
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(tokio::runtime::Handle::try_current().is_err());
+        drop(lease);
+        let next = second.block_on(waiter).expect("waiter task");
+        let next = next.unwrap_or_else(|e| panic!("the turn never came: {e}"));
+        second.block_on(next.release()).expect("release");
     }
 
     /// A `Locker` outlives the runtime its renewal driver started on (kept in a static, used

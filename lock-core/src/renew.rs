@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::backend::Backend;
+use crate::turnstile::HandOn;
 use crate::types::{LockKey, Token, drift, warn_ahead};
 
 /// What a lease and the driver share: the validity deadline and the lost signal.
@@ -462,8 +463,41 @@ pub(crate) enum Cmd {
     /// Stop tracking; with `release`, also release the lease in the background (guard dropped).
     Remove {
         id: u64,
-        release: Option<(LockKey, Token)>,
+        release: Option<Dropped>,
     },
+}
+
+/// A dropped guard's lease, to release in the background.
+pub(crate) struct Dropped {
+    pub(crate) key: LockKey,
+    pub(crate) token: Token,
+    /// The lease's turn, handed on once the release is in line (dropped, wherever it is).
+    pub(crate) hand_on: Option<HandOn>,
+}
+
+impl Dropped {
+    /// Releases the lease, handing its turn on once the release is in line.
+    pub(crate) async fn release<B: Backend>(self, backend: &B) {
+        let Dropped {
+            key,
+            token,
+            hand_on,
+        } = self;
+        let released = match hand_on {
+            Some(turn) => {
+                backend
+                    .release_in_line(&key, &token, move || drop(turn))
+                    .await
+            }
+            None => backend.release(&key, &token).await,
+        };
+        match released {
+            Ok(held) => debug!(key = key.user(), held, "dropped lease released"),
+            Err(e) => {
+                warn!(key = key.user(), error = %e, "dropped lease not released; it expires with its TTL")
+            }
+        }
+    }
 }
 
 impl Cmd {
@@ -982,16 +1016,9 @@ fn apply<B: Backend + Clone>(backend: &B, d: &mut Driver, cmd: Cmd) {
         }
         Cmd::Remove { id, release } => {
             d.remove(id);
-            if let Some((key, token)) = release {
+            if let Some(dropped) = release {
                 let backend = backend.clone();
-                tokio::spawn(async move {
-                    match backend.release(&key, &token).await {
-                        Ok(held) => debug!(key = key.user(), held, "dropped lease released"),
-                        Err(e) => {
-                            warn!(key = key.user(), error = %e, "dropped lease not released; it expires with its TTL")
-                        }
-                    }
-                });
+                tokio::spawn(async move { dropped.release(&backend).await });
             }
         }
     }

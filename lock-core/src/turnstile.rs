@@ -32,9 +32,42 @@ struct Turnstile {
     turn: Arc<Semaphore>,
     /// The lease holding the turn and its permit, if a lease holds it (the head waiter holds the
     /// permit without a lease while it waits for a holder elsewhere).
-    holder: Mutex<Option<(Arc<LeaseState>, OwnedSemaphorePermit)>>,
+    holder: Mutex<Option<Holder>>,
     /// Bumped whenever `holder` changes, so waiters watch the right lease.
     changed: watch::Sender<u64>,
+}
+
+struct Holder {
+    state: Arc<LeaseState>,
+    permit: OwnedSemaphorePermit,
+    /// The lease's guard was dropped and its release goes in the background: the turn goes on
+    /// with a [`HandOn`] once that release is in line, not when waiters see the lease end.
+    leaving: bool,
+}
+
+/// Hands the turn of a lease on when dropped: once its release is in line ahead of the next
+/// waiter's acquire, or when the release cannot be sent. Dropped, never leaked, on every path.
+///
+/// It keeps no count on the turnstile: [`TurnHandle`]'s `Drop` removes the registry's entry by
+/// that count, and a `HandOn` may outlive every handle. The count it takes while it hands on
+/// is taken and given back under the registry's lock, where that `Drop` reads it.
+pub(crate) struct HandOn {
+    registry: Arc<Turnstiles>,
+    turnstile: std::sync::Weak<Turnstile>,
+    state: Arc<LeaseState>,
+}
+
+impl Drop for HandOn {
+    fn drop(&mut self) {
+        let _keys = self
+            .registry
+            .keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(t) = self.turnstile.upgrade() {
+            t.vacate(&self.state);
+        }
+    }
 }
 
 /// One user of a key's turnstile; the entry is removed when its last user is gone.
@@ -107,12 +140,15 @@ impl TurnHandle {
         tokio::pin!(acquire);
         loop {
             changes.mark_unchanged();
+            // A leaving holder's turn comes with its `HandOn`: its lease ended when its guard
+            // was dropped, but the release that frees the key is not in line yet.
             let holder = t
                 .holder
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .as_ref()
-                .map(|(state, _)| state.clone());
+                .filter(|h| !h.leaving)
+                .map(|h| h.state.clone());
             let holder_lost = async {
                 match &holder {
                     Some(state) => state.wait_lost().await,
@@ -126,7 +162,7 @@ impl TurnHandle {
                 permit = &mut acquire => return permit.ok(),
                 _ = holder_lost => {
                     if let Some(state) = &holder {
-                        self.vacate(state);
+                        t.vacate_lost(state);
                     }
                 }
                 _ = changes.changed() => {}
@@ -138,7 +174,11 @@ impl TurnHandle {
     /// Records that `state`'s lease holds the turn, until [`vacate`](Self::vacate).
     pub(crate) fn hold(&self, state: Arc<LeaseState>, permit: OwnedSemaphorePermit) {
         let t = self.turnstile();
-        *t.holder.lock().unwrap_or_else(PoisonError::into_inner) = Some((state, permit));
+        *t.holder.lock().unwrap_or_else(PoisonError::into_inner) = Some(Holder {
+            state,
+            permit,
+            leaving: false,
+        });
         t.changed.send_modify(|n| *n += 1);
     }
 
@@ -147,33 +187,59 @@ impl TurnHandle {
         self.turnstile().vacate(state);
     }
 
-    /// [`vacate`](Self::vacate), to be called later from anywhere (another task included).
-    ///
-    /// It keeps no count on the turnstile: [`Drop`] removes the registry's entry by that count,
-    /// and the call may come after every handle has gone, or never. The count it takes while
-    /// it runs is taken and given back under the registry's lock, where `Drop` reads it.
-    pub(crate) fn vacate_later(&self, state: Arc<LeaseState>) -> impl FnOnce() + Send + 'static {
-        let registry = self.registry.clone();
-        let t = Arc::downgrade(
-            self.turnstile
-                .as_ref()
-                .expect("a live handle has its turnstile"),
-        );
-        move || {
-            let _keys = registry.keys.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(t) = t.upgrade() {
-                t.vacate(&state);
-            }
+    /// [`vacate`](Self::vacate) when the returned [`HandOn`] is dropped, wherever that is.
+    pub(crate) fn hand_on(&self, state: Arc<LeaseState>) -> HandOn {
+        HandOn {
+            registry: self.registry.clone(),
+            turnstile: Arc::downgrade(
+                self.turnstile
+                    .as_ref()
+                    .expect("a live handle has its turnstile"),
+            ),
+            state,
         }
+    }
+
+    /// Marks `state`'s lease, if it holds the turn, as leaving: its guard was dropped, and the
+    /// turn goes on with the returned [`HandOn`], not when waiters see the lease end (they
+    /// would ask the server before the release that frees the key is in line).
+    pub(crate) fn leave(&self, state: Arc<LeaseState>) -> HandOn {
+        let t = self.turnstile();
+        let marked = {
+            let mut holder = t.holder.lock().unwrap_or_else(PoisonError::into_inner);
+            match holder.as_mut() {
+                Some(h) if Arc::ptr_eq(&h.state, &state) => {
+                    h.leaving = true;
+                    true
+                }
+                _ => false,
+            }
+        };
+        if marked {
+            t.changed.send_modify(|n| *n += 1);
+        }
+        self.hand_on(state)
     }
 }
 
 impl Turnstile {
     fn vacate(&self, state: &Arc<LeaseState>) {
+        self.vacate_if(state, true);
+    }
+
+    /// A waiter saw `state`'s lease end: the turn goes on unless the lease is leaving, whose
+    /// [`HandOn`] hands it on.
+    fn vacate_lost(&self, state: &Arc<LeaseState>) {
+        self.vacate_if(state, false);
+    }
+
+    fn vacate_if(&self, state: &Arc<LeaseState>, leaving_too: bool) {
         let permit = {
             let mut holder = self.holder.lock().unwrap_or_else(PoisonError::into_inner);
             match holder.as_ref() {
-                Some((s, _)) if Arc::ptr_eq(s, state) => holder.take(),
+                Some(h) if Arc::ptr_eq(&h.state, state) && (leaving_too || !h.leaving) => {
+                    holder.take().map(|h| h.permit)
+                }
                 _ => None,
             }
         };
@@ -225,10 +291,10 @@ mod tests {
     }
 
     /// A release hands the turn on from wherever its request goes out, possibly after its
-    /// lease and handle are gone: the call hands the turn on while the handle lives, and keeps
+    /// lease and handle are gone: a `HandOn` hands the turn on while the handle lives, and keeps
     /// no registry entry alive after it.
     #[tokio::test]
-    async fn a_turn_vacated_later_goes_on_and_keeps_no_entry() {
+    async fn a_hand_on_goes_on_and_keeps_no_entry() {
         let reg = Arc::new(Turnstiles::default());
         let far = Instant::now() + Duration::from_secs(5);
         let h = reg.enter("k");
@@ -241,18 +307,42 @@ mod tests {
         });
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!waiter.is_finished(), "the turn is held");
-        h.vacate_later(state.clone())();
+        drop(h.hand_on(state.clone()));
         assert!(waiter.await.expect("waiter"), "the waiter got the turn");
 
         let permit = h.wait_turn(far).await.expect("free turn again");
         h.hold(state.clone(), permit);
-        let later = h.vacate_later(state.clone());
+        let later = h.hand_on(state.clone());
         // The lease dropped before its release went out: it vacates, and its handle goes.
         h.vacate(&state);
         drop(h);
-        assert_eq!(reg.len(), 0, "a pending call keeps no entry");
-        later();
+        assert_eq!(reg.len(), 0, "a pending hand-on keeps no entry");
+        drop(later);
         assert_eq!(reg.len(), 0);
+    }
+
+    /// A dropped guard's lease ends at once for every view of it, but its turn waits for its
+    /// `HandOn` (its release in line): a waiter that sees the lease end does not take it.
+    #[tokio::test]
+    async fn a_leaving_holder_hands_on_only_with_its_hand_on() {
+        let reg = Arc::new(Turnstiles::default());
+        let far = Instant::now() + Duration::from_secs(5);
+        let h = reg.enter("k");
+        let permit = h.wait_turn(far).await.expect("free turn");
+        let state = LeaseState::new(far, Duration::ZERO);
+        h.hold(state.clone(), permit);
+        let waiter = tokio::spawn({
+            let reg = reg.clone();
+            async move { reg.enter("k").wait_turn(far).await.is_some() }
+        });
+        // The waiter watches the holder's lease before the guard is dropped.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let hand_on = h.leave(state.clone());
+        state.lost.cancel();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiter.is_finished(), "the turn waits for the hand-on");
+        drop(hand_on);
+        assert!(waiter.await.expect("waiter"), "the hand-on passed the turn");
     }
 
     #[tokio::test]
