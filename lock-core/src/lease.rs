@@ -38,6 +38,8 @@ pub enum Release {
 /// local deadline: the lease counts as lost 2.5% of its TTL + 3 ms ahead of it, which leaves
 /// room for a late timer and a busy CPU (a process starved for longer hears of it late). Dropping the guard stops renewal at once and releases it in the
 /// background; [`release`](Lease::release) does so in the foreground and reports what it found.
+/// Either way, the next waiter of the same [`Locker`](crate::Locker) takes its turn once the
+/// release is in line ahead of its acquire (see [`release`](Lease::release)).
 ///
 /// ```
 /// use lock_core::{Locker, LockOptions, Release};
