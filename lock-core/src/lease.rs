@@ -39,7 +39,8 @@ pub enum Release {
 /// room for a late timer and a busy CPU (a process starved for longer hears of it late). Dropping the guard stops renewal at once and releases it in the
 /// background; [`release`](Lease::release) does so in the foreground and reports what it found.
 /// Either way, the next waiter of the same [`Locker`](crate::Locker) takes its turn once the
-/// release is in line ahead of its acquire (see [`release`](Lease::release)).
+/// release is in line ahead of its acquire (see [`release`](Lease::release)), or answered on
+/// a backend that cannot tell; for a dropped guard, at the latest when the lease runs out.
 ///
 /// ```
 /// use lock_core::{Locker, LockOptions, Release};

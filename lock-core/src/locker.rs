@@ -1911,42 +1911,53 @@ mod tests {
         }
     }
 
-    /// A renewing guard dropped outside any runtime after its driver's runtime shut down: its
-    /// release waits in the queue for a driver a later runtime starts, but its turn goes on at
-    /// once, so a waiter in another runtime is granted the key when its TTL runs out, not
-    /// told its wait timed out.
+    /// A renewing guard dropped where no driver takes its release: its turn still goes on, at
+    /// the latest when the lease runs out, so a waiter in another runtime is granted the key
+    /// once its TTL has passed, not told its wait timed out. Dropped outside any runtime after
+    /// its driver's runtime shut down (the turn goes at once), and dropped in the last poll of
+    /// the runtime its driver lives on, which then shuts down with the release still queued
+    /// (the turn goes when the lease runs out).
     #[test]
     fn a_guard_dropped_with_no_driver_to_take_it_hands_its_turn_on() {
-        let locker = Locker::memory();
-        let ttl = Duration::from_millis(400);
-        let first = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let lease = first
-            .block_on(locker.acquire("k", &opts(ttl)))
-            .expect("acquire");
-        // Its driver stops with it.
-        drop(first);
-        let second = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let waiter = second.spawn({
-            let locker = locker.clone();
-            async move {
-                let wait = opts(ttl).wait(Duration::from_secs(3));
-                locker.acquire("k", &wait).await
+        for parked in [false, true] {
+            let locker = Locker::memory();
+            let ttl = Duration::from_millis(1_000);
+            let first = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            let lease = first
+                .block_on(locker.acquire("k", &opts(ttl)))
+                .expect("acquire");
+            let second = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .expect("runtime");
+            let waiter = second.spawn({
+                let locker = locker.clone();
+                async move {
+                    let wait = opts(ttl).wait(Duration::from_secs(5));
+                    locker.acquire("k", &wait).await
+                }
+            });
+            // The waiter queues behind the lease's turn.
+            std::thread::sleep(Duration::from_millis(100));
+            if parked {
+                // The drop queues the release for the driver, which this runtime never polls
+                // again.
+                first.block_on(async move { drop(lease) });
+                drop(first);
+            } else {
+                // Its driver stops with it.
+                drop(first);
+                assert!(tokio::runtime::Handle::try_current().is_err());
+                drop(lease);
             }
-        });
-        // The waiter queues behind the lease's turn.
-        std::thread::sleep(Duration::from_millis(100));
-        assert!(tokio::runtime::Handle::try_current().is_err());
-        drop(lease);
-        let next = second.block_on(waiter).expect("waiter task");
-        let next = next.unwrap_or_else(|e| panic!("the turn never came: {e}"));
-        second.block_on(next.release()).expect("release");
+            let next = second.block_on(waiter).expect("waiter task");
+            let next = next.unwrap_or_else(|e| panic!("parked {parked}: the turn never came: {e}"));
+            second.block_on(next.release()).expect("release");
+        }
     }
 
     /// A `Locker` outlives the runtime its renewal driver started on (kept in a static, used

@@ -140,18 +140,20 @@ impl TurnHandle {
         tokio::pin!(acquire);
         loop {
             changes.mark_unchanged();
-            // A leaving holder's turn comes with its `HandOn`: its lease ended when its guard
-            // was dropped, but the release that frees the key is not in line yet.
             let holder = t
                 .holder
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .as_ref()
-                .filter(|h| !h.leaving)
-                .map(|h| h.state.clone());
+                .map(|h| (h.state.clone(), h.leaving));
             let holder_lost = async {
                 match &holder {
-                    Some(state) => state.wait_lost().await,
+                    // A leaving holder's turn comes with its `HandOn`: its lease ended when its
+                    // guard was dropped, but the release that frees the key is not in line
+                    // yet. At the latest when the lease runs out: a `HandOn` can be parked
+                    // where nothing takes it (a driver on a runtime nobody drives any more).
+                    Some((state, true)) => tokio::time::sleep_until(state.alarm()).await,
+                    Some((state, false)) => state.wait_lost().await,
                     None => std::future::pending().await,
                 }
             };
@@ -161,8 +163,10 @@ impl TurnHandle {
                 biased;
                 permit = &mut acquire => return permit.ok(),
                 _ = holder_lost => {
-                    if let Some(state) = &holder {
-                        t.vacate_lost(state);
+                    match &holder {
+                        Some((state, true)) => t.vacate(state),
+                        Some((state, false)) => t.vacate_lost(state),
+                        None => {}
                     }
                 }
                 _ = changes.changed() => {}
