@@ -1279,9 +1279,9 @@ async fn a_silent_member_connection_is_replaced(flavor: Flavor) {
 
 /// A handoff between two waiters of one locker overlaps the release with the next acquire:
 /// each member's release is in line on its connection before the next holder's vote is sent
-/// there. Over a link of 150 ms each way the grant comes about as long after the release starts
+/// there. Over a link of 250 ms each way the grant comes about as long after the release starts
 /// as an uncontended acquire takes; waiting for the release's answer first, a round trip
-/// (300 ms) later.
+/// (500 ms) later.
 async fn a_handoff_overlaps_the_release(flavor: Flavor) {
     let servers = start(flavor, 3);
     let mut proxies = Vec::new();
@@ -1289,49 +1289,33 @@ async fn a_handoff_overlaps_the_release(flavor: Flavor) {
         proxies.push(Proxy::start(s.port).await);
     }
     let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
-    // Members answer after a round trip of 300 ms, past the default member timeout.
+    // Members answer after a round trip of 500 ms, past the default member timeout.
     let config = QuorumConfig::default().member_timeout(Duration::from_secs(3));
     let locker = redlock(&proxy_urls, config).await;
     warm_up(&locker).await;
     let wait = opts(10_000).renew(false).wait(Duration::from_secs(10));
-    let first = locker.acquire("handoff", &wait).await.expect("first");
-    let fence = first.fence();
-    let waiter = tokio::spawn({
-        let (locker, wait) = (locker.clone(), wait.clone());
-        async move {
-            let lease = locker.acquire("handoff", &wait).await;
-            (lease, Instant::now())
+    let one_way = Duration::from_millis(250);
+    let slow = || {
+        for p in &proxies {
+            p.set_latency(one_way);
         }
-    });
-    // The waiter queues for its turn; it sends nothing while the turn is held here.
-    sleep(Duration::from_millis(200)).await;
-    let one_way = Duration::from_millis(150);
-    for p in &proxies {
-        p.set_latency(one_way);
-    }
-    let started = Instant::now();
-    let alone = locker.acquire("alone", &wait).await.expect("uncontended");
-    let uncontended = started.elapsed();
-    let started = Instant::now();
-    assert_eq!(first.release().await.expect("release"), Release::Released);
-    let (second, granted) = waiter.await.expect("waiter task");
-    let second = second.expect("the waiter is granted the key");
-    let handoff = granted - started;
+    };
+    let h = support::timed_handoff(&locker, "handoff", &wait, &wait, slow, async |first| {
+        assert_eq!(first.release().await.expect("release"), Release::Released);
+    })
+    .await;
     assert!(
-        second.fence() > fence,
-        "{:?} after {fence:?}",
-        second.fence()
-    );
-    assert!(
-        handoff < uncontended + one_way,
-        "the grant came {handoff:?} after the release started, an uncontended acquire took \
-         {uncontended:?}: the release was not overlapped"
+        h.handoff < h.uncontended + one_way,
+        "the grant came {:?} after the release started, an uncontended acquire took {:?}: \
+         the release was not overlapped",
+        h.handoff,
+        h.uncontended
     );
     for p in &proxies {
         p.set_latency(Duration::ZERO);
     }
-    second.release().await.expect("release");
-    alone.release().await.expect("release");
+    h.second.release().await.expect("release");
+    h.alone.release().await.expect("release");
 }
 
 macro_rules! suite {

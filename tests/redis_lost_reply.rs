@@ -801,45 +801,34 @@ async fn a_handoff_holds_one_round_trip(flavor: Flavor, end: End) {
     let (_server, proxy, locker) = through_proxy(flavor).await;
     let wait = opts().wait(Duration::from_secs(10));
     let held = wait.clone().renew(end == End::DropRenewing);
-    let first = locker.acquire("handoff", &held).await.expect("first");
-    let fence = first.fence();
-    let waiter = tokio::spawn({
-        let (locker, wait) = (locker.clone(), wait.clone());
-        async move {
-            let lease = locker.acquire("handoff", &wait).await;
-            (lease, Instant::now())
-        }
-    });
-    // The waiter queues for its turn; it sends nothing while the turn is held here.
-    sleep(Duration::from_millis(200)).await;
     // Long enough that a loaded machine's stalls stay well inside the half round trip of
     // margin either way.
     let one_way = Duration::from_millis(250);
-    proxy.set_latency(one_way);
-    let started = Instant::now();
-    let alone = locker.acquire("alone", &wait).await.expect("uncontended");
-    let uncontended = started.elapsed();
-    let started = Instant::now();
-    match end {
-        End::Release => assert_eq!(first.release().await.expect("release"), Release::Released),
-        End::Drop | End::DropRenewing => drop(first),
-    }
-    let (second, granted) = waiter.await.expect("waiter task");
-    let second = second.expect("the waiter is granted the key");
-    let handoff = granted - started;
+    let slow = || proxy.set_latency(one_way);
+    let h = support::timed_handoff(
+        &locker,
+        "handoff",
+        &held,
+        &wait,
+        slow,
+        async |first| match end {
+            End::Release => {
+                assert_eq!(first.release().await.expect("release"), Release::Released)
+            }
+            End::Drop | End::DropRenewing => drop(first),
+        },
+    )
+    .await;
     assert!(
-        second.fence() > fence,
-        "{:?} after {fence:?}",
-        second.fence()
-    );
-    assert!(
-        handoff < uncontended + one_way,
-        "{end:?}: the grant came {handoff:?} after the holder let go, an uncontended acquire \
-         took {uncontended:?}: the release was not overlapped"
+        h.handoff < h.uncontended + one_way,
+        "{end:?}: the grant came {:?} after the holder let go, an uncontended acquire took \
+         {:?}: the release was not overlapped",
+        h.handoff,
+        h.uncontended
     );
     proxy.set_latency(Duration::ZERO);
-    second.release().await.expect("release");
-    alone.release().await.expect("release");
+    h.second.release().await.expect("release");
+    h.alone.release().await.expect("release");
 }
 
 /// How a holder lets go of its lease.

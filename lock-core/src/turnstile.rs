@@ -294,11 +294,14 @@ mod tests {
         assert_eq!(reg.len(), 0, "no entry outlives its users");
     }
 
-    /// A release hands the turn on from wherever its request goes out, possibly after its
-    /// lease and handle are gone: a `HandOn` hands the turn on while the handle lives, and keeps
-    /// no registry entry alive after it.
-    #[tokio::test]
-    async fn a_hand_on_goes_on_and_keeps_no_entry() {
+    /// A turn held by a lease of 5 s on key `k`, and a task queued behind it that returns
+    /// whether it got the turn.
+    async fn held_with_a_waiter() -> (
+        Arc<Turnstiles>,
+        TurnHandle,
+        Arc<LeaseState>,
+        tokio::task::JoinHandle<bool>,
+    ) {
         let reg = Arc::new(Turnstiles::default());
         let far = Instant::now() + Duration::from_secs(5);
         let h = reg.enter("k");
@@ -310,6 +313,16 @@ mod tests {
             async move { reg.enter("k").wait_turn(far).await.is_some() }
         });
         tokio::time::sleep(Duration::from_millis(20)).await;
+        (reg, h, state, waiter)
+    }
+
+    /// A release hands the turn on from wherever its request goes out, possibly after its
+    /// lease and handle are gone: a `HandOn` hands the turn on while the handle lives, and keeps
+    /// no registry entry alive after it.
+    #[tokio::test]
+    async fn a_hand_on_goes_on_and_keeps_no_entry() {
+        let (reg, h, state, waiter) = held_with_a_waiter().await;
+        let far = Instant::now() + Duration::from_secs(5);
         assert!(!waiter.is_finished(), "the turn is held");
         drop(h.hand_on(state.clone()));
         assert!(waiter.await.expect("waiter"), "the waiter got the turn");
@@ -329,18 +342,8 @@ mod tests {
     /// `HandOn` (its release in line): a waiter that sees the lease end does not take it.
     #[tokio::test]
     async fn a_leaving_holder_hands_on_only_with_its_hand_on() {
-        let reg = Arc::new(Turnstiles::default());
-        let far = Instant::now() + Duration::from_secs(5);
-        let h = reg.enter("k");
-        let permit = h.wait_turn(far).await.expect("free turn");
-        let state = LeaseState::new(far, Duration::ZERO);
-        h.hold(state.clone(), permit);
-        let waiter = tokio::spawn({
-            let reg = reg.clone();
-            async move { reg.enter("k").wait_turn(far).await.is_some() }
-        });
         // The waiter watches the holder's lease before the guard is dropped.
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        let (_reg, h, state, waiter) = held_with_a_waiter().await;
         let hand_on = h.leave(state.clone());
         state.lost.cancel();
         tokio::time::sleep(Duration::from_millis(50)).await;

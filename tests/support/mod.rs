@@ -600,3 +600,62 @@ pub async fn granted_again(
         );
     }
 }
+
+/// A handoff between two waiters of one locker, timed against an uncontended acquire over the
+/// same link.
+pub struct Handoff {
+    /// From the first holder letting go to the waiter's grant.
+    pub handoff: Duration,
+    /// One acquire of another key, alone, after `slow`.
+    pub uncontended: Duration,
+    pub first_fence: lock_core::Fence,
+    /// The waiter's lease, and the uncontended one: the caller releases them.
+    pub second: lock_core::Lease,
+    pub alone: lock_core::Lease,
+}
+
+/// The first holder takes `key` with `held`; a waiter queues for it with `wait`; once it has
+/// queued (it sends nothing while the turn is held), `slow()` slows the link, an uncontended
+/// acquire is timed, and `let_go` ends the first lease (a release, a drop).
+pub async fn timed_handoff<F: std::future::Future<Output = ()>>(
+    locker: &lock_core::Locker,
+    key: &str,
+    held: &lock_core::LockOptions,
+    wait: &lock_core::LockOptions,
+    slow: impl FnOnce(),
+    let_go: impl FnOnce(lock_core::Lease) -> F,
+) -> Handoff {
+    let first = locker.acquire(key, held).await.expect("first");
+    let first_fence = first.fence();
+    let waiter = tokio::spawn({
+        let (locker, wait, key) = (locker.clone(), wait.clone(), key.to_owned());
+        async move {
+            let lease = locker.acquire(&key, &wait).await;
+            (lease, Instant::now())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    slow();
+    let started = Instant::now();
+    let alone = locker
+        .acquire(&format!("{key}:alone"), wait)
+        .await
+        .expect("uncontended");
+    let uncontended = started.elapsed();
+    let started = Instant::now();
+    let_go(first).await;
+    let (second, granted) = waiter.await.expect("waiter task");
+    let second = second.expect("the waiter is granted the key");
+    assert!(
+        second.fence() > first_fence,
+        "{:?} after {first_fence:?}",
+        second.fence()
+    );
+    Handoff {
+        handoff: granted - started,
+        uncontended,
+        first_fence,
+        second,
+        alone,
+    }
+}

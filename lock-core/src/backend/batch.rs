@@ -472,10 +472,15 @@ mod tests {
         );
     }
 
-    /// A queued release whose caller left is sent all the same, and is in line with its batch.
-    #[tokio::test]
-    async fn an_abandoned_item_sent_anyway_is_in_line() {
-        let b = echo::<true>(false);
+    /// A lone call in flight, then item 1 queued behind it with an `in_line` that records it,
+    /// whose caller leaves before the scheduled flush takes the queue (that flush runs on this
+    /// thread, at the next await at the earliest).
+    async fn queued_and_left<const SEND: bool>() -> (
+        Arc<Batcher<Echo<SEND>>>,
+        Arc<Mutex<Vec<u32>>>,
+        tokio::task::JoinHandle<Option<Result<u32>>>,
+    ) {
+        let b = echo::<SEND>(false);
         let calls = Arc::new(Mutex::new(Vec::new()));
         let alone = tokio::spawn({
             let b = b.clone();
@@ -489,47 +494,27 @@ mod tests {
         })
         .await;
         drop(queued);
+        (b, calls, alone)
+    }
+
+    /// A queued release whose caller left is sent all the same, and is in line with its batch.
+    #[tokio::test]
+    async fn an_abandoned_item_sent_anyway_is_in_line() {
+        let (b, calls, alone) = queued_and_left::<true>().await;
         until_calls(&b, 2).await;
         assert_eq!(*calls.lock().expect("calls"), vec![1]);
         b.flush.gate.add_permits(100);
-        assert_eq!(
-            alone
-                .await
-                .expect("task")
-                .expect("answered")
-                .expect("echoed"),
-            0
-        );
+        let answer = alone.await.expect("task").expect("answered");
+        assert_eq!(answer.expect("echoed"), 0);
     }
 
     /// An item not sent (an acquire whose caller left while it was queued) is not in line.
     #[tokio::test]
     async fn an_item_not_sent_is_never_in_line() {
-        let b = echo::<false>(false);
-        let calls = Arc::new(Mutex::new(Vec::new()));
-        let alone = tokio::spawn({
-            let b = b.clone();
-            async move { b.run(0).await }
-        });
-        until_calls(&b, 1).await;
-        let mut queued = Box::pin(b.run_in_line(1, Some(noted(&calls, 1))));
-        std::future::poll_fn(|cx| {
-            assert!(queued.as_mut().poll(cx).is_pending());
-            Poll::Ready(())
-        })
-        .await;
-        // Its caller leaves before the scheduled flush takes the queue (that flush runs on this
-        // thread, at the next await at the earliest).
-        drop(queued);
+        let (b, calls, alone) = queued_and_left::<false>().await;
         b.flush.gate.add_permits(100);
-        assert_eq!(
-            alone
-                .await
-                .expect("task")
-                .expect("answered")
-                .expect("echoed"),
-            0
-        );
+        let answer = alone.await.expect("task").expect("answered");
+        assert_eq!(answer.expect("echoed"), 0);
         let give_up = tokio::time::Instant::now() + Duration::from_secs(5);
         while b.state().scheduled || b.state().in_flight > 0 {
             assert!(
