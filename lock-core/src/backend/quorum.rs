@@ -837,9 +837,7 @@ impl Backend for QuorumBackend {
     }
 
     /// In line once every connected member's release is: each goes on its member's connection,
-    /// which the next acquire's vote on that member follows. A member that connects meanwhile
-    /// (its call not counted) may see the vote first; that vote finds the key held, which costs
-    /// speed only.
+    /// which the next acquire's vote on that member follows.
     async fn release_in_line(
         &self,
         key: &LockKey,
@@ -847,15 +845,13 @@ impl Backend for QuorumBackend {
         in_line: impl FnOnce() + Send + 'static,
     ) -> Result<bool> {
         let limit = self.inner.config.member_timeout;
-        let all = self.all();
-        let connected = all
-            .iter()
-            .filter(|&&i| self.inner.members.get(i).and_then(OnceLock::get).is_some())
-            .count();
-        let left = Arc::new(AtomicUsize::new(connected));
+        // Counted as the calls are made: every call is made before any is polled, so the
+        // count is complete before the first can be in line.
+        let left = Arc::new(AtomicUsize::new(0));
         let in_line = Arc::new(Mutex::new(Some(in_line)));
         let answers = self
-            .on_members(&all, limit, |m| {
+            .on_members(&self.all(), limit, |m| {
+                left.fetch_add(1, Ordering::AcqRel);
                 let (left, in_line) = (left.clone(), in_line.clone());
                 m.release_in_line(key, token, move || {
                     if left.fetch_sub(1, Ordering::AcqRel) == 1 {
