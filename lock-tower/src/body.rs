@@ -97,6 +97,12 @@ impl fmt::Display for LeaseLostWhileStreaming {
 
 impl std::error::Error for LeaseLostWhileStreaming {}
 
+impl LeaseLostWhileStreaming {
+    pub(crate) fn new(key: String) -> LeaseLostWhileStreaming {
+        LeaseLostWhileStreaming { key }
+    }
+}
+
 /// What a [`LockBody`] holds besides the body; boxed in it, since most responses are complete
 /// at once and their lease is released before the body is handed on.
 enum Hold {

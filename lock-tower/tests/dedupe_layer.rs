@@ -36,6 +36,7 @@ on_every_backend!(
     webhook_ids_and_github_scoping,
     json_id_key_and_body_handed_on,
     claim_loss_cancels_and_stores_nothing,
+    claim_loss_while_the_body_streams_cuts_it,
     result_is_not_stored_when_the_claim_changed_hands,
     client_hangs_up_while_the_result_is_collected,
     client_hangs_up_while_the_handler_runs,
@@ -1041,6 +1042,70 @@ async fn claim_loss_cancels_and_stores_nothing(h: Harness) {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
+/// The handler's body may still be doing its work: a claim lost while the layer reads it (a
+/// 503, nothing having gone out) or relays it above the stored-body cap (the stream broken)
+/// cuts it, as a duplicate may run beside it, and stores nothing, so the retry runs again.
+async fn claim_loss_while_the_body_streams_cuts_it(h: Harness) {
+    use http_body_util::BodyExt;
+    for (cap, scope) in [(None, "below"), (Some(4), "above")] {
+        let locker = h.locker().await;
+        let runs = Arc::new(AtomicUsize::new(0));
+        let r = runs.clone();
+        let mut layer = DedupeLayer::new(locker.clone())
+            .scope(scope)
+            .claim_ttl(Duration::from_millis(300));
+        if let Some(cap) = cap {
+            layer = layer.stored_body_limit(cap);
+        }
+        let path = format!("/hooks/{scope}");
+        let app = Router::new()
+            .route(
+                &path,
+                post(move || {
+                    r.fetch_add(1, Ordering::SeqCst);
+                    // Five chunks of 6 bytes, 400 ms apart: well over the claim's TTL.
+                    async { Body::new(Drip::new(Duration::from_millis(400), 5)) }
+                }),
+            )
+            .layer(layer);
+        let addr = serve(app).await;
+        let mut tx = common::connect(addr).await;
+        let req = http::Request::post(path.as_str())
+            .header("host", "x")
+            .header("idempotency-key", r#""cut""#)
+            .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
+            .expect("request");
+        let first = tokio::spawn(async move { tx.send_request(req).await });
+        assert!(
+            eventually(Duration::from_secs(5), async || runs.load(Ordering::SeqCst)
+                == 1)
+            .await,
+            "{scope}: the first delivery never ran"
+        );
+        if cap.is_none() {
+            // Below the cap nothing goes out before the body has ended.
+            h.delete(&claims(&locker), &claim_name(scope, "cut"));
+            let res = first.await.expect("join").expect("response");
+            assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE, "{scope}");
+        } else {
+            // Above it the head goes out with the first chunk, and the rest is relayed.
+            let res = first.await.expect("join").expect("response");
+            assert_eq!(res.status(), StatusCode::OK, "{scope}");
+            h.delete(&claims(&locker), &claim_name(scope, "cut"));
+            let body = res.into_body().collect().await.map(|b| b.to_bytes());
+            assert!(
+                body.is_err(),
+                "{scope}: the body ended cleanly although its claim was lost: {body:?}"
+            );
+        }
+        // Nothing stored: the retry runs the handler again.
+        let again = deliver_to(addr, &path, r#""cut""#).await;
+        assert_eq!(again.status, StatusCode::OK, "{scope}: {}", again.text());
+        assert_eq!(again.header("idempotent-replayed"), None, "{scope}");
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "{scope}");
+    }
+}
+
 /// A stored result lives in Redis, so a new instance of the service (new locker, new layer,
 /// new server) replays it.
 async fn survives_a_service_restart(h: Harness) {
@@ -1905,18 +1970,20 @@ async fn a_corrupted_stored_result_is_refused(h: Harness) {
     let layer = DedupeLayer::new(h.locker().await);
     let addr = serve(counting(layer, runs.clone(), Duration::ZERO)).await;
     let (_, result_key) = claim_keys(&h.locker().await, "", "mended");
-    let corruptions: [&[&str]; 4] = [
+    let corruptions: [&[&str]; 5] = [
         &["HSET", &result_key, "status", "42"],
         &["HDEL", &result_key, "body"],
         &["HSET", &result_key, "omitted", "yes"],
         &["HDEL", &result_key, "fp"],
+        // Not a hash at all: a string written over it.
+        &["SET", &result_key, "junk"],
     ];
     for corrupt in corruptions {
         let _: i64 = server_cmd(&h, &["DEL", &result_key]);
         let first = deliver(addr, r#""mended""#, "{}").await;
         assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
         let ran = runs.load(Ordering::SeqCst);
-        let _: i64 = server_cmd(&h, corrupt);
+        let _: ::redis::Value = server_cmd(&h, corrupt);
         let r = deliver(addr, r#""mended""#, "{}").await;
         assert_eq!(
             r.status,
@@ -2945,6 +3012,43 @@ async fn the_default_allow_list_is_replayed(h: Harness) {
         assert_eq!(got, sent, "{name}");
     }
     assert_eq!(replay.header("x-not-listed"), None);
+}
+
+/// `replay_header` ignores the headers that must not be replayed: a session cookie would go to
+/// whoever else sends the key, and framing headers would contradict the replay's own body.
+#[tokio::test]
+async fn headers_never_replayed_stay_off_the_replay() {
+    use http::header::{CONNECTION, CONTENT_LENGTH, SET_COOKIE};
+    let app = Router::new()
+        .route(
+            "/hooks/cookie",
+            post(|| async {
+                (
+                    [("set-cookie", "sid=first-caller"), ("x-kept", "1")],
+                    "signed in",
+                )
+            }),
+        )
+        .layer(
+            DedupeLayer::new(lock_core::Locker::memory())
+                .replay_header(SET_COOKIE)
+                .replay_header(CONTENT_LENGTH)
+                .replay_header(CONNECTION)
+                .replay_header(HeaderName::from_static("x-kept"))
+                .stored_body_limit(4),
+        );
+    let addr = serve(app).await;
+    let first = deliver_to(addr, "/hooks/cookie", r#""c-1""#).await;
+    assert_eq!(first.header("set-cookie"), Some("sid=first-caller"));
+    let replay = deliver_to(addr, "/hooks/cookie", r#""c-1""#).await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.header("x-kept"), Some("1"));
+    assert_eq!(replay.header("set-cookie"), None);
+    assert_eq!(replay.header("connection"), None);
+    // The body was above the cap: the replay's is empty, and so says its length.
+    assert_eq!(replay.header("idempotent-body-omitted"), Some("true"));
+    assert_eq!(replay.header("content-length"), Some("0"));
+    assert!(replay.body.is_empty());
 }
 
 /// `replay_header` adds a header to the allow-list: it is on the replay, beside the defaults,

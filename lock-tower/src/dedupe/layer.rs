@@ -79,6 +79,27 @@ pub const DEFAULT_REQUEST_BODY_LIMIT: usize = 1024 * 1024;
 /// The lock-core namespace of the claims (and so of the results stored beside them).
 const CLAIM_NAMESPACE: &str = "dedupe";
 
+/// Response headers [`DedupeLayer::replay_header`] ignores. `Set-Cookie`: a key is shared by
+/// whoever sends it, and a replay would hand the first caller's session to them. The framing
+/// and hop-by-hop headers describe one connection or one transfer, not the answer: the server
+/// sets them for the replay's own body (which may be omitted), and a stored `Content-Length`
+/// or `Transfer-Encoding` would contradict it. The layer's own two replay headers are its to
+/// set.
+const NEVER_REPLAYED: [&str; 12] = [
+    "set-cookie",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "upgrade",
+    "te",
+    "trailer",
+    "proxy-authenticate",
+    "idempotent-replayed",
+    "idempotent-body-omitted",
+];
+
 /// The shortest retention accepted: Redis keeps results in whole milliseconds, and below one
 /// the result would be deleted as soon as it was written.
 pub(crate) const MIN_RETENTION: Duration = Duration::from_millis(1);
@@ -138,11 +159,12 @@ impl DedupeConfig {
 /// | same key, different method, path or body | 422 ([`Reason::KeyReused`], configurable, e.g. 409) |
 /// | first attempt answered 5xx, 429, 408, or another 4xx with `Retry-After` (a 409 from a [`LockLayer`](crate::LockLayer) inside) | not stored; the claim is released, so a retry runs the handler again |
 /// | claim lost while the handler ran | handler cancelled, 503, nothing stored |
+/// | claim lost while the layer reads or relays the response body (the body may still be doing the handler's work) | the body dropped, nothing stored: a 503 while nothing went out, else a cut-off body ([`LeaseLostWhileStreaming`](crate::LeaseLostWhileStreaming)) |
 /// | client hangs up while the handler runs | handler cancelled (as axum does), claim released, nothing stored |
 /// | client hangs up after the handler answered | the result is still stored and the claim released (a task of its own finishes them), so the retry gets the replay |
 /// | result store write fails (backend refuses it or is down) | the first caller still gets the handler's answer; nothing is stored; the claim is released (with the backend down, it expires with its TTL), so a retry runs the handler again |
 /// | result store unreachable when a request arrives | 503 with `Retry-After: 1`; the handler does not run |
-/// | stored result changed from outside (a status no response has, a field gone) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error`; neither replayed nor run again until it expires or is deleted |
+/// | stored result changed from outside (a status no response has, a field gone, a value of another type) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error`; neither replayed nor run again until it expires or is deleted |
 /// | [`retention`](Self::retention) (1 ms to a year) or [`claim_ttl`](Self::claim_ttl) (lock-core's `MIN_TTL` to `MAX_TTL`) out of range | 500 ([`Reason::Misconfigured`]), logged at `error`; the handler does not run |
 /// | the claim's stored fence is 2^64 - 1 (`Error::FenceExhausted`: no claim is possible), or its server name holds another program's value (`Error::WrongType`) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error`; the handler does not run |
 /// | a backend with no result store (a Redlock quorum), an empty [`methods`](Self::methods) list, a JSON-body key with a [`request_body_limit`](Self::request_body_limit) of 0, or a [`reject_status`](Self::reject_status) that is not 4xx/5xx | 500 ([`Reason::Misconfigured`], no `Retry-After`), logged at `error`; the handler does not run |
@@ -522,7 +544,12 @@ impl DedupeLayer {
     }
 
     /// Replay this response header too (beside the defaults); naming one already listed
-    /// changes nothing.
+    /// changes nothing. `Set-Cookie` (a caller's session would go to whoever else sends the
+    /// key), the framing and hop-by-hop headers (`Content-Length`, `Transfer-Encoding`,
+    /// `Connection`, `Keep-Alive`, `Proxy-Connection`, `Upgrade`, `TE`, `Trailer`,
+    /// `Proxy-Authenticate`: they belong to one transfer, and the server sets them for the
+    /// replay's own) and the layer's own `Idempotent-Replayed` and `Idempotent-Body-Omitted` are
+    /// never replayed: naming one is ignored, with a warning.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};
@@ -545,6 +572,10 @@ impl DedupeLayer {
     /// # Ok(()) }
     /// ```
     pub fn replay_header(self, name: HeaderName) -> Self {
+        if NEVER_REPLAYED.contains(&name.as_str()) {
+            tracing::warn!(header = %name, "DedupeLayer::replay_header: this header is never replayed; ignored");
+            return self;
+        }
         self.with(|c| {
             // Listed twice, a header would be stored and replayed twice.
             if !c.replay_headers.contains(&name) {

@@ -13,7 +13,7 @@ use tracing::Instrument;
 
 use super::layer::DedupeConfig;
 use super::store::{Record, Store, StoreError};
-use crate::body::{BoxError, LockBody};
+use crate::body::{BoxError, LeaseLostWhileStreaming, LockBody};
 use crate::extract::Held;
 use crate::future::ResponseFuture;
 use crate::key::KeyProblem;
@@ -383,11 +383,20 @@ impl Completion {
         // A status that carries no body (1xx, 204, 304) may still name the length of one
         // (a 304's `Content-Length` is the representation's): nothing is to come.
         let declared = declared_len(&head, &body, None).filter(|_| !bodiless(head.status));
+        // The body may still be doing the handler's work; a claim lost meanwhile lets a
+        // duplicate run beside it, so the body is dropped rather than answered as handled.
+        let info = self.claim.info();
+        let mut lost = std::pin::pin!(info.lost());
         loop {
             if declared.is_some_and(|d| buf.len() as u64 >= d) {
                 break;
             }
-            match next_frame(&mut body).await {
+            let next = tokio::select! {
+                biased;
+                () = &mut lost => return self.lost_before_the_head(),
+                next = next_frame(&mut body) => next,
+            };
+            match next {
                 None if declared.is_some_and(|d| (buf.len() as u64) < d) => {
                     return self.cut_short().await;
                 }
@@ -472,6 +481,20 @@ impl Completion {
         Response::from_parts(head, LockBody::relayed(buf, rx, hint))
     }
 
+    /// The claim was lost while the body was read, before anything went to the caller: the
+    /// body (dropped with the caller of this) is cut, nothing is stored, and the caller is told
+    /// as when the claim is lost while the handler runs.
+    fn lost_before_the_head<B>(self) -> Response<LockBody<B>> {
+        tracing::warn!("claim lost while the response body was read; body dropped, nothing stored");
+        reject(
+            &self.cfg.rejections,
+            Reason::LeaseLost,
+            None,
+            "the claim on this delivery was lost before the response was complete; the \
+             response was dropped and nothing was stored",
+        )
+    }
+
     /// A body that ended before its declared length: the caller could not be sent it whole,
     /// so nothing is stored and the claim is freed for a retry.
     async fn cut_short<B>(self) -> Response<LockBody<B>> {
@@ -498,8 +521,22 @@ impl Completion {
     {
         let mut tx = Some(tx);
         let mut last = None;
+        // As below the cap: a claim lost while the body streams cuts it.
+        let info = self.claim.info();
+        let mut lost = std::pin::pin!(info.lost());
+        let lost_error = || -> BoxError {
+            tracing::warn!(
+                "claim lost while the response streamed above the stored-body cap; nothing stored"
+            );
+            Box::new(LeaseLostWhileStreaming::new(info.key().to_owned()))
+        };
         while left != Some(0) && !body.is_end_stream() {
-            match next_frame(&mut body).await {
+            let next = tokio::select! {
+                biased;
+                () = &mut lost => return self.cut_off(tx, lost_error()).await,
+                next = next_frame(&mut body) => next,
+            };
+            match next {
                 None => break,
                 Some(Ok(frame)) => {
                     // As below the cap, trailers are neither stored nor handed on; they are
@@ -518,12 +555,18 @@ impl Completion {
                         last = Some(frame);
                         break;
                     }
-                    if let Some(t) = &tx
-                        && t.send(Some(Ok(frame))).await.is_err()
-                    {
-                        // The caller hung up; the rest is read all the same, so that a body
-                        // that ends well is still recorded.
-                        tx = None;
+                    if let Some(t) = &tx {
+                        // A caller that stops reading holds the send; the claim may go meanwhile.
+                        let sent = tokio::select! {
+                            biased;
+                            () = &mut lost => return self.cut_off(tx, lost_error()).await,
+                            sent = t.send(Some(Ok(frame))) => sent,
+                        };
+                        if sent.is_err() {
+                            // The caller hung up; the rest is read all the same, so that a body
+                            // that ends well is still recorded.
+                            tx = None;
+                        }
                     }
                 }
                 Some(Err(e)) => {

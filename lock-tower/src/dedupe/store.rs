@@ -178,7 +178,15 @@ async fn redis_get<C: ConnectionLike + Send>(
         .arg(&["fp", "status", "headers", "body", "omitted"])
         .query_async(conn)
         .await
-        .map_err(|e| StoreError::Backend(e.to_string()))?;
+        .map_err(|e| {
+            // A result key of another type was written from outside, and does not expire with
+            // the retention: no retry reads it better.
+            if e.code() == Some("WRONGTYPE") {
+                StoreError::Corrupt(format!("the result key holds another type: {e}"))
+            } else {
+                StoreError::Backend(e.to_string())
+            }
+        })?;
     decode(fields)
 }
 
