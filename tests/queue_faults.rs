@@ -181,9 +181,16 @@ async fn foreign_types(flavor: Flavor) {
 async fn corrupt_attempts(flavor: Flavor) {
     let server = Server::start(flavor);
     let q = Queue::redis(&server.url(), "ca").await.expect("connect");
-    // Not an integer; and below zero, an integer but no fence (it was claimed, with a fence of
-    // -4 no client could read, and the claim reported the server unreachable).
-    for (dead, found) in [(1, "three"), (2, "-5")] {
+    // Not an integer; below zero, an integer but no fence (it was claimed, with a fence of -4
+    // no client could read, and the claim reported the server unreachable); 2^53 - 1 and 2^54,
+    // where the next attempt is past what Lua's doubles hold exactly (2^54 + 1 and 2^54 + 2
+    // were both handed out as the fence 2^54, and the first claim could settle the second's).
+    for (dead, found) in [
+        (1, "three"),
+        (2, "-5"),
+        (3, "9007199254740991"),
+        (4, "18014398509481984"),
+    ] {
         let corrupt = q.enqueue(b"corrupt").await.expect("enqueue");
         let next = q.enqueue(b"next").await.expect("enqueue");
         let jk = format!("{{leasehold:ca}}:job:{corrupt}");
@@ -205,6 +212,13 @@ async fn corrupt_attempts(flavor: Flavor) {
         let kept: String = server.cmd(&["HGET", &jk, "attempts"]);
         assert_eq!(kept, found);
     }
+    // The last exact fence is still handed out, exactly.
+    let last = q.enqueue(b"last").await.expect("enqueue");
+    let jk = format!("{{leasehold:ca}}:job:{last}");
+    let _: i64 = server.cmd(&["HSET", &jk, "attempts", "9007199254740990"]);
+    let got = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert_eq!((got.id(), got.attempts()), (last, 9_007_199_254_740_991));
+    got.complete().await.expect("complete");
     // Attempts changed from outside while the job was leased (-1 and -5 are below zero, 2.5
     // is no integer, nan is no number, inf and 1e30 are above any limit): the reaper moves it
     // as any other expired lease (past the attempt limit to the dead set) and says where,

@@ -72,10 +72,16 @@ for _ = 1, 100 do
       -- as it was found.
       redis.call('HINCRBY', jk, 'attempts', -1)
       why = 'below zero'
+    elseif not why and att >= 9007199254740992 then
+      -- 2^53 or more: the reply reached Lua as a double, rounded, so two claims could be handed
+      -- one fence (and the settle checks compare doubles too). Put back as it was found.
+      redis.call('HINCRBY', jk, 'attempts', -1)
+      why = 'above 2^53 - 1'
     end
     redis.call('ZREM', KEYS[1], id)
     if why then
-      -- An attempts field written from outside (not an integer, at its limit, or below zero)
+      -- An attempts field written from outside (not an integer, at its limit, above 2^53 - 1
+      -- or below zero)
       -- gives no fence to hand out, and a claim refused for it would stall every job behind
       -- it: the job dies with the reason, the field kept as it was found.
       redis.call('HSET', jk, 'state', 'dead', 'error', 'corrupt attempts field: ' .. why)

@@ -52,6 +52,12 @@
 //!   gets one shard's throughput; spread load over several queues.
 //! - On a single Redis primary with asynchronous replicas, a failover can lose the latest
 //!   claims and completions, as it can any write: a job may then run again.
+//! - On Redis / Valkey a lease runs on the server's wall clock: a step forward of that clock
+//!   (NTP stepping it, a resumed VM, a failover to a replica whose clock is ahead) ends
+//!   leases early, and the next reap hands their jobs to other workers while the first ones,
+//!   whose own deadlines are local, still run them until their next extend is refused (up to
+//!   a third of the lease). Run the servers' clocks in slew mode; the job's fence (its attempt
+//!   count) still refuses the late worker's writes where they are checked.
 //! - A server that loses writes (a failover, a restart without persistence, a flush) can hand
 //!   a job id out again, and the new job's claims count their attempts from 1 again. A
 //!   [`Claim`]'s own steps, and a [`Worker`]'s, carry the claim's token and are refused on the
