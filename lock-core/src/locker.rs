@@ -4,14 +4,14 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tracing::{Instrument, debug, debug_span, instrument};
+use tracing::{Instrument, debug, debug_span, instrument, warn};
 
 use crate::backend::{
     AcquireReply, AnyBackend, Backend, ClusterBackend, MemoryBackend, QuorumBackend, QuorumConfig,
     RedisBackend, RedisConfig,
 };
 use crate::error::{Error, Result};
-use crate::lease::{Lease, LeaseInfo};
+use crate::lease::{Lease, LeaseInfo, Release};
 use crate::renew::{self, Cmd, Inbox, LeaseState};
 use crate::turnstile::Turnstiles;
 use crate::types::{
@@ -961,7 +961,12 @@ impl<B: Backend + Clone> Locker<B> {
     /// Runs `body` while holding the lease on `key`, renewing it meanwhile, then releases it.
     ///
     /// If the lease is lost while the body runs, the body is dropped (cancelled) and the call
-    /// returns [`Error::LeaseLost`]; the work never runs on unprotected.
+    /// returns [`Error::LeaseLost`]: the body never runs past the lease's validity as this
+    /// process measures it. A lease taken away on the server (its key deleted from outside, a
+    /// failover that lost it) is noticed at the next renewal, up to about a third of the TTL
+    /// later, so writes the body makes elsewhere should carry the fence ([`FenceGate`]). A body
+    /// that finished is its result, whatever the release then finds; a release that finds the
+    /// lease gone, or fails, is logged at `warn`.
     ///
     /// ```
     /// use lock_core::{Locker, LockOptions};
@@ -988,9 +993,13 @@ impl<B: Backend + Clone> Locker<B> {
             biased;
             _ = lease.lost() => Err(Error::LeaseLost { key: lease.key().to_owned() }),
             out = fut => {
-                // The result is the body's; a lease that lapsed right at the end is still
-                // reported as released-or-not only in the logs.
-                let _ = lease.release().await;
+                // The body finished while the lease was, as far as we knew, held: its result
+                // stands, and what the release finds is only worth a warning.
+                match lease.release().await {
+                    Ok(Release::Released) => {}
+                    Ok(Release::NotHeld) => warn!(key, "with_lock: the lease had lapsed by the time the body finished"),
+                    Err(e) => warn!(key, error = %e, "with_lock: release failed; the lease expires with its ttl"),
+                }
                 Ok(out)
             }
         }
@@ -1831,6 +1840,116 @@ mod tests {
             ))))
         }
         forward_to_memory!();
+    }
+
+    #[derive(Clone)]
+    struct DeadReleases {
+        inner: MemoryBackend,
+    }
+
+    impl Backend for DeadReleases {
+        fn acquire(
+            &self,
+            key: &LockKey,
+            token: &Token,
+            ttl: Duration,
+        ) -> impl Future<Output = Result<AcquireReply>> + Send {
+            self.inner.acquire(key, token, ttl)
+        }
+        async fn release(&self, _: &LockKey, _: &Token) -> Result<bool> {
+            Err(Error::Unavailable(redis::RedisError::from((
+                redis::ErrorKind::Io,
+                "releases fail",
+            ))))
+        }
+        fn extend(
+            &self,
+            leases: &[(LockKey, Token)],
+            ttl: Duration,
+        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+            self.inner.extend(leases, ttl)
+        }
+        forward_to_memory!();
+    }
+
+    /// `with_lock` returns the body's result once it finished, whatever the release then
+    /// finds, and says at `warn` when that was not a clean release: the key deleted from outside
+    /// while the body ran (noticed by no renewal yet), or a release the backend refused.
+    #[tokio::test]
+    async fn with_lock_warns_of_a_release_that_found_the_lease_gone_or_failed() {
+        let logs = captured::Captured::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(logs.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::WARN)
+            .finish();
+        let _logging = tracing::subscriber::set_default(subscriber);
+
+        let memory = MemoryBackend::new();
+        let locker = Locker::new(memory.clone());
+        let key = locker.lock_key("deleted").expect("key");
+        let out = locker
+            .with_lock("deleted", &opts(Duration::from_secs(30)), |_| async {
+                assert!(memory.force_delete(&key), "held while the body runs");
+                7
+            })
+            .await;
+        assert_eq!(out.expect("the body's result"), 7);
+        let text = logs.text();
+        assert!(
+            text.contains("WARN") && text.contains("lapsed") && text.contains("deleted"),
+            "{text}"
+        );
+
+        let locker = Locker::new(DeadReleases {
+            inner: MemoryBackend::new(),
+        });
+        let out = locker
+            .with_lock("refused", &opts(Duration::from_secs(30)), |_| async { 8 })
+            .await;
+        assert_eq!(out.expect("the body's result"), 8);
+        let text = logs.text();
+        assert!(
+            text.contains("release failed") && text.contains("releases fail"),
+            "{text}"
+        );
+    }
+
+    /// A body that panics, or a `with_lock` call dropped while its body runs (a timeout around
+    /// it), leaves the key free at once, not held until its TTL.
+    #[tokio::test]
+    async fn with_lock_frees_the_key_when_its_body_panics_or_its_call_is_dropped() {
+        let memory = MemoryBackend::new();
+        let locker = Locker::new(memory.clone());
+        let key = locker.lock_key("k").expect("key");
+        let freed = || async {
+            let start = Instant::now();
+            while memory.is_held(&key) {
+                assert!(start.elapsed() < Duration::from_secs(5), "still held");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        let l = locker.clone();
+        let panicked = tokio::spawn(async move {
+            l.with_lock("k", &opts(Duration::from_secs(60)), |_| async {
+                if true {
+                    panic!("the body panics");
+                }
+            })
+            .await
+        })
+        .await;
+        assert!(panicked.is_err_and(|e| e.is_panic()));
+        freed().await;
+        let cut = tokio::time::timeout(
+            Duration::from_millis(50),
+            locker.with_lock("k", &opts(Duration::from_secs(60)), |_| {
+                std::future::pending::<()>()
+            }),
+        )
+        .await;
+        assert!(cut.is_err(), "the body never ends");
+        freed().await;
     }
 
     /// `with_lock` on a lost lease drops its body, returns `LeaseLost`, and releases the key:
