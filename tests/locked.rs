@@ -4,6 +4,8 @@
 //! binary (`tests/locked_default.rs`).
 #![cfg(feature = "macros")]
 
+#[path = "support/captured.rs"]
+mod captured;
 mod support;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -17,6 +19,7 @@ use leasehold::{
 use support::{Flavor, Server};
 use tokio::sync::{Barrier, Notify};
 use tokio::time::{Instant, sleep, timeout};
+use tracing::Instrument;
 
 enum Harness {
     Memory(MemoryBackend),
@@ -995,4 +998,34 @@ async fn a_nested_call_on_the_same_key_is_refused() {
     let (busy, waited) = outer_same(&locker).await.expect("outer ran");
     assert!(matches!(busy, Error::Busy { .. }), "{busy:?}");
     assert!(matches!(waited, Error::WaitTimeout { .. }), "{waited:?}");
+}
+
+#[locked(key = "caller-span", locker = locker)]
+async fn under_the_callers_span(locker: &Locker) -> Result<u64, Error> {
+    Ok(current_fence().expect("a fence").0)
+}
+
+/// The fence goes on the `locked` span alone. With that span disabled (a subscriber at INFO),
+/// a caller's span with a `fence` field of its own keeps it as the caller left it (it was
+/// written there, since the current span inside was the caller's).
+#[tokio::test]
+async fn the_fence_is_not_written_on_a_callers_span() {
+    let logs = captured::Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let _logging = tracing::subscriber::set_default(subscriber);
+    let locker = Locker::memory();
+    let caller = tracing::info_span!("caller", fence = tracing::field::Empty);
+    let fence = under_the_callers_span(&locker)
+        .instrument(caller.clone())
+        .await
+        .expect("locked");
+    assert!(fence > 0);
+    caller.in_scope(|| tracing::info!("after"));
+    let text = logs.text();
+    assert!(text.contains("after"), "{text}");
+    assert!(!text.contains("fence="), "{text}");
 }

@@ -16,4 +16,6 @@
 fn compile_errors() {
     let t = trybuild::TestCases::new();
     t.compile_fail("tests/ui/*.rs");
+    // Cases that must compile and run.
+    t.pass("tests/ui-pass/*.rs");
 }

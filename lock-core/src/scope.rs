@@ -156,6 +156,14 @@ pub mod __private {
     ///
     /// `from_lock_error` is [`LockedOutput::from_lock_error`], passed in rather than required as
     /// a bound so that a wrong return type is reported once, where the expansion names it.
+    /// Never called: `if false { return never::<R>(); }` at the top of the body names its
+    /// output type `R`, so that rustc checks its `?` and `return` against the function's written
+    /// return type. A call of a function that returns `R`, not `!`, leaves no unreachable code
+    /// for the expansion to allow (a crate that `forbid`s such a lint refuses an `allow`).
+    pub fn never<R>() -> R {
+        unreachable!("named by `#[locked]`'s expansion, never called")
+    }
+
     pub async fn locked<B, R, Fut>(
         locker: Result<Locker<B>>,
         key: String,
@@ -173,6 +181,9 @@ pub mod __private {
             key = %key,
             fence = field::Empty
         );
+        // Recorded on this span itself: with it disabled, `Span::current()` would be the
+        // caller's, and a `fence` field of theirs would be overwritten.
+        let own = span.clone();
         let run = async move {
             let locker = match locker {
                 Ok(l) => l,
@@ -193,7 +204,7 @@ pub mod __private {
                 Ok(lease) => lease,
                 Err(e) => return from_lock_error(e),
             };
-            tracing::Span::current().record("fence", lease.fence().0);
+            own.record("fence", lease.fence().0);
             let body = CURRENT.scope(lease.info(), body);
             tokio::select! {
                 biased;

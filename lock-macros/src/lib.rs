@@ -251,11 +251,10 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
     let krate = args.krate.unwrap_or_else(|| syn::parse_quote!(::leasehold));
     let private = quote!(#krate::__private);
     let site = Span::mixed_site();
-    let (locker_var, key_var, settings_var, fake_ret) = (
+    let (locker_var, key_var, settings_var) = (
         format_ident!("__lh_locker", span = site),
         format_ident!("__lh_key", span = site),
         format_ident!("__lh_settings", span = site),
-        format_ident!("__lh_fake_return", span = site),
     );
 
     let locker = match &args.locker {
@@ -293,22 +292,13 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
     let name = sig.ident.to_string();
 
     // Names the return type inside the body so that `?` and `return` infer against it before
-    // the body is checked, as tracing's `#[instrument]` does; an `impl Trait` in it is left to
-    // inference, the rest still pinned.
+    // the body is checked, as tracing's `#[instrument]` does, but with a call that returns it
+    // rather than unreachable code: that needs `#[allow]`s, which a crate that `forbid`s those
+    // lints refuses. An `impl Trait` in it is left to inference, the rest still pinned.
     let pinned = impl_inferred(&ret_ty);
     let pin_type = quote_spanned! {ret_ty.span()=>
-        #[allow(
-            unknown_lints,
-            unreachable_code,
-            clippy::diverging_sub_expression,
-            clippy::empty_loop,
-            clippy::let_unit_value,
-            clippy::needless_return,
-            clippy::unreachable
-        )]
         if false {
-            let #fake_ret: #pinned = loop {};
-            return #fake_ret;
+            return #private::never::<#pinned>();
         }
     };
     // Spanned at the return type, so a type that cannot carry the lock's errors is reported
