@@ -55,7 +55,9 @@ pub enum AcquireReply {
 /// yet: [`watch`](Backend::watch) must return a [`Watch`], which only this crate
 /// can make.
 ///
-/// Every operation is one atomic step on the backend. `release` and `extend` check the token and
+/// On one server (memory, Redis/Valkey, the shard of a cluster that holds the key) every
+/// operation is one atomic step; a quorum's are one such step on each member, with the
+/// outcome decided by the majority (see [`QuorumBackend`]). `release` and `extend` check the token and
 /// never touch a lease that is not the caller's; `extend` never recreates an expired lease. A
 /// `ttl` outside [`MIN_TTL`](crate::MIN_TTL)`..=`[`MAX_TTL`](crate::MAX_TTL) is refused with
 /// [`Error::InvalidTtl`](crate::Error::InvalidTtl) before anything is sent.
