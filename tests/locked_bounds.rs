@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use leasehold::{Error, Locker, MAX_TTL, MIN_TTL, locked};
+use leasehold::{Error, Locker, MAX_KEY_LEN, MAX_TTL, MIN_TTL, locked};
 
 #[path = "../lock-macros/src/ttl_bounds.rs"]
 mod mirrored;
@@ -23,6 +23,11 @@ fn mirrored_bounds_equal_lock_core() {
         MAX_TTL,
         "lock-macros/src/ttl_bounds.rs MAX_TTL"
     );
+    assert_eq!(
+        mirrored::MAX_KEY_LEN,
+        MAX_KEY_LEN,
+        "lock-macros/src/ttl_bounds.rs MAX_KEY_LEN"
+    );
 }
 
 #[locked(key = "shortest", locker = locker, ttl = "10ms")]
@@ -33,6 +38,12 @@ async fn shortest(locker: &Locker) -> Result<(), Error> {
 #[locked(key = "longest", locker = locker, ttl = "24h")]
 async fn longest(locker: &Locker) -> Result<Duration, Error> {
     Ok(leasehold::current_lease().expect("lease").remaining())
+}
+
+// The longest key literal the macro accepts (MAX_KEY_LEN bytes of fixed text).
+#[locked(key = "kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk", locker = locker)]
+async fn longest_key(locker: &Locker) -> Result<usize, Error> {
+    Ok(leasehold::current_lease().expect("lease").key().len())
 }
 
 /// The literals at the edges of the range the macro accepts are accepted at run time too.
@@ -48,5 +59,6 @@ async fn edge_literals_run() {
     );
     // What is left is net of the clock-drift allowance (1% of the TTL and 2 ms).
     let left = longest(&locker).await.expect("24h");
+    assert_eq!(longest_key(&locker).await.expect("512 bytes"), MAX_KEY_LEN);
     assert!(left > MAX_TTL * 98 / 100 && left <= MAX_TTL, "{left:?}");
 }

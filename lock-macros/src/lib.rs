@@ -68,7 +68,10 @@ fn parse_args(args: TokenStream2) -> syn::Result<Args> {
                 out.key = Some(match ungroup(meta.value()?.parse::<Expr>()?) {
                     Expr::Lit(ExprLit {
                         lit: Lit::Str(s), ..
-                    }) => Key::Format(s),
+                    }) => {
+                        check_key_literal(&s)?;
+                        Key::Format(s)
+                    }
                     e => Key::Expr(e),
                 });
             }
@@ -139,6 +142,54 @@ fn parse_args(args: TokenStream2) -> syn::Result<Args> {
 }
 
 /// Refuses a `ttl` literal that lock-core would refuse with `InvalidTtl` on every call.
+/// Refuses a key literal that lock-core would refuse with `InvalidKey` on every call, whatever
+/// its captures write: its fixed text (the literal less its `{...}` captures) is what every key
+/// it makes contains.
+fn check_key_literal(lit: &LitStr) -> syn::Result<()> {
+    let value = lit.value();
+    let mut fixed = String::new();
+    let mut captures = 0;
+    let mut chars = value.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '{' if chars.peek() == Some(&'{') => {
+                chars.next();
+                fixed.push('{');
+            }
+            '{' => {
+                captures += 1;
+                for c in chars.by_ref() {
+                    if c == '}' {
+                        break;
+                    }
+                }
+            }
+            '}' if chars.peek() == Some(&'}') => {
+                chars.next();
+                fixed.push('}');
+            }
+            // A lone `}` is `format!`'s to report.
+            '}' => {}
+            c => fixed.push(c),
+        }
+    }
+    let problem = if fixed.is_empty() && captures == 0 {
+        "the key is empty"
+    } else if fixed.contains(['{', '}']) {
+        "the key contains `{` or `}` (written `{{` or `}}`), which would break its hash tag"
+    } else if fixed.chars().any(char::is_control) {
+        "the key contains a control character"
+    } else if fixed.len() > ttl_bounds::MAX_KEY_LEN {
+        "the key's fixed text is longer than MAX_KEY_LEN (512 bytes)"
+    } else {
+        return Ok(());
+    };
+    Err(syn::Error::new(
+        lit.span(),
+        format!("{problem}: lock-core would refuse it with `InvalidKey` on every call"),
+    ))
+}
+
 /// An argument as written: a `macro_rules!` fragment (`$t:expr`) arrives wrapped in an
 /// invisible group, and a literal passed through one must still be read as a literal.
 fn ungroup(e: Expr) -> Expr {
