@@ -1179,6 +1179,53 @@ async fn waiter_woken_when_a_member_resubscribes() {
     );
 }
 
+/// A member slow to confirm a waiter's subscription (its round trip longer than the second the
+/// quorum gives each member's watch) still carries that waiter's wake-ups once it confirms: a
+/// release published on it alone wakes the waiter, not its timer. (The member's watch was
+/// dropped when the quorum stopped waiting for it, and with it the subscription.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_slow_to_confirm_a_subscription_still_wakes_its_waiter() {
+    let servers = start(Flavor::Redis, 3);
+    let holder_side = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let (proxies, waiter_side) = through_proxies(&servers).await;
+    let held = holder_side
+        .try_acquire("slow-sub", &opts(30_000))
+        .await
+        .expect("holder");
+    // 1.2 s a round trip to member 0, from the waiter's side only.
+    proxies[0].set_latency(Duration::from_millis(600));
+    let waiter = tokio::spawn(async move {
+        let started = Instant::now();
+        let lease = waiter_side
+            .acquire("slow-sub", &opts(5_000).wait(Duration::from_secs(20)))
+            .await;
+        (lease.map(|l| l.fence()), started.elapsed())
+    });
+    let k = holder_side.lock_key("slow-sub").expect("key");
+    for s in &servers {
+        s.wait_for_subscriber(k.channel()).await;
+    }
+    // Past the confirmation (1.2 s) and past an unsubscribe that would follow a dropped watch.
+    sleep(Duration::from_millis(3_000)).await;
+    proxies[0].set_latency(Duration::ZERO);
+    assert!(
+        !waiter.is_finished(),
+        "the waiter got the key while it was held"
+    );
+    for s in &servers {
+        let _: i64 = s.cmd(&["DEL", k.lock_key()]);
+    }
+    let at = Instant::now();
+    let _: i64 = servers[0].cmd(&["PUBLISH", k.channel(), "1"]);
+    let (fence, _) = waiter.await.expect("waiter task");
+    assert!(fence.expect("the waiter got the key") > held.fence());
+    assert!(
+        at.elapsed() < Duration::from_secs(3),
+        "woken by its timer, not by member 0's wake-up: {:?}",
+        at.elapsed()
+    );
+}
+
 /// A waiter on a quorum wakes on release even with a member down, long before the TTL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiter_wakes_with_a_member_down() {
