@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::time::Instant;
 
 use super::{AcquireReply, Backend};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::types::{KeyHash, LockKey, Token};
 use crate::wake::{Wakeups, Watch};
 
@@ -256,16 +256,28 @@ impl MemoryBackend {
             });
         }
         let clock = now_micros();
-        slot.fence = (slot.fence + 1).max(clock);
+        // As acquire.lua: no fence above 2^64 - 1 exists, so none is granted (nothing changed).
+        let Some(next) = slot.fence.checked_add(1) else {
+            return Err(Error::FenceExhausted {
+                key: key.user().to_owned(),
+            });
+        };
+        slot.fence = next.max(clock);
         slot.holder = Some((token.clone(), now + ttl));
         // As acquire.lua's `put_fence`: a fence ahead of the clock (a clock stepped back) is
         // kept the keep past the moment the clock reaches it, and one over a year ahead for
         // ever; forgotten sooner, the next grant could take a lower one from the clock. A keep
-        // too long to add is as good as for ever (it is at most a year anyway).
+        // too long to add is as good as for ever. The keep is capped at a year as the Redis
+        // backend caps it: this trait method is public, and a caller may pass `Duration::MAX`.
         let ahead = Duration::from_micros(slot.fence - clock);
         slot.forget_at = keep
             .filter(|_| ahead <= crate::types::MAX_KEEP_FENCE)
-            .and_then(|keep| now.checked_add(keep.max(ttl) + ahead));
+            .and_then(|keep| {
+                keep.min(crate::types::MAX_KEEP_FENCE)
+                    .max(ttl)
+                    .checked_add(ahead)
+            })
+            .and_then(|keep| now.checked_add(keep));
         Ok(AcquireReply::Granted { fence: slot.fence })
     }
 }
@@ -406,6 +418,50 @@ mod tests {
             Poll::Ready(out) => out,
             Poll::Pending => panic!("memory operations complete at once"),
         }
+    }
+
+    /// A keep of `Duration::MAX` ("for ever", as a caller of the public trait method may
+    /// pass) on a fence ahead of the clock is capped as on Redis: granted, not a panic that
+    /// left the key held by a token nobody was given. And a stored fence of 2^64 - 1 refuses
+    /// the grant with nothing changed, as acquire.lua does.
+    #[test]
+    fn extreme_keeps_and_fences_are_refused_or_capped_not_a_panic() {
+        let memory = MemoryBackend::new();
+        let key = crate::Locker::memory().lock_key("k").expect("key");
+        let ahead = Slot {
+            holder: None,
+            fence: now_micros() + 1_000_000,
+            forget_at: None,
+        };
+        memory.state().keys.insert(key.clone(), ahead);
+        let granted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            at_once(memory.acquire_keeping_fence(
+                &key,
+                &Token::generate(),
+                Duration::from_secs(1),
+                Duration::MAX,
+            ))
+        }));
+        assert!(
+            matches!(granted, Ok(Ok(AcquireReply::Granted { .. }))),
+            "{granted:?}"
+        );
+
+        let spent = crate::Locker::memory().lock_key("spent").expect("key");
+        let last = Slot {
+            holder: None,
+            fence: u64::MAX,
+            forget_at: None,
+        };
+        memory.state().keys.insert(spent.clone(), last);
+        let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            at_once(memory.acquire(&spent, &Token::generate(), Duration::from_secs(1)))
+        }));
+        assert!(
+            matches!(refused, Ok(Err(Error::FenceExhausted { .. }))),
+            "{refused:?}"
+        );
+        assert!(!memory.is_held(&spent));
     }
 
     /// An extend (or a grant) that waits for the store's lock judges the lease when it gets
