@@ -1538,6 +1538,29 @@ mod tests {
         ));
     }
 
+    /// Back-to-back explicit extends on a paused (or coarse) clock: the second, longer one
+    /// counts, as it does on the server. (Its send time equalled the first's answer time, and
+    /// the tie was read as the second having been sent before the first was answered, so its
+    /// longer deadline was dropped: `remaining()` about 2 s and `lost()` then, while the store
+    /// held the lease for 10 s.)
+    #[tokio::test(start_paused = true)]
+    async fn back_to_back_extends_count_the_last() {
+        let locker = Locker::memory();
+        let lease = locker
+            .try_acquire("k", &opts(Duration::from_secs(1)).renew(false))
+            .await
+            .expect("acquire");
+        lease.extend(Duration::from_secs(2)).await.expect("2 s");
+        lease.extend(Duration::from_secs(10)).await.expect("10 s");
+        assert!(
+            lease.remaining() > Duration::from_secs(9),
+            "{:?}",
+            lease.remaining()
+        );
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(!lease.is_lost());
+    }
+
     /// A renewal on its way when the holder releases finds the key deleted by that release:
     /// the lease ended, it was not lost, and no warning says so. (It warned "lease lost: the
     /// server no longer holds it" on an ordinary release.)

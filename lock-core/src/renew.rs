@@ -361,8 +361,14 @@ impl LeaseState {
         };
         let before = t.alarm;
         // Sent before the last extend's reply came: it may have run before or after that extend
-        // on the server, so it may only shorten.
-        let overtaken = t.sent_before_extend(sent);
+        // on the server, so it may only shorten. Explicit extends of one lease go one at a time
+        // (the next is sent after the last one's answer was counted), so for one a tie is a clock
+        // too coarse or paused to tell them apart, not an overtaking: it counts as sent after.
+        let overtaken = if explicit {
+            t.extended_at.is_some_and(|at| sent < at)
+        } else {
+            t.sent_before_extend(sent)
+        };
         let takes = if overtaken {
             deadline < t.deadline
         } else {
