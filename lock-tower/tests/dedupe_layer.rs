@@ -2496,6 +2496,52 @@ async fn store_refused_while_read_only(s: support::Server) {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
+/// Out of memory (`maxmemory 1`, `noeviction`) from inside the handler: the store script
+/// deletes before it writes, and a script that has written is let finish, so the result is
+/// still stored and the claim released; a duplicate, with memory still full, gets the replay.
+async fn stored_while_out_of_memory(s: support::Server) {
+    let locker = lock_core::Locker::redis(&s.url()).await.expect("connect");
+    let s = Arc::new(s);
+    let s2 = s.clone();
+    let (app, runs) = faulting_on_first_run(&locker, "full", Duration::from_secs(2), move || {
+        set_refusing(&s2, Refusing::Oom, true)
+    });
+    let addr = serve(app).await;
+    let (lock_key, result_key) = claim_keys(&locker, "full", "k");
+    let first = deliver_to(addr, "/hooks/full", r#""k""#).await;
+    assert_eq!(
+        (first.status, first.text().as_str()),
+        (StatusCode::CREATED, "run 0")
+    );
+    assert_eq!(
+        s.cmd::<i64>(&["EXISTS", &result_key]),
+        1,
+        "no result stored"
+    );
+    assert_eq!(
+        s.cmd::<i64>(&["EXISTS", &lock_key]),
+        0,
+        "the claim was not released"
+    );
+    let dup = deliver_to(addr, "/hooks/full", r#""k""#).await;
+    assert_eq!(
+        (
+            dup.status,
+            dup.text().as_str(),
+            dup.header("idempotent-replayed")
+        ),
+        (StatusCode::CREATED, "run 0", Some("true"))
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // The fault was on all along: a plain write is still refused.
+    let refused: Result<(), _> = ::redis::cmd("SET")
+        .arg("probe")
+        .arg("1")
+        .query(&mut s.conn());
+    assert!(refused.is_err(), "memory was not full");
+    set_refusing(&s, Refusing::Oom, false);
+}
+
 /// The layer against a server that refuses commands.
 mod refusing {
     use super::*;
@@ -2528,6 +2574,22 @@ mod refusing {
     async fn store_refused_while_read_only_on_redis() {
         common::bounded(store_refused_while_read_only(support::Server::start(
             support::Flavor::Redis,
+        )))
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stored_while_out_of_memory_on_redis() {
+        common::bounded(stored_while_out_of_memory(support::Server::start(
+            support::Flavor::Redis,
+        )))
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stored_while_out_of_memory_on_valkey() {
+        common::bounded(stored_while_out_of_memory(support::Server::start(
+            support::Flavor::Valkey,
         )))
         .await
     }
