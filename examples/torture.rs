@@ -15,6 +15,9 @@
 //! `--persist`
 //! (the lock server runs with `appendonly yes`, `appendfsync always`), `--break-resource` (a
 //! self-test: the resource accepts every write, and the checker must then FAIL the run),
+//! `--break-lease` (a self-test, on one server: one grant in four has its lock key deleted
+//! behind its holder's back, as a server that lost it would, and the checker must then FAIL the
+//! run on unexplained double grants),
 //! `--events FILE` (every fault and event as JSON lines), `--deploy quorum` (three lock
 //! servers and `Locker::redlock`; server faults hit one member at random; default `single`),
 //! `--deploy cluster` (a Redis Cluster of three masters with one replica each and
@@ -175,6 +178,9 @@ struct Opts {
     faults: Vec<String>,
     persist: bool,
     break_resource: bool,
+    /// `--break-lease`: a client deletes the lock key of one grant in four right after it is
+    /// granted, so that another holder is granted while the first still holds.
+    break_lease: bool,
     /// `--force-failover`: after a master kill, promote its replica at once with
     /// `CLUSTER FAILOVER FORCE` instead of waiting for the cluster to notice.
     force_failover: bool,
@@ -217,6 +223,8 @@ usage: cargo run --all-features --example torture -- [options]
                       ballast on the master, so what it acknowledges in the next ttl/2 to 1
                       TTL never reaches the replica and is lost; implies --force-failover
   --break-resource    self-test: the resource accepts every write; the run must FAIL
+  --break-lease       self-test (single): one grant in four has its lock key deleted behind
+                      its holder's back; the run must FAIL on unexplained double grants
   --events FILE       write every fault and event as JSON lines
 
 Faults: pause (SIGSTOP a holder's process for 2-3 TTLs), crash (SIGKILL a child, start a new
@@ -245,6 +253,7 @@ fn parse_args() -> Result<Opts, BoxError> {
         faults: ALL_FAULTS.map(String::from).to_vec(),
         persist: false,
         break_resource: false,
+        break_lease: false,
         force_failover: false,
         lag_replica: false,
         deploy: Deploy::Single,
@@ -266,6 +275,7 @@ fn parse_args() -> Result<Opts, BoxError> {
         if [
             "--persist",
             "--break-resource",
+            "--break-lease",
             "--force-failover",
             "--lag-replica",
         ]
@@ -273,6 +283,7 @@ fn parse_args() -> Result<Opts, BoxError> {
         {
             o.persist |= flag == "--persist";
             o.break_resource |= flag == "--break-resource";
+            o.break_lease |= flag == "--break-lease";
             o.lag_replica |= flag == "--lag-replica";
             o.force_failover |= flag == "--force-failover" || o.lag_replica;
             i += 1;
@@ -352,6 +363,9 @@ fn parse_args() -> Result<Opts, BoxError> {
             return Err(format!("fault `{f}` is not one of {}{why}", kinds.join(",")).into());
         }
     }
+    if o.break_lease && o.deploy != Deploy::Single {
+        return Err("--break-lease needs --deploy single".into());
+    }
     if o.force_failover && o.deploy != Deploy::Cluster {
         return Err("--force-failover and --lag-replica need --deploy cluster".into());
     }
@@ -402,12 +416,23 @@ async fn child_main(opts: Opts, index: usize, incarnation: usize) -> Result<(), 
     let res = redis::Client::open(opts.res_url.as_str())?
         .get_multiplexed_async_connection()
         .await?;
+    // `--break-lease`: a connection of its own to the lock server, to delete lock keys on.
+    let breaker = if opts.break_lease {
+        Some(
+            redis::Client::open(opts.url.as_str())?
+                .get_multiplexed_async_connection()
+                .await?,
+        )
+    } else {
+        None
+    };
     let mut tasks = Vec::new();
     for t in 0..opts.tasks {
         let (locker, res, o) = (locker.clone(), res.clone(), opts.clone());
+        let breaker = breaker.clone();
         let id = format!("{index}.{incarnation}.{t}");
         let seed = opts.seed ^ ((index as u64) << 32) ^ ((incarnation as u64) << 16) ^ t as u64;
-        tasks.push(tokio::spawn(client(locker, res, o, id, seed)));
+        tasks.push(tokio::spawn(client(locker, res, breaker, o, id, seed)));
     }
     // The lag probe: a timer that should wake every 5 ms. When it wakes much later, this
     // process was not running (a loaded machine), which is what a late `lost()` of a holder
@@ -430,6 +455,7 @@ async fn child_main(opts: Opts, index: usize, incarnation: usize) -> Result<(), 
     let _ = probe.await;
     drop(locker);
     drop(res);
+    drop(breaker);
     // Whatever is still alive now (renewal driver, watchers, release tasks) is work left
     // running after every lease was released and the locker dropped.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -445,6 +471,7 @@ async fn child_main(opts: Opts, index: usize, incarnation: usize) -> Result<(), 
 async fn client(
     locker: Locker,
     mut res: redis::aio::MultiplexedConnection,
+    mut breaker: Option<redis::aio::MultiplexedConnection>,
     o: Opts,
     id: String,
     seed: u64,
@@ -516,6 +543,15 @@ async fn client(
                 );
             }
         });
+
+        // `--break-lease`: the key deleted behind this holder's back, which the server never
+        // does on its own (no fault here explains the next holder's grant).
+        if let Some(conn) = breaker.as_mut()
+            && rng.range(0, 4) == 0
+            && let Ok(k) = locker.lock_key(&key)
+        {
+            let _: Result<i64, _> = redis::cmd("DEL").arg(k.lock_key()).query_async(conn).await;
+        }
 
         // Negative control, part 1: read the unfenced counter.
         let counter = format!("cnt:{key}");
@@ -1006,6 +1042,9 @@ fn spawn_child(
     let mut cmd = Command::new(std::env::current_exe()?);
     if opts.break_resource {
         cmd.arg("--break-resource");
+    }
+    if opts.break_lease {
+        cmd.arg("--break-lease");
     }
     let mut child = cmd
         .args(["--child", &format!("{index}.{incarnation}")])
@@ -1763,10 +1802,10 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
                         && b.t_start <= f.t_promoted + ttl_us
                 }) {
                     "failover after a master kill lost the grant or renewal"
-                } else if a.lost_t.is_some()
-                    || a.result.as_deref() == Some("not_held")
-                    || a.deadline.is_some_and(|d| d <= b.t_start)
-                {
+                } else if a.deadline.is_some_and(|d| d <= b.t_start) {
+                    // Only a local deadline passed explains it: a holder told `lost()` after the
+                    // later grant, or whose release found the lease gone, still believed it held
+                    // while the other was granted (the overlap `--break-lease` makes).
                     lapsed = Some(a);
                     "lease lapsed, holder not paused"
                 } else {
