@@ -1,5 +1,7 @@
 //! `DedupeLayer` over a real axum server and a real HTTP client, on memory, Redis and Valkey.
 
+#[path = "../../tests/support/captured.rs"]
+mod captured;
 mod common;
 #[path = "../../tests/support/mod.rs"]
 mod support;
@@ -3081,6 +3083,26 @@ async fn the_default_allow_list_is_replayed(h: Harness) {
 #[tokio::test]
 async fn headers_never_replayed_stay_off_the_replay() {
     use http::header::{CONNECTION, CONTENT_LENGTH, SET_COOKIE};
+    let logs = captured::Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .finish();
+    let layer = tracing::subscriber::with_default(subscriber, || {
+        DedupeLayer::new(lock_core::Locker::memory())
+            .replay_header(SET_COOKIE)
+            .replay_header(CONTENT_LENGTH)
+            .replay_header(CONNECTION)
+            .replay_header(HeaderName::from_static("x-kept"))
+            .stored_body_limit(4)
+    });
+    // One warning for each header ignored, none for the one kept.
+    let text = logs.text();
+    assert_eq!(text.matches("WARN").count(), 3, "{text}");
+    assert!(
+        text.contains("set-cookie") && text.contains("never replayed") && !text.contains("x-kept"),
+        "{text}"
+    );
     let app = Router::new()
         .route(
             "/hooks/cookie",
@@ -3091,14 +3113,7 @@ async fn headers_never_replayed_stay_off_the_replay() {
                 )
             }),
         )
-        .layer(
-            DedupeLayer::new(lock_core::Locker::memory())
-                .replay_header(SET_COOKIE)
-                .replay_header(CONTENT_LENGTH)
-                .replay_header(CONNECTION)
-                .replay_header(HeaderName::from_static("x-kept"))
-                .stored_body_limit(4),
-        );
+        .layer(layer);
     let addr = serve(app).await;
     let first = deliver_to(addr, "/hooks/cookie", r#""c-1""#).await;
     assert_eq!(first.header("set-cookie"), Some("sid=first-caller"));
