@@ -141,6 +141,48 @@ async fn client_kill(flavor: Flavor) {
     assert_eq!(a.release().await.expect("release"), Release::Released);
 }
 
+/// A reconnect refused at its `AUTH` (the ACL user's password changed under a running
+/// locker; `maxclients` refuses the same way) does not stay the connection's answer: once the
+/// password is back, requests succeed again. (redis-rs's manager reconnects by itself only
+/// after an I/O error, and answered every later request "authentication failed", for good.)
+async fn a_refused_reconnect_is_tried_again(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.acl_user_url())
+        .await
+        .expect("connect");
+    drop(
+        locker
+            .try_acquire("before", &opts(5_000))
+            .await
+            .expect("before"),
+    );
+    let _: () = server.cmd(&["ACL", "SETUSER", "leasehold", "resetpass", ">rotated"]);
+    let _: i64 = server.cmd(&["CLIENT", "KILL", "USER", "leasehold"]);
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        match locker.try_acquire("during", &opts(1_000)).await {
+            Err(_) => break,
+            Ok(_) if Instant::now() < give_up => sleep(Duration::from_millis(50)).await,
+            Ok(_) => panic!("still answered with the password changed"),
+        }
+    }
+    // Past the manager's own reconnect attempts, which the changed password refuses.
+    sleep(Duration::from_millis(1_500)).await;
+    // The rule of docs/leasehold.acl again, with its password.
+    server.acl_user_url();
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        match locker.try_acquire("after", &opts(1_000)).await {
+            Ok(_) => break,
+            Err(e) if Instant::now() < give_up => {
+                let _ = e;
+                sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("no recovery once the password was back: {e}"),
+        }
+    }
+}
+
 /// A key holding another type is reported and left untouched.
 async fn wrong_type(flavor: Flavor) {
     let server = Server::start(flavor);
@@ -1138,6 +1180,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn client_kill() {
                 super::client_kill($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_refused_reconnect_is_tried_again() {
+                super::a_refused_reconnect_is_tried_again($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn wrong_type() {

@@ -328,7 +328,10 @@ impl RedisBackend {
 /// manager, which reconnects only on a dropped connection, keeps sending on it until the
 /// kernel gives up on the socket (about a quarter of an hour). So after a request times out,
 /// a `PING` checks the connection (within the connection timeout), and a connection that does
-/// not answer it is replaced by a new one; requests still waiting on the old one time out.
+/// not answer it is replaced by a new one; requests still waiting on the old one time out. The
+/// same check follows a failure that is neither the server's answer nor an I/O error (which the
+/// manager handles): a reconnect refused at its `AUTH` (a password rotated, a server at
+/// `maxclients`) would otherwise stay the manager's answer to every request.
 ///
 /// ```no_run
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -391,7 +394,8 @@ impl RedisConn {
         self.timed_out(manager, generation);
     }
 
-    /// After a request on `manager` (the `generation`th) timed out: checks it, and replaces it
+    /// After a request on `manager` (the `generation`th) timed out, or failed as
+    /// [`needs_a_check`] says: checks it, and replaces it
     /// if it is silent. Only the current one: a request sent before a replacement may time out
     /// after it, on the connection already replaced.
     fn timed_out(&self, manager: ConnectionManager, generation: u64) {
@@ -440,12 +444,22 @@ impl RedisConn {
     }
 }
 
+/// Whether a failed request calls for a check of its connection: a timeout (a silent
+/// connection), or a failure that is neither the server's answer nor an I/O error. redis-rs's
+/// manager reconnects by itself after an I/O error (checking then too would race its
+/// reconnect); a reconnect that failed otherwise (its `AUTH` refused, as while a password is
+/// rotated or the server is at `maxclients`) stays its answer to every later request, for
+/// good, unless the connection is replaced.
+fn needs_a_check(e: &redis::RedisError) -> bool {
+    e.is_timeout() || (e.code().is_none() && !e.is_io_error())
+}
+
 impl redis::aio::ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
         let (mut manager, generation) = self.current();
         Box::pin(async move {
             let answer = manager.req_packed_command(cmd).await;
-            if answer.as_ref().is_err_and(redis::RedisError::is_timeout) {
+            if answer.as_ref().is_err_and(needs_a_check) {
                 self.timed_out(manager, generation);
             }
             answer
@@ -461,7 +475,7 @@ impl redis::aio::ConnectionLike for RedisConn {
         let (mut manager, generation) = self.current();
         Box::pin(async move {
             let answer = manager.req_packed_commands(pipeline, offset, count).await;
-            if answer.as_ref().is_err_and(redis::RedisError::is_timeout) {
+            if answer.as_ref().is_err_and(needs_a_check) {
                 self.timed_out(manager, generation);
             }
             answer
