@@ -194,7 +194,9 @@ impl KeyExtractor {
     }
 
     /// The value of a header, which must be visible ASCII; an empty or blank value (only
-    /// whitespace, trimmed away) counts as absent.
+    /// whitespace, trimmed away) counts as absent. A header sent more than once is an invalid
+    /// key (400, even with `pass_through_without_key`): the layer would lock on one value while
+    /// the handler may read another. The same holds for the other header extractors.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};
@@ -332,7 +334,11 @@ impl KeyExtractor {
     /// A string that is empty or only whitespace counts as absent (as an empty header does), so
     /// malformed events do not all share one key; so does an empty body. A body that is not JSON
     /// the layer can read is an invalid key (400, even with `pass_through_without_key`): the
-    /// handler's own parser might still find the key in it, and must not run unlocked. A number is used as its decimal text, so `7`
+    /// handler's own parser might still find the key in it, and must not run unlocked. So is a
+    /// body whose shape the pointer does not fit (an array where it names a field, a string or
+    /// number on its path): serde's derive fills a struct from an array by position, so
+    /// `["7", 10]` is account 7 to a handler. An object without the field, or `null` on the
+    /// path, is no key. A number is used as its decimal text, so `7`
     /// and `"7"` are one key (as a route parameter `7` and a body field `7` name one account);
     /// only whole numbers within 64 bits are keys (`7.5` or `1e30` are invalid, 400), since
     /// others are rounded when parsed and distinct ids could share a key.
@@ -497,7 +503,7 @@ impl KeyExtractor {
                             "the body field `{pointer}` is neither a string nor a number"
                         )));
                     }
-                    None => return Err(missing(format!("the body has no field `{pointer}`"))),
+                    None => return Err(no_field(&value, pointer)),
                 };
                 if key.trim().is_empty() {
                     return Err(missing(format!("the body field `{pointer}` is empty")));
@@ -514,6 +520,45 @@ impl KeyExtractor {
                 .ok_or_else(|| missing("the request has no key")),
         }
     }
+}
+
+/// Why `pointer` finds nothing in `value`. Missing only where a handler's parser finds no key
+/// either: the nearest value on the path that exists is an object without the next field,
+/// `null`, or an array too short for the next index. Any other shape is not "no key" (which
+/// may pass through unlocked): an array reached with a field name (serde's derive fills a
+/// struct from an array by position, so `["7", 10]` is account 7 to the handler), or a string
+/// or number where an object should be.
+fn no_field(value: &serde_json::Value, pointer: &str) -> KeyProblem {
+    use serde_json::Value;
+    let absent = || missing(format!("the body has no field `{pointer}`"));
+    let mut at = value;
+    for token in pointer.split('/').skip(1) {
+        let token = token.replace("~1", "/").replace("~0", "~");
+        at = match at {
+            Value::Object(map) => match map.get(&token) {
+                Some(next) => next,
+                None => return absent(),
+            },
+            Value::Null => return absent(),
+            Value::Array(items) => match token.parse::<usize>() {
+                Ok(i) => match items.get(i) {
+                    Some(next) => next,
+                    None => return absent(),
+                },
+                Err(_) => {
+                    return invalid(format!(
+                        "the body has an array where `{pointer}` names a field"
+                    ));
+                }
+            },
+            _ => {
+                return invalid(format!(
+                    "the body has a string, number or boolean on the path of `{pointer}`"
+                ));
+            }
+        };
+    }
+    absent()
 }
 
 /// A request's key, as the lock layer reads it: a route parameter stays in the parameter list
@@ -581,8 +626,15 @@ pub(crate) fn full_uri(parts: &Parts) -> &http::Uri {
 }
 
 /// A header's value, trimmed; an empty one counts as absent, so that `webhook-id:` falls back
-/// to `svix-id` and such requests do not all share one empty key.
+/// to `svix-id` and such requests do not all share one empty key. A header sent more than once
+/// is no key: the layer would lock on one value while a handler or an upstream may read
+/// another (an empty first one would even pass through unlocked).
 fn header_text(parts: &Parts, name: &HeaderName) -> Result<Option<String>, KeyProblem> {
+    if parts.headers.get_all(name).iter().nth(1).is_some() {
+        return Err(invalid(format!(
+            "the `{name}` header is sent more than once"
+        )));
+    }
     match parts.headers.get(name) {
         None => Ok(None),
         Some(v) => v
@@ -666,6 +718,73 @@ mod tests {
             .build()
             .expect("runtime");
         rt.block_on(KeyExtractor::json_field(pointer).extract(&mut parts, Some(&body)))
+    }
+
+    /// A key header sent twice is refused, whichever of its values is empty: the layer would
+    /// lock one value while the handler may read the other.
+    #[test]
+    fn a_repeated_key_header_is_not_a_key() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        for values in [["", "7"], ["8", "7"]] {
+            let mut req = http::Request::new(());
+            for v in values {
+                req.headers_mut().append(
+                    "x-account",
+                    http::HeaderValue::from_str(v).expect("header value"),
+                );
+            }
+            let (mut parts, ()) = req.into_parts();
+            let got = rt.block_on(
+                KeyExtractor::header(HeaderName::from_static("x-account"))
+                    .extract(&mut parts, None),
+            );
+            assert!(
+                matches!(&got, Err(p) if p.reason == Reason::InvalidKey),
+                "{values:?}: {:?}",
+                got.as_ref().map_err(|p| (p.reason, &p.detail))
+            );
+        }
+    }
+
+    /// A body where the field's path meets an array or a scalar is not "no key": a handler's
+    /// parser may read the key there (serde's derive fills a struct from an array by position),
+    /// so it must not pass through unlocked. An object without the field, `null`, or an array
+    /// too short for an index is still no key.
+    #[test]
+    fn a_path_through_an_array_or_scalar_is_not_a_missing_key() {
+        for (ptr, body) in [
+            ("/account", &br#"["7",10]"#[..]),
+            ("/account/id", br#"{"account":["7"]}"#),
+            ("/account/id", br#"{"account":"7"}"#),
+        ] {
+            let got = extract_json(ptr, body);
+            assert!(
+                matches!(&got, Err(p) if p.reason == Reason::InvalidKey),
+                "{ptr} {}: {:?}",
+                String::from_utf8_lossy(body),
+                got.as_ref().map_err(|p| (p.reason, &p.detail))
+            );
+        }
+        for (ptr, body) in [
+            ("/account", &br#"{"amount":10}"#[..]),
+            ("/account/id", br#"{"account":null}"#),
+            ("/account/id", br#"{"account":{}}"#),
+            ("/items/1", br#"{"items":["a"]}"#),
+        ] {
+            let got = extract_json(ptr, body);
+            assert!(
+                matches!(&got, Err(p) if p.reason == Reason::MissingKey),
+                "{ptr} {}: {:?}",
+                String::from_utf8_lossy(body),
+                got.as_ref().map_err(|p| (p.reason, &p.detail))
+            );
+        }
+        assert_eq!(
+            extract_json("/items/0", br#"{"items":["a"]}"#).ok(),
+            Some("a".to_owned())
+        );
     }
 
     proptest::proptest! {
