@@ -39,7 +39,8 @@ pub struct RedisConfig {
     /// How long one command may wait for its reply before it fails (default 2 s), so that a dead
     /// server turns into an error rather than a hang.
     pub response_timeout: Duration,
-    /// How long connecting may take (default 2 s).
+    /// How long connecting may take (default 2 s): the first connect as a whole, retries
+    /// included, and each attempt of a reconnect.
     pub connection_timeout: Duration,
     /// For `rediss://` URLs (feature `tls`): the certificate authorities to trust, in PEM, instead
     /// of the platform's. `None` (the default) uses the platform's trust store.
@@ -363,7 +364,20 @@ impl RedisConn {
         config: ConnectionManagerConfig,
         patience: Duration,
     ) -> redis::RedisResult<RedisConn> {
-        let manager = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+        // The manager's own retries (each attempt bounded by the connection timeout) inside one
+        // bound: connecting as a whole takes at most the connection timeout, as documented, not
+        // one per attempt plus the backoff between them.
+        let manager = tokio::time::timeout(
+            patience,
+            ConnectionManager::new_with_config(client.clone(), config.clone()),
+        )
+        .await
+        .map_err(|_| {
+            redis::RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "connecting took longer than the connection timeout",
+            ))
+        })??;
         Ok(RedisConn(Arc::new(Shared {
             now: Mutex::new((manager, 0)),
             client,
