@@ -99,29 +99,27 @@ run_torture --seed 6 --secs 20 --persist --faults pause,restart
 run_torture --deploy quorum --seed 1 --secs 20
 run_torture --deploy cluster --seed 1 --secs 30
 run_torture --deploy cluster --seed 1 --secs 20 --faults masterkill --lag-replica
-# The checker's self-test: with the resource script swapped for one that accepts every write,
-# the run must fail on stale writes; a checker that passes this would pass anything.
-echo "torture --seed 4 --secs 15 --faults pause --break-resource (self-test: must fail on stale writes)"
-selftest=$(cargo run --all-features --example torture -- --seed 4 --secs 15 --faults pause --break-resource 2>&1) \
-  && st=0 || st=$?
-echo "$selftest" | sed -n '/^result:/,$p'
-# A here-string, not a pipe: grep -q stops reading at its first match, and under pipefail a
-# writer cut off mid-way would fail the check.
-if [ "$st" = 0 ] || ! grep -Eq '^  - [1-9][0-9]* stale writes accepted' <<< "$selftest"; then
-  echo "error: the torture self-test did not fail on stale writes (exit $st)" >&2
-  torture=1
-fi
-# The second self-test: with one grant in four deleted behind its holder's back (no fault the
-# checker knows explains the next grant), the run must fail on unexplained double grants; a
-# checker that took a holder told of its loss only afterwards for a lapsed lease passed it.
-echo "torture --seed 4 --secs 15 --faults pause --break-lease (self-test: must fail on unexplained double grants)"
-selftest=$(cargo run --all-features --example torture -- --seed 4 --secs 15 --faults pause --break-lease 2>&1) \
-  && st=0 || st=$?
-echo "$selftest" | sed -n '/^result:/,$p'
-if [ "$st" = 0 ] || ! grep -Eq '^  - [1-9][0-9]* unexplained double grants' <<< "$selftest"; then
-  echo "error: the torture self-test did not fail on unexplained double grants (exit $st)" >&2
-  torture=1
-fi
+# The checker's self-tests: each breaks one thing on purpose, and the run must fail with the
+# line that names it; a checker that passes them would pass anything. `--break-resource` swaps
+# the resource script for one that accepts every write (stale writes); `--break-lease` deletes
+# one grant in four behind its holder's back, which no fault the checker knows explains
+# (unexplained double grants; a checker that took a holder told of its loss only afterwards for
+# a lapsed lease passed it).
+selftest() {
+  local flag=$1 failure=$2 out st
+  echo "torture --seed 4 --secs 15 --faults pause $flag (self-test: must fail on $failure)"
+  out=$(cargo run --all-features --example torture -- --seed 4 --secs 15 --faults pause "$flag" 2>&1) \
+    && st=0 || st=$?
+  echo "$out" | sed -n '/^result:/,$p'
+  # A here-string, not a pipe: grep -q stops reading at its first match, and under pipefail a
+  # writer cut off mid-way would fail the check.
+  if [ "$st" = 0 ] || ! grep -Eq "^  - [1-9][0-9]* $failure" <<< "$out"; then
+    echo "error: the torture self-test did not fail on $failure (exit $st)" >&2
+    torture=1
+  fi
+}
+selftest --break-resource "stale writes accepted"
+selftest --break-lease "unexplained double grants"
 # One closing line for the whole run, summed over every test binary above.
 awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "total: %d passed, %d failed, %d skipped\n", p, f, i }' "$log"
 [ "$torture" = 0 ] || exit "$torture"
