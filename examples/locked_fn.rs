@@ -125,14 +125,26 @@ async fn main() -> Result<(), BoxError> {
             (worker, try_job(&job, worker).await)
         }));
     }
+    let (mut ran, mut skipped) = (0, 0);
     for t in tasks {
         match t.await? {
-            (worker, Ok(fence)) => println!("  worker {worker}: done (fence {fence})"),
+            (worker, Ok(fence)) => {
+                ran += 1;
+                println!("  worker {worker}: done (fence {fence})")
+            }
             (worker, Err(JobError::Lock(Error::Busy { .. }))) => {
+                skipped += 1;
                 println!("  worker {worker}: skipped, another worker holds the job")
             }
-            (worker, Err(e)) => println!("  worker {worker}: failed: {e}"),
+            (worker, Err(e)) => return Err(format!("worker {worker}: failed: {e}").into()),
         }
+    }
+    // The story, checked: someone ran, and someone found the job taken and skipped (all three
+    // start together and a run takes 300 ms, so normally one runs and two skip).
+    if ran == 0 || skipped == 0 {
+        return Err(
+            format!("expected a run and a skip, got {ran} run and {skipped} skipped").into(),
+        );
     }
     Ok(())
 }
