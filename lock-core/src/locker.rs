@@ -1852,30 +1852,19 @@ mod tests {
         assert!(!lease.is_lost(), "the lease on {key} was not renewed");
     }
 
-    /// The memory backend whose every extend fails (a server that stopped answering renewals,
-    /// while the key stays held on it).
+    /// The memory backend with every extend failing (a server that stopped answering renewals,
+    /// while the key stays held on it), or every release (`releases`).
     #[derive(Clone)]
-    struct DeadExtends {
+    struct Dead {
         inner: MemoryBackend,
+        releases: bool,
     }
 
-    impl Backend for DeadExtends {
-        forward_grants_to_memory!();
-        async fn extend(&self, _: &[(LockKey, Token)], _: Duration) -> Result<Vec<bool>> {
-            Err(Error::Unavailable(redis::RedisError::from((
-                redis::ErrorKind::Io,
-                "renewals fail",
-            ))))
-        }
-        forward_to_memory!();
+    fn unavailable(what: &'static str) -> Error {
+        Error::Unavailable(redis::RedisError::from((redis::ErrorKind::Io, what)))
     }
 
-    #[derive(Clone)]
-    struct DeadReleases {
-        inner: MemoryBackend,
-    }
-
-    impl Backend for DeadReleases {
+    impl Backend for Dead {
         fn acquire(
             &self,
             key: &LockKey,
@@ -1884,18 +1873,17 @@ mod tests {
         ) -> impl Future<Output = Result<AcquireReply>> + Send {
             self.inner.acquire(key, token, ttl)
         }
-        async fn release(&self, _: &LockKey, _: &Token) -> Result<bool> {
-            Err(Error::Unavailable(redis::RedisError::from((
-                redis::ErrorKind::Io,
-                "releases fail",
-            ))))
+        async fn release(&self, key: &LockKey, token: &Token) -> Result<bool> {
+            if self.releases {
+                return Err(unavailable("releases fail"));
+            }
+            self.inner.release(key, token).await
         }
-        fn extend(
-            &self,
-            leases: &[(LockKey, Token)],
-            ttl: Duration,
-        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
-            self.inner.extend(leases, ttl)
+        async fn extend(&self, leases: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
+            if self.releases {
+                return self.inner.extend(leases, ttl).await;
+            }
+            Err(unavailable("renewals fail"))
         }
         forward_to_memory!();
     }
@@ -1923,8 +1911,9 @@ mod tests {
             "{text}"
         );
 
-        let locker = Locker::new(DeadReleases {
+        let locker = Locker::new(Dead {
             inner: MemoryBackend::new(),
+            releases: true,
         });
         let out = locker
             .with_lock("refused", &opts(Duration::from_secs(30)), |_| async { 8 })
@@ -1980,8 +1969,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn with_lock_releases_a_lease_it_lost() {
         let memory = MemoryBackend::new();
-        let locker = Locker::new(DeadExtends {
+        let locker = Locker::new(Dead {
             inner: memory.clone(),
+            releases: false,
         });
         let key = locker.lock_key("k").expect("key");
         let started = Instant::now();

@@ -272,8 +272,8 @@ pub(crate) async fn watch_through(
                     let _ = tokio::time::timeout(Duration::from_secs(1), ack_rx).await;
                 }
             });
-            let _ = tokio::time::timeout(Duration::from_secs(2), confirmed.wait_for(|done| *done))
-                .await;
+            let _ =
+                tokio::time::timeout(LONGEST_CONFIRM_WAIT, confirmed.wait_for(|done| *done)).await;
         }
         Registered::Existing(subscribed) => {
             let mut confirmed = subscribed.subscribe();
@@ -283,6 +283,11 @@ pub(crate) async fn watch_through(
     }
     watch
 }
+
+/// The longest a watch waits for its subscription's confirmation before it is returned
+/// unconfirmed (but subscribed): a first waiter's bound (the task that settles the channel gives
+/// up after a second, so it is rarely reached); later waiters wait a second at most.
+pub(crate) const LONGEST_CONFIRM_WAIT: Duration = Duration::from_secs(2);
 
 /// Marks a channel's subscription settled when dropped.
 struct Confirmed(Arc<watch::Sender<bool>>);

@@ -973,15 +973,15 @@ impl Backend for QuorumBackend {
             on_last: None,
         };
         // Longer than a member's own wait for its subscription's confirmation (it gives up after
-        // 1 s, 2 s at most, and returns its watch unconfirmed but subscribed): cut off first, a
-        // slow member's watch would be dropped, and its subscription with it, so a wake-up that
-        // member carries once it confirms would never reach this waiter. A member that hangs
-        // still costs no more than its own wait.
+        // at most `LONGEST_CONFIRM_WAIT`, and returns its watch unconfirmed but subscribed): cut
+        // off first, a slow member's watch would be dropped, and its subscription with it, so a
+        // wake-up that member carries once it confirms would never reach this waiter. A member
+        // that hangs still costs no more than its own wait.
         let limit = self
             .inner
             .config
             .member_timeout
-            .max(Duration::from_millis(2_500));
+            .max(crate::wake::LONGEST_CONFIRM_WAIT + Duration::from_millis(500));
         let member_watches: Vec<Watch> = self
             .on_members(&self.all(), limit, |m| m.watch(key))
             .await
