@@ -1489,13 +1489,7 @@ fn a_valkey_cluster_locker_outlives_the_runtime_it_connected_on() {
 /// checks' own tasks.
 #[tokio::test]
 async fn checks_pause_while_a_master_is_stalled() {
-    let log = captured::Captured::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(log.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
-        .finish();
-    let _logging = tracing::subscriber::set_default(subscriber);
+    let (log, _logging) = captured::capture(tracing::Level::WARN);
     let cluster = Cluster::start(Flavor::Redis, 3, 0);
     for node in &cluster.nodes {
         let _: () = node.cmd(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);

@@ -1010,13 +1010,7 @@ async fn under_the_callers_span(locker: &Locker) -> Result<u64, Error> {
 /// written there, since the current span inside was the caller's).
 #[tokio::test]
 async fn the_fence_is_not_written_on_a_callers_span() {
-    let logs = captured::Captured::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(logs.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::INFO)
-        .finish();
-    let _logging = tracing::subscriber::set_default(subscriber);
+    let (logs, _logging) = captured::capture(tracing::Level::INFO);
     let locker = Locker::memory();
     let caller = tracing::info_span!("caller", fence = tracing::field::Empty);
     let fence = under_the_callers_span(&locker)

@@ -1538,17 +1538,6 @@ mod tests {
         ));
     }
 
-    /// What this thread logs at `warn` and above, from now until the guard is dropped.
-    fn warnings() -> (captured::Captured, tracing::subscriber::DefaultGuard) {
-        let logs = captured::Captured::default();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(logs.clone())
-            .with_ansi(false)
-            .with_max_level(tracing::Level::WARN)
-            .finish();
-        (logs, tracing::subscriber::set_default(subscriber))
-    }
-
     /// Back-to-back explicit extends on a paused (or coarse) clock: the second, longer one
     /// counts, as it does on the server. (Its send time equalled the first's answer time, and
     /// the tie was read as the second having been sent before the first was answered, so its
@@ -1577,7 +1566,7 @@ mod tests {
     /// server no longer holds it" on an ordinary release.)
     #[tokio::test(start_paused = true)]
     async fn a_renewal_overtaken_by_release_is_no_loss() {
-        let (logs, _logging) = warnings();
+        let (logs, _logging) = captured::capture(tracing::Level::WARN);
         let memory = MemoryBackend::new();
         let locker = Locker::new(Extends {
             inner: memory.clone(),
@@ -1893,7 +1882,7 @@ mod tests {
     /// while the body ran (noticed by no renewal yet), or a release the backend refused.
     #[tokio::test]
     async fn with_lock_warns_of_a_release_that_found_the_lease_gone_or_failed() {
-        let (logs, _logging) = warnings();
+        let (logs, _logging) = captured::capture(tracing::Level::WARN);
 
         let memory = MemoryBackend::new();
         let locker = Locker::new(memory.clone());

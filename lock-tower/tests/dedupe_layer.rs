@@ -3083,19 +3083,14 @@ async fn the_default_allow_list_is_replayed(h: Harness) {
 #[tokio::test]
 async fn headers_never_replayed_stay_off_the_replay() {
     use http::header::{CONNECTION, CONTENT_LENGTH, SET_COOKIE};
-    let logs = captured::Captured::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(logs.clone())
-        .with_ansi(false)
-        .finish();
-    let layer = tracing::subscriber::with_default(subscriber, || {
-        DedupeLayer::new(lock_core::Locker::memory())
-            .replay_header(SET_COOKIE)
-            .replay_header(CONTENT_LENGTH)
-            .replay_header(CONNECTION)
-            .replay_header(HeaderName::from_static("x-kept"))
-            .stored_body_limit(4)
-    });
+    let (logs, logging) = captured::capture(tracing::Level::WARN);
+    let layer = DedupeLayer::new(lock_core::Locker::memory())
+        .replay_header(SET_COOKIE)
+        .replay_header(CONTENT_LENGTH)
+        .replay_header(CONNECTION)
+        .replay_header(HeaderName::from_static("x-kept"))
+        .stored_body_limit(4);
+    drop(logging);
     // One warning for each header ignored, none for the one kept.
     let text = logs.text();
     assert_eq!(text.matches("WARN").count(), 3, "{text}");

@@ -35,3 +35,17 @@ impl Captured {
         String::from_utf8_lossy(&self.0.lock().expect("log buffer")).into_owned()
     }
 }
+
+/// A subscriber for this thread that writes what is logged at `max` and above into a new
+/// [`Captured`], until the guard is dropped.
+// Not every test binary that includes this file captures this way.
+#[allow(dead_code)]
+pub fn capture(max: tracing::Level) -> (Captured, tracing::subscriber::DefaultGuard) {
+    let logs = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .with_max_level(max)
+        .finish();
+    (logs, tracing::subscriber::set_default(subscriber))
+}
