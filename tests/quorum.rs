@@ -3,6 +3,7 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -521,7 +522,7 @@ async fn fences_under_member_churn(flavor: Flavor) {
         let (servers, stop) = (servers.clone(), stop.clone());
         tokio::task::spawn_blocking(move || {
             let mut round = 0usize;
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            while !stop.load(Ordering::SeqCst) {
                 let (a, b) = (round % 5, (round + 2) % 5);
                 {
                     let mut s = servers.lock().expect("servers");
@@ -571,7 +572,7 @@ async fn fences_under_member_churn(flavor: Flavor) {
     for t in tasks {
         total += t.await.expect("client");
     }
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    stop.store(true, Ordering::SeqCst);
     chaos.await.expect("chaos");
     let mut log = log.lock().expect("log").clone();
     assert!(total >= 10, "too few grants to show anything: {total}");
@@ -995,16 +996,23 @@ async fn a_foreign_member_does_not_make_an_outage_busy(flavor: Flavor) {
 async fn contention_one_winner(flavor: Flavor) {
     let servers = start(flavor, 5);
     let u = urls(&servers);
+    // Holders inside at once, and the most ever seen: the 2 s TTL outlives every 10 ms hold,
+    // so a second holder inside can only be a second grant of a held key.
+    let inside = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
     let mut tasks = Vec::new();
     for _ in 0..4 {
         let locker = redlock(&u, QuorumConfig::default()).await;
+        let inside = inside.clone();
         tasks.push(tokio::spawn(async move {
             let mut fences = Vec::new();
             for _ in 0..5 {
                 let o = opts(2_000).wait(Duration::from_secs(20));
                 let lease = locker.acquire("split", &o).await.expect("acquire");
+                let now_inside = inside.0.fetch_add(1, Ordering::SeqCst) + 1;
+                inside.1.fetch_max(now_inside, Ordering::SeqCst);
                 fences.push((Instant::now(), lease.fence()));
                 sleep(Duration::from_millis(10)).await;
+                inside.0.fetch_sub(1, Ordering::SeqCst);
                 lease.release().await.expect("release");
             }
             fences
@@ -1014,6 +1022,7 @@ async fn contention_one_winner(flavor: Flavor) {
     for t in tasks {
         all.extend(t.await.expect("client"));
     }
+    assert_eq!(inside.1.load(Ordering::SeqCst), 1, "two clients held the lease at once");
     all.sort_by_key(|&(at, _)| at);
     assert_eq!(all.len(), 20);
     assert!(
