@@ -1022,7 +1022,11 @@ async fn contention_one_winner(flavor: Flavor) {
     for t in tasks {
         all.extend(t.await.expect("client"));
     }
-    assert_eq!(inside.1.load(Ordering::SeqCst), 1, "two clients held the lease at once");
+    assert_eq!(
+        inside.1.load(Ordering::SeqCst),
+        1,
+        "two clients held the lease at once"
+    );
     all.sort_by_key(|&(at, _)| at);
     assert_eq!(all.len(), 20);
     assert!(

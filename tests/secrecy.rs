@@ -45,9 +45,8 @@ async fn contend(locker: &Locker, other: &Locker) -> (Vec<String>, Vec<String>) 
     let stale_token = stale.token().as_str().to_owned();
     tokio::time::sleep(Duration::from_millis(80)).await;
     let b = locker.try_acquire("stale", &o).await.expect("b");
-    if let Err(e) = stale.extend(Duration::from_millis(300)).await {
-        note(e);
-    }
+    let refused = stale.extend(Duration::from_millis(300)).await;
+    note(refused.expect_err("a stale holder's extend is refused"));
     let lease_debug = format!("{b:?}");
     let tokens = vec![
         a.token().as_str().to_owned(),

@@ -473,16 +473,29 @@ mod tests {
         let locker = crate::Locker::memory();
         let key = locker.lock_key("waited").expect("key");
         let token = Token::generate();
-        let ttl = Duration::from_millis(20);
+        let ttl = Duration::from_millis(200);
+        let sent = std::time::Instant::now();
         let granted = at_once(memory.acquire(&key, &token, ttl));
         assert!(matches!(granted, Ok(AcquireReply::Granted { .. })));
         let held = memory.state();
         let (m, k, t) = (memory.clone(), key.clone(), token.clone());
+        let (calling, called) = std::sync::mpsc::channel();
         let extend = std::thread::spawn(move || {
+            calling.send(()).expect("the test waits for this");
             at_once(m.extend(&[(k, t)], Duration::from_secs(10))).expect("extend")
         });
-        // The extend is called now and waits for the lock past the lease's expiry.
-        std::thread::sleep(Duration::from_millis(60));
+        // The extend is called while the lease is live (not merely once this thread got round
+        // to it, which could be after the expiry and test nothing), and waits for the lock
+        // past the lease's expiry.
+        called.recv().expect("the extend's thread started");
+        assert!(
+            sent.elapsed() < ttl,
+            "the extend's thread started only after the lease expired: nothing tested"
+        );
+        std::thread::sleep(
+            (sent + ttl + Duration::from_millis(50))
+                .saturating_duration_since(std::time::Instant::now()),
+        );
         drop(held);
         assert_eq!(extend.join().expect("the extend's thread"), [false]);
         assert!(!memory.is_held(&key));
