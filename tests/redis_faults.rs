@@ -280,6 +280,35 @@ async fn a_wait_ends_at_the_first_error_of_a_server_that_went_away(flavor: Flavo
     assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
 }
 
+/// Waiters of one locker queued behind the one asking the server end with its error: on a
+/// server gone silent, the first attempt takes its timeouts (300 ms, twice: the reply was lost,
+/// so it asks again) and the rest end with it, transient, rather than one after another until
+/// the last ones run out their wait and end with a `WaitTimeout`, which is not transient.
+async fn queued_waiters_end_with_the_first_error(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = quick_to_give_up(&server).await;
+    // Connected, scripts loaded: the waiters meet the silence, nothing else.
+    let warm = locker
+        .try_acquire("warm", &opts(1_000))
+        .await
+        .expect("warm");
+    warm.release().await.expect("release");
+    let _: () = server.cmd(&["CLIENT", "PAUSE", "10000", "ALL"]);
+    let waiters: Vec<_> = (0..6)
+        .map(|_| {
+            let locker = locker.clone();
+            tokio::spawn(async move {
+                let wait = opts(1_000).wait(Duration::from_secs(2));
+                locker.acquire("silent", &wait).await
+            })
+        })
+        .collect();
+    for w in waiters {
+        let r = w.await.expect("waiter");
+        assert!(matches!(r, Err(ref e) if e.is_transient()), "{r:?}");
+    }
+}
+
 /// Releases missed while the subscription connection was down still wake waiters: after it
 /// reconnects, every waiter retries. The lock is deleted without a publish (as a release during
 /// the gap would go unseen), then the subscription is killed; the waiter must get the key long
@@ -1253,6 +1282,18 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_wait_ends_at_the_first_error_of_a_server_that_went_away() {
                 super::a_wait_ends_at_the_first_error_of_a_server_that_went_away($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn queued_waiters_end_with_the_first_error() {
+                super::queued_waiters_end_with_the_first_error($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_gate_forgets_at_a_restart_without_persistence() {
+                super::a_gate_forgets_at_a_restart_without_persistence($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_gate_that_holds_no_fence_refuses() {
+                super::a_gate_that_holds_no_fence_refuses($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_silent_subscription_is_replaced() {

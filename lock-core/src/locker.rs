@@ -13,7 +13,7 @@ use crate::backend::{
 use crate::error::{Error, Result};
 use crate::lease::{Lease, LeaseInfo, Release};
 use crate::renew::{self, Cmd, Inbox, LeaseState};
-use crate::turnstile::Turnstiles;
+use crate::turnstile::{NoTurn, Turnstiles};
 use crate::types::{
     Fence, LockKey, Token, drift, validate_key, validate_scope, validate_ttl, warn_ahead,
 };
@@ -674,7 +674,11 @@ impl<B: Backend + Clone> Locker<B> {
     ///
     /// The wait is for a busy key, not for a server in trouble: an error ends it at once (a
     /// server gone away, a refusal, no quorum), so that an outage does not hold every waiting
-    /// caller for its whole wait. Retry on [`Error::is_transient`] to ride out a failover.
+    /// caller for its whole wait. Retry on [`Error::is_transient`] to ride out a failover. A
+    /// transient error of the waiter asking the server ends the waiters of this locker queued
+    /// behind it for the same key too, at once, with [`Error::Unavailable`] naming it (nothing
+    /// of theirs was sent): otherwise each would spend an attempt's timeouts in turn, and the
+    /// last ones would run out their wait and end with a `WaitTimeout`, which is not transient.
     ///
     /// The wait bounds the time between attempts, not an attempt already sent when it runs
     /// out: that one is answered first. On a slow or unreachable server an attempt can take the
@@ -715,11 +719,23 @@ impl<B: Backend + Clone> Locker<B> {
         let started = Instant::now();
         let give_up = crate::types::deadline_after(started, opts.wait);
         let turn = self.core.turnstiles.enter(key.user());
-        let Some(permit) = turn.wait_turn(give_up).await else {
-            return Err(Error::WaitTimeout {
-                key: key.user().to_owned(),
-                waited: started.elapsed(),
-            });
+        let permit = match turn.wait_turn(give_up).await {
+            Ok(permit) => permit,
+            Err(NoTurn::TimedOut) => {
+                return Err(Error::WaitTimeout {
+                    key: key.user().to_owned(),
+                    waited: started.elapsed(),
+                });
+            }
+            // Nothing of this call was sent: not reached, rather than an unknown outcome.
+            Err(NoTurn::AheadFailed(what)) => {
+                return Err(Error::Unavailable(redis::RedisError::from(
+                    std::io::Error::other(format!(
+                        "an acquire of the same key ahead of this one in the Locker's queue \
+                         failed: {what}"
+                    )),
+                )));
+            }
         };
         let mut watch = None;
         let mut backoff = Duration::from_millis(5);
@@ -728,7 +744,8 @@ impl<B: Backend + Clone> Locker<B> {
             if let Some(w) = watch.as_mut() {
                 crate::wake::Watch::mark_seen(w);
             }
-            let remaining = match self.attempt(&key, &token, opts).await? {
+            let attempt = self.attempt(&key, &token, opts).await;
+            let remaining = match attempt.map_err(|e| turn.failed(e))? {
                 Attempt::Granted(mut lease) => {
                     debug!(waited = ?started.elapsed(), fence = lease.fence.0, "acquired");
                     turn.hold(lease.state.clone(), permit);
@@ -777,7 +794,7 @@ impl<B: Backend + Clone> Locker<B> {
                 // subscription (it may wait a second for the server's confirmation) must not
                 // carry the wait past its deadline.
                 match tokio::time::timeout_at(give_up, self.core.backend.watch(&key)).await {
-                    Ok(w) => watch = Some(w?),
+                    Ok(w) => watch = Some(w.map_err(|e| turn.failed(e))?),
                     Err(_) => {
                         return Err(Error::WaitTimeout {
                             key: key.user().to_owned(),

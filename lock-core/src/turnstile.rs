@@ -35,6 +35,21 @@ struct Turnstile {
     holder: Mutex<Option<Holder>>,
     /// Bumped whenever `holder` changes, so waiters watch the right lease.
     changed: watch::Sender<u64>,
+    /// Bumped, with what went wrong, when the waiter whose turn it was failed with a transient
+    /// error (a server gone silent or away): the waiters queued behind it end with it at
+    /// once, instead of each spending its own attempt's timeouts in turn while the rest of the
+    /// queue runs out its wait.
+    failed: watch::Sender<(u64, Arc<str>)>,
+}
+
+/// Why [`TurnHandle::wait_turn`] ended without the turn.
+#[derive(Debug)]
+pub(crate) enum NoTurn {
+    /// The deadline passed first.
+    TimedOut,
+    /// The waiter whose turn it was failed with a transient error (its text) while this one
+    /// was queued behind it.
+    AheadFailed(Arc<str>),
 }
 
 struct Holder {
@@ -87,6 +102,7 @@ impl Turnstiles {
                     turn: Arc::new(Semaphore::new(1)),
                     holder: Mutex::new(None),
                     changed: watch::Sender::new(0),
+                    failed: watch::Sender::new((0, Arc::from(""))),
                 })
             })
             .clone();
@@ -131,11 +147,16 @@ impl TurnHandle {
             .expect("a live handle has its turnstile")
     }
 
-    /// Waits for this key's turn, in arrival order, until `give_up`. `None` when the deadline
-    /// passed first.
-    pub(crate) async fn wait_turn(&self, give_up: Instant) -> Option<OwnedSemaphorePermit> {
+    /// Waits for this key's turn, in arrival order, until `give_up`, or until the waiter whose
+    /// turn it is fails (see [`failed`](Self::failed)).
+    pub(crate) async fn wait_turn(&self, give_up: Instant) -> Result<OwnedSemaphorePermit, NoTurn> {
         let t = self.turnstile();
         let mut changes = t.changed.subscribe();
+        let mut failures = t.failed.subscribe();
+        failures.mark_unchanged();
+        let ahead_failed = |failures: &mut watch::Receiver<(u64, Arc<str>)>| {
+            NoTurn::AheadFailed(failures.borrow_and_update().1.clone())
+        };
         let acquire = t.turn.clone().acquire_owned();
         tokio::pin!(acquire);
         loop {
@@ -161,7 +182,15 @@ impl TurnHandle {
                 // The free turn first: a deadline already passed (a wait of zero) still takes
                 // a turn that is free, as the caller's one attempt.
                 biased;
-                permit = &mut acquire => return permit.ok(),
+                // A turn handed on by a waiter that failed (it records the failure before its
+                // permit goes) is that failure's too.
+                permit = &mut acquire => {
+                    if failures.has_changed().unwrap_or(false) {
+                        return Err(ahead_failed(&mut failures));
+                    }
+                    // The semaphore is never closed.
+                    return permit.map_err(|_| NoTurn::TimedOut);
+                }
                 _ = holder_lost => {
                     match &holder {
                         Some((state, true)) => t.vacate(state),
@@ -170,9 +199,26 @@ impl TurnHandle {
                     }
                 }
                 _ = changes.changed() => {}
-                _ = tokio::time::sleep_until(give_up) => return None,
+                Ok(()) = failures.changed() => return Err(ahead_failed(&mut failures)),
+                _ = tokio::time::sleep_until(give_up) => return Err(NoTurn::TimedOut),
             }
         }
+    }
+
+    /// Records, if `e` is transient, that the waiter holding the turn failed with it, so that
+    /// the waiters queued behind it end at once (their own attempts would meet the same server
+    /// one after another, each taking its timeouts, while the rest of the queue runs out its
+    /// wait and ends with a `WaitTimeout` that is not transient). Waiters that arrive after it
+    /// try for themselves. Returns `e`.
+    pub(crate) fn failed(&self, e: crate::Error) -> crate::Error {
+        if e.is_transient() {
+            let what: Arc<str> = Arc::from(e.to_string());
+            self.turnstile().failed.send_modify(|(n, w)| {
+                *n += 1;
+                *w = what;
+            });
+        }
+        e
     }
 
     /// Records that `state`'s lease holds the turn, until [`vacate`](Self::vacate).
@@ -310,7 +356,7 @@ mod tests {
         h.hold(state.clone(), permit);
         let waiter = tokio::spawn({
             let reg = reg.clone();
-            async move { reg.enter("k").wait_turn(far).await.is_some() }
+            async move { reg.enter("k").wait_turn(far).await.is_ok() }
         });
         tokio::time::sleep(Duration::from_millis(20)).await;
         (reg, h, state, waiter)
@@ -371,10 +417,60 @@ mod tests {
             .wait_turn(Instant::now() + Duration::from_secs(5))
             .await;
         assert!(
-            got.is_some(),
+            got.is_ok(),
             "the waiter gets the turn once the lease is lost"
         );
         assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    /// A transient failure of the waiter holding the turn ends the waiters queued behind it;
+    /// one that arrives after it asks for itself, and a failure that is not transient ends
+    /// nobody else.
+    #[tokio::test]
+    async fn a_failure_of_the_first_in_line_ends_the_queue_behind_it() {
+        let reg = Arc::new(Turnstiles::default());
+        let far = Instant::now() + Duration::from_secs(5);
+        let queue = |n| {
+            (0..n)
+                .map(|_| {
+                    let reg = reg.clone();
+                    tokio::spawn(async move { reg.enter("k").wait_turn(far).await.map(drop) })
+                })
+                .collect::<Vec<_>>()
+        };
+        let head = reg.enter("k");
+        let permit = head.wait_turn(far).await.expect("free turn");
+        let behind = queue(3);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let gone = redis::RedisError::from(std::io::Error::other("server gone"));
+        let e = head.failed(crate::Error::Unavailable(gone));
+        assert!(matches!(e, crate::Error::Unavailable(_)), "handed back");
+        drop(permit);
+        for w in behind {
+            let ended = w.await.expect("waiter");
+            assert!(
+                matches!(ended, Err(NoTurn::AheadFailed(ref what)) if what.contains("server gone")),
+                "{ended:?}"
+            );
+        }
+        let permit = head
+            .wait_turn(far)
+            .await
+            .expect("a later waiter asks for itself");
+        let behind = queue(2);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let busy = crate::Error::Busy {
+            key: "k".into(),
+            remaining: None,
+        };
+        drop(head.failed(busy));
+        drop(permit);
+        for w in behind {
+            assert!(
+                w.await.expect("waiter").is_ok(),
+                "not transient: turns go on"
+            );
+        }
     }
 
     #[tokio::test]
@@ -386,6 +482,6 @@ mod tests {
         let got = other
             .wait_turn(Instant::now() + Duration::from_millis(50))
             .await;
-        assert!(got.is_none());
+        assert!(matches!(got, Err(NoTurn::TimedOut)), "{got:?}");
     }
 }
