@@ -44,6 +44,32 @@ async fn fence_survives_restart(flavor: Flavor) {
     );
 }
 
+/// The limit written down in `FenceGate`'s docs and docs/DEPLOYMENT.md, shown: the gate's
+/// highest fence is one key, and a restart without persistence forgets it, so a fence lower
+/// than one admitted before is admitted after. (Were this test to fail, the gate would have
+/// gained durability and the docs should say so.)
+async fn a_gate_forgets_at_a_restart_without_persistence(flavor: Flavor) {
+    let mut server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let gate = locker.fence_gate("ledger").expect("gate");
+    gate.admit(leasehold::Fence(2)).await.expect("admit 2");
+    assert!(matches!(
+        gate.admit(leasehold::Fence(1)).await,
+        Err(Error::Stale { .. })
+    ));
+    server.restart();
+    let mut admitted = gate.admit(leasehold::Fence(1)).await;
+    // The locker reconnects on its own; a call or two may meet the restart.
+    for _ in 0..50 {
+        if !matches!(admitted, Err(ref e) if e.is_transient()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        admitted = gate.admit(leasehold::Fence(1)).await;
+    }
+    assert!(admitted.is_ok(), "{admitted:?}");
+}
+
 /// The `stored + 1` half of `max(stored + 1, server time)`: a fence stored ahead of the clock
 /// (a clock stepped back, or fences written by another scheme) still rises by exactly one per
 /// grant, also above 2^53, where a script computing in Lua doubles would round it. (That a lost
@@ -227,13 +253,58 @@ async fn wrong_type(flavor: Flavor) {
     ));
 }
 
+/// A gate key holding a string that is not a fence (written by something else: not a decimal,
+/// a leading zero, above 2^64 - 1) refuses with `WrongType` and is left as it was: a gate that
+/// cannot read its highest fence must not admit every writer. At the edges, `0` and 2^64 - 1
+/// are fences.
+async fn a_gate_that_holds_no_fence_refuses(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let gate = locker.fence_gate("ledger").expect("gate");
+    let gate_key = "{leasehold:ledger}:gate";
+    for found in [
+        "abc",
+        "0042",
+        "-1",
+        "18446744073709551616",
+        "99999999999999999999999",
+    ] {
+        let _: () = server.cmd(&["SET", gate_key, found]);
+        let r = gate.admit(leasehold::Fence(5)).await;
+        assert!(
+            matches!(r, Err(Error::WrongType { ref server_key, .. }) if server_key == gate_key),
+            "{found}: {r:?}"
+        );
+        assert!(
+            !r.as_ref().is_err_and(|e| e.is_transient()),
+            "{found}: {r:?}"
+        );
+        let kept: String = server.cmd(&["GET", gate_key]);
+        assert_eq!(kept, found, "the gate key was changed");
+    }
+    let _: () = server.cmd(&["SET", gate_key, "18446744073709551615"]);
+    let r = gate.admit(leasehold::Fence(5)).await;
+    assert!(
+        matches!(
+            r,
+            Err(Error::Stale {
+                highest: leasehold::Fence(u64::MAX),
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let _: () = server.cmd(&["SET", gate_key, "0"]);
+    gate.admit(leasehold::Fence(0))
+        .await
+        .expect("fence 0 after 0");
+}
+
 /// A locker on `server` that gives up on a silent or dead server within 300 ms.
 async fn quick_to_give_up(server: &Server) -> Locker {
-    let config = RedisConfig {
-        response_timeout: Duration::from_millis(300),
-        connection_timeout: Duration::from_millis(300),
-        ..Default::default()
-    };
+    let config = RedisConfig::default()
+        .response_timeout(Duration::from_millis(300))
+        .connection_timeout(Duration::from_millis(300));
     Locker::redis_with(&server.url(), config)
         .await
         .expect("connect")

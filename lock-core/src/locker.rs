@@ -1058,6 +1058,17 @@ impl<B: Backend + Clone> Locker<B> {
 /// same store as the data where you can; this gate is the reference form, on the locker's
 /// backend (a script on Redis).
 ///
+/// The highest fence admitted is one key on the backend, and it is only as durable as that
+/// key: a restart without persistence, or a failover to a replica that had not received the
+/// last admit, forgets it, and the gate then admits a fence lower than one it admitted before
+/// (the lock's own fence survives those through server time; a gate has nothing to fall back
+/// on). Where writes must stay fenced through them, run the gate on a server with
+/// `appendonly yes` and `appendfsync always`, or keep the check beside the data (a conditional
+/// update on a fence column), which survives with it. On a Redlock quorum the gate needs a
+/// majority of members to admit, so a minority restarting empty does not forget. A key at the
+/// gate's place that holds anything but a fence (another type, or a string that is not a
+/// decimal up to 2^64 - 1) is refused with [`Error::WrongType`] and left as it is.
+///
 /// ```
 /// use lock_core::{Error, Fence, Locker};
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {

@@ -60,8 +60,12 @@ pub const MAX_KEEP_FENCE: Duration = Duration::from_secs(365 * 86_400);
 /// use lock_core::{Fence, LockOptions, Locker};
 /// let lease = Locker::memory().acquire("ledger", &LockOptions::new()).await?;
 /// let fence: Fence = lease.fence();
-/// // Store it beside the data; a write carrying a lower fence is refused.
-/// let row = format!("UPDATE ledger SET balance = 10, fence = {fence} WHERE fence < {fence}");
+/// // Store it beside the data; a write carrying a lower fence is refused, an equal one (the
+/// // same lease writing again) admitted, and a row not yet fenced (NULL) taken.
+/// let row = format!(
+///     "UPDATE ledger SET balance = 10, fence = {fence} \
+///      WHERE id = 1 AND (fence IS NULL OR fence <= {fence})"
+/// );
 /// # let _ = row;
 /// assert!(fence > Fence(0));
 /// # Ok(()) }
