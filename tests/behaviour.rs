@@ -39,10 +39,7 @@ impl Harness {
             Harness::Server(s) => Locker::redis(&s.url()).await.expect("connect"),
             #[cfg(feature = "tls")]
             Harness::Tls(s) => {
-                let config = leasehold::RedisConfig {
-                    tls_root_pem: s.tls_ca.clone(),
-                    ..Default::default()
-                };
+                let config = leasehold::RedisConfig::default().tls_root_pem(s.tls_ca.clone());
                 assert!(s.url().starts_with("rediss://"));
                 Locker::redis_with(&s.url(), config)
                     .await

@@ -1082,11 +1082,9 @@ async fn silent_node_connection_replaced(flavor: Flavor, dead_master: bool) {
 async fn timed_locker(cluster: &Cluster, response: Duration, connection: Duration) -> Locker {
     let urls = cluster.urls();
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
-    let config = leasehold::RedisConfig {
-        response_timeout: response,
-        connection_timeout: connection,
-        ..Default::default()
-    };
+    let config = leasehold::RedisConfig::default()
+        .response_timeout(response)
+        .connection_timeout(connection);
     let backend = leasehold::ClusterBackend::connect_with(&urls, config)
         .await
         .expect("connect");

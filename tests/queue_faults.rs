@@ -616,10 +616,7 @@ async fn worker_process_killed(flavor: Flavor) {
 async fn stalled_extend_cancels_in_time(flavor: Flavor) {
     let server = Server::start(flavor);
     let proxy = Proxy::start(server.port).await;
-    let config = RedisConfig {
-        response_timeout: Duration::from_secs(10),
-        ..RedisConfig::default()
-    };
+    let config = RedisConfig::default().response_timeout(Duration::from_secs(10));
     let stalled_link = leasehold::RedisBackend::connect_with(&proxy.url(), config)
         .await
         .expect("connect through the proxy");

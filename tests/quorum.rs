@@ -642,10 +642,7 @@ async fn slow_replies_shorten_validity(flavor: Flavor) {
     }
     let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
     // The connections' own response timeout (2 s by default) would cut the slow replies too.
-    let slow_ok = leasehold::RedisConfig {
-        response_timeout: Duration::from_secs(10),
-        ..Default::default()
-    };
+    let slow_ok = leasehold::RedisConfig::default().response_timeout(Duration::from_secs(10));
     let config = QuorumConfig::default()
         .member_timeout(Duration::from_secs(10))
         .redis(slow_ok);
@@ -687,10 +684,7 @@ async fn slow_fence_write_back_no_lease(flavor: Flavor) {
         proxies.push(Arc::new(Proxy::start(s.port).await));
     }
     let proxy_urls: Vec<String> = proxies.iter().map(|p| p.url()).collect();
-    let slow_ok = leasehold::RedisConfig {
-        response_timeout: Duration::from_secs(20),
-        ..Default::default()
-    };
+    let slow_ok = leasehold::RedisConfig::default().response_timeout(Duration::from_secs(20));
     let config = QuorumConfig::default()
         .member_timeout(Duration::from_secs(3))
         .redis(slow_ok);

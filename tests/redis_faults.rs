@@ -541,10 +541,7 @@ async fn connecting_is_bounded_by_the_connection_timeout(flavor: Flavor) {
     let server = Server::start(flavor);
     let proxy = support::proxy::Proxy::start(server.port).await;
     proxy.stall(true);
-    let config = RedisConfig {
-        connection_timeout: Duration::from_millis(500),
-        ..Default::default()
-    };
+    let config = RedisConfig::default().connection_timeout(Duration::from_millis(500));
     let started = Instant::now();
     let r = tokio::time::timeout(
         Duration::from_secs(10),
@@ -1055,10 +1052,7 @@ async fn a_refused_subscription_costs_only_its_own_key(flavor: Flavor) {
 async fn a_silent_subscription_is_replaced(flavor: Flavor) {
     let server = Server::start(flavor);
     let proxy = support::proxy::Proxy::start(server.port).await;
-    let config = leasehold::RedisConfig {
-        response_timeout: Duration::from_millis(500),
-        ..Default::default()
-    };
+    let config = leasehold::RedisConfig::default().response_timeout(Duration::from_millis(500));
     let backend = leasehold::RedisBackend::connect_with(&proxy.url(), config)
         .await
         .expect("connect");
@@ -1096,11 +1090,9 @@ async fn a_silent_subscription_is_replaced(flavor: Flavor) {
 async fn a_silent_command_connection_is_replaced(flavor: Flavor) {
     let server = Server::start(flavor);
     let proxy = support::proxy::Proxy::start(server.port).await;
-    let config = leasehold::RedisConfig {
-        response_timeout: Duration::from_millis(300),
-        connection_timeout: Duration::from_millis(500),
-        ..Default::default()
-    };
+    let config = leasehold::RedisConfig::default()
+        .response_timeout(Duration::from_millis(300))
+        .connection_timeout(Duration::from_millis(500));
     let locker = Locker::redis_with(&proxy.url(), config)
         .await
         .expect("connect");

@@ -682,10 +682,7 @@ async fn a_cancelled_replicated_acquire_leaves_nothing_held(flavor: Flavor) {
 async fn an_unanswered_replicated_acquire_leaves_nothing_held(flavor: Flavor) {
     let server = Server::start(flavor);
     let proxy = Proxy::start(server.port).await;
-    let config = RedisConfig {
-        response_timeout: Duration::from_millis(300),
-        ..Default::default()
-    };
+    let config = RedisConfig::default().response_timeout(Duration::from_millis(300));
     let locker = Locker::redis_with(&proxy.url(), config)
         .await
         .expect("connect");

@@ -434,6 +434,25 @@ impl Locker<AnyBackend> {
         )))
     }
 
+    /// A locker on a Redis or Valkey Cluster, with explicit connection settings (timeouts, and
+    /// the certificate authority for `rediss://` nodes).
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::{Locker, RedisConfig};
+    /// use std::time::Duration;
+    ///
+    /// let nodes = ["redis://10.0.0.1:7000/", "redis://10.0.0.2:7000/"];
+    /// let config = RedisConfig::default().response_timeout(Duration::from_millis(500));
+    /// let locker = Locker::redis_cluster_with(&nodes, config).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn redis_cluster_with(nodes: &[&str], config: RedisConfig) -> Result<Locker> {
+        Ok(Locker::new(AnyBackend::Cluster(
+            ClusterBackend::connect_with(nodes, config).await?,
+        )))
+    }
+
     /// A locker on a Redlock quorum of independent Redis or Valkey servers (3 or 5, each given
     /// as `redis://host:port/db`), with fences that keep increasing when the majority changes
     /// (see [`QuorumBackend`]).
@@ -483,10 +502,7 @@ impl Locker<AnyBackend> {
     /// use lock_core::{Locker, RedisConfig};
     /// use std::time::Duration;
     ///
-    /// let config = RedisConfig {
-    ///     response_timeout: Duration::from_millis(500),
-    ///     ..RedisConfig::default()
-    /// };
+    /// let config = RedisConfig::default().response_timeout(Duration::from_millis(500));
     /// let locker = Locker::redis_with("redis://127.0.0.1:6379/", config).await?;
     /// # Ok(()) }
     /// ```

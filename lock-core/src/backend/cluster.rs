@@ -628,10 +628,7 @@ impl ClusterBackend {
     /// use lock_core::{ClusterBackend, RedisConfig};
     /// use std::time::Duration;
     /// // Refusals during a failover are sent again for up to the response timeout.
-    /// let config = RedisConfig {
-    ///     response_timeout: Duration::from_secs(5),
-    ///     ..RedisConfig::default()
-    /// };
+    /// let config = RedisConfig::default().response_timeout(Duration::from_secs(5));
     /// let backend = ClusterBackend::connect_with(&["redis://10.0.0.1:7000/"], config).await?;
     /// # Ok(()) }
     /// ```

@@ -162,10 +162,7 @@ impl QuorumConfig {
     /// ```
     /// use lock_core::{QuorumConfig, RedisConfig};
     /// use std::time::Duration;
-    /// let redis = RedisConfig {
-    ///     connection_timeout: Duration::from_millis(200),
-    ///     ..RedisConfig::default()
-    /// };
+    /// let redis = RedisConfig::default().connection_timeout(Duration::from_millis(200));
     /// let config = QuorumConfig::default().redis(redis);
     /// assert_eq!(config.redis.connection_timeout, Duration::from_millis(200));
     /// ```

@@ -26,15 +26,13 @@ pub(super) const EXTEND_CHUNK: usize = 256;
 /// use lock_core::{Locker, RedisConfig};
 /// use std::time::Duration;
 ///
-/// let config = RedisConfig {
-///     // A server that does not answer within 300 ms is an error, not a hang.
-///     response_timeout: Duration::from_millis(300),
-///     ..RedisConfig::default()
-/// };
+/// // A server that does not answer within 300 ms is an error, not a hang.
+/// let config = RedisConfig::default().response_timeout(Duration::from_millis(300));
 /// let locker = Locker::redis_with("redis://127.0.0.1:6379/", config).await?;
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct RedisConfig {
     /// How long one command may wait for its reply before it fails (default 2 s), so that a dead
     /// server turns into an error rather than a hang.
@@ -43,8 +41,9 @@ pub struct RedisConfig {
     /// included, and each attempt of a reconnect.
     pub connection_timeout: Duration,
     /// For `rediss://` URLs (feature `tls`): the certificate authorities to trust, in PEM, instead
-    /// of the platform's. `None` (the default) uses the platform's trust store.
-    #[cfg(feature = "tls")]
+    /// of the platform's. `None` (the default) uses the platform's trust store. Present whether
+    /// or not the feature is on, so that turning it on elsewhere in a build changes no code
+    /// here; without it, a `Some` is refused with [`Error::Unsupported`] when connecting.
     pub tls_root_pem: Option<Vec<u8>>,
 }
 
@@ -62,13 +61,55 @@ impl Default for RedisConfig {
         RedisConfig {
             response_timeout: Duration::from_secs(2),
             connection_timeout: Duration::from_secs(2),
-            #[cfg(feature = "tls")]
             tls_root_pem: None,
         }
     }
 }
 
 impl RedisConfig {
+    /// Sets [`response_timeout`](Self::response_timeout): how long one command may wait for its
+    /// reply.
+    ///
+    /// ```
+    /// use lock_core::RedisConfig;
+    /// use std::time::Duration;
+    /// let config = RedisConfig::default().response_timeout(Duration::from_millis(300));
+    /// assert_eq!(config.response_timeout, Duration::from_millis(300));
+    /// ```
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// Sets [`connection_timeout`](Self::connection_timeout): how long connecting may take.
+    ///
+    /// ```
+    /// use lock_core::RedisConfig;
+    /// use std::time::Duration;
+    /// let config = RedisConfig::default().connection_timeout(Duration::from_millis(500));
+    /// assert_eq!(config.connection_timeout, Duration::from_millis(500));
+    /// ```
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    /// Sets [`tls_root_pem`](Self::tls_root_pem): the certificate authorities (PEM) that
+    /// `rediss://` connections trust, or `None` for the platform's. Needs the `tls` feature
+    /// to connect with one.
+    ///
+    /// ```
+    /// use lock_core::RedisConfig;
+    /// let pem = b"-----BEGIN CERTIFICATE-----\n...".to_vec();
+    /// let config = RedisConfig::default().tls_root_pem(pem);
+    /// assert!(config.tls_root_pem.is_some());
+    /// assert!(config.tls_root_pem(None).tls_root_pem.is_none());
+    /// ```
+    pub fn tls_root_pem(mut self, pem: impl Into<Option<Vec<u8>>>) -> Self {
+        self.tls_root_pem = pem.into();
+        self
+    }
+
     /// A timeout under a millisecond fails every request (or every connect) it bounds, and
     /// would report a sound server as unreachable: refused before any connection is made.
     /// `Duration::MAX` is no timeout at all.
@@ -84,6 +125,12 @@ impl RedisConfig {
                     reason: "under 1 ms: every request would time out",
                 });
             }
+        }
+        if cfg!(not(feature = "tls")) && self.tls_root_pem.is_some() {
+            return Err(Error::Unsupported {
+                what: "a TLS root certificate without the `tls` feature",
+                backend: "redis",
+            });
         }
         Ok(())
     }
@@ -252,10 +299,10 @@ impl RedisBackend {
     /// use std::time::Duration;
     /// let refused = RedisBackend::connect_with("not a url", RedisConfig::default()).await;
     /// assert!(matches!(refused, Err(Error::Unavailable(_))));
-    /// let zero = RedisConfig { response_timeout: Duration::ZERO, ..RedisConfig::default() };
+    /// let zero = RedisConfig::default().response_timeout(Duration::ZERO);
     /// let refused = RedisBackend::connect_with("redis://127.0.0.1:1/", zero).await;
     /// assert!(matches!(refused, Err(Error::InvalidDuration { what: "response timeout", .. })));
-    /// let tiny = RedisConfig { connection_timeout: Duration::from_nanos(1), ..RedisConfig::default() };
+    /// let tiny = RedisConfig::default().connection_timeout(Duration::from_nanos(1));
     /// let refused = RedisBackend::connect_with("redis://127.0.0.1:1/", tiny).await;
     /// assert!(matches!(refused, Err(Error::InvalidDuration { what: "connection timeout", .. })));
     /// # }
@@ -1193,5 +1240,27 @@ pub(super) async fn drain_while_down(
                 return false;
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A CA given without the `tls` feature is refused before any connection, not ignored (the
+    /// connection would then trust the platform's roots instead of the CA asked for).
+    #[test]
+    fn a_tls_root_needs_the_tls_feature() {
+        let config = RedisConfig::default().tls_root_pem(b"a CA in PEM".to_vec());
+        let checked = config.validate();
+        if cfg!(feature = "tls") {
+            assert!(checked.is_ok(), "{checked:?}");
+        } else {
+            assert!(
+                matches!(checked, Err(Error::Unsupported { .. })),
+                "{checked:?}"
+            );
+        }
+        assert!(RedisConfig::default().validate().is_ok());
     }
 }
