@@ -623,6 +623,54 @@ async fn a_slow_subscription_keeps_the_wait_deadline(flavor: Flavor) {
     );
 }
 
+/// A subscription confirmed only after its waiter stopped waiting for the confirmation (a
+/// second) still wakes that waiter: it tried again at the give-up, found the key held and went
+/// to sleep on the holder's 20 s TTL; the release came before the SUBSCRIBE reached the server,
+/// so its publish reached nobody. Once the late confirmation comes, the waiter tries again.
+async fn a_late_confirmed_subscription_still_wakes_its_waiter(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = support::proxy::Proxy::start(server.port).await;
+    // Patient enough that the subscription's own check (a PING every 5 s, delayed like the
+    // rest) does not replace the connection, which would wake every waiter by itself.
+    let patient = RedisConfig::default().response_timeout(Duration::from_secs(10));
+    let locker = Locker::redis_with(&proxy.url(), patient)
+        .await
+        .expect("connect");
+    let started = Instant::now();
+    while proxy.connections() < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the subscription connection was not made"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let holder = Locker::redis(&server.url()).await.expect("connect");
+    let held = holder
+        .try_acquire("late-sub", &opts(20_000))
+        .await
+        .expect("holder");
+    proxy.delay_requests_of(1, Duration::from_millis(2_500));
+    let started = Instant::now();
+    let waiter = tokio::spawn(async move {
+        let lease = locker
+            .acquire("late-sub", &opts(5_000).wait(Duration::from_secs(30)))
+            .await;
+        (lease.map(|l| l.fence()), started.elapsed())
+    });
+    // Past the waiter's give-up on the confirmation, before its SUBSCRIBE reaches the server.
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+    assert!(!waiter.is_finished(), "the key is held");
+    let held_fence = held.fence();
+    held.release().await.expect("release");
+    let (lease, took) = waiter.await.expect("waiter");
+    let fence = lease.expect("the waiter's lease");
+    assert!(fence > held_fence, "{fence} after {held_fence}");
+    assert!(
+        took < Duration::from_secs(12),
+        "woken by its timer ({took:?}), not by the late confirmation"
+    );
+}
+
 /// Acquires that queue behind one another go out as one batch; callers that stop waiting
 /// after their grants came back but before reading them (their futures dropped unpolled, as a
 /// lost `select!` branch drops one) leave no key held: the grants are released.
@@ -1317,6 +1365,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_slow_subscription_keeps_the_wait_deadline() {
                 super::a_slow_subscription_keeps_the_wait_deadline($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_late_confirmed_subscription_still_wakes_its_waiter() {
+                super::a_late_confirmed_subscription_still_wakes_its_waiter($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn grants_answered_to_callers_who_left_are_released() {

@@ -246,6 +246,56 @@ async fn pooled_connections_are_made_again(flavor: Flavor) {
     }
 }
 
+/// A path gone silent after the pool filled costs a replicated acquire one `PING` of the
+/// connection timeout (and a connect attempt), not one `PING` per pooled connection: eight
+/// connections, 400 ms each, were 3.6 s before it failed; now under a second.
+async fn a_silent_pool_costs_one_ping(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = support::proxy::Proxy::start(server.port).await;
+    let config = leasehold::RedisConfig::default()
+        .connection_timeout(Duration::from_millis(400))
+        .response_timeout(Duration::from_millis(400));
+    let locker = Locker::redis_with(&proxy.url(), config)
+        .await
+        .expect("connect");
+    // Eight acquires at once take eight dedicated connections; without a replica each is
+    // refused, and its connection goes back to the pool.
+    let fill: Vec<_> = (0..8)
+        .map(|i| {
+            let locker = locker.clone();
+            tokio::spawn(async move {
+                locker
+                    .try_acquire(&format!("pool-{i}"), &replicated(50))
+                    .await
+                    .map(|l| l.fence())
+            })
+        })
+        .collect();
+    for f in fill {
+        let r = f.await.expect("task");
+        assert!(matches!(r, Err(Error::NotReplicated { .. })), "{r:?}");
+    }
+    assert!(
+        proxy.connections() >= 8,
+        "{} connections",
+        proxy.connections()
+    );
+    proxy.stall(true);
+    let started = Instant::now();
+    let r = locker.try_acquire("silent", &replicated(50)).await;
+    let took = started.elapsed();
+    proxy.stall(false);
+    assert!(
+        matches!(r, Err(ref e) if e.is_transient()),
+        "{:?}",
+        r.map(|l| l.fence())
+    );
+    assert!(
+        took < Duration::from_millis(2_000),
+        "{took:?}: the pooled connections were pinged one by one"
+    );
+}
+
 macro_rules! replicated_suite {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -261,6 +311,10 @@ macro_rules! replicated_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn pooled_connections_are_made_again() {
                 super::pooled_connections_are_made_again($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_silent_pool_costs_one_ping() {
+                super::a_silent_pool_costs_one_ping($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn refused_wait_gives_the_grant_back() {

@@ -903,7 +903,9 @@ impl Dedicated {
     /// runtime it was made on shut down) would fail the acquire sent on it, with its outcome
     /// unknown. The `PING` costs a round trip beside the `WAIT` these acquires make anyway. It
     /// checks the connection is alive, not fast: a closed one fails it at once, and a silent
-    /// one is given as long as making a new connection may take.
+    /// one is given as long as making a new connection may take. A silent one empties the
+    /// pool: the others went idle on the same server and path, and pinging each in turn (up to
+    /// eight connection timeouts) would carry the acquire far past any bound it documents.
     async fn take(&self) -> Result<MultiplexedConnection> {
         loop {
             let idle = self
@@ -916,7 +918,15 @@ impl Dedicated {
             let ping = cmd.query_async::<Value>(&mut conn);
             match tokio::time::timeout(self.config.connection_timeout, ping).await {
                 Ok(Ok(_)) => return Ok(conn),
-                _ => debug!("a pooled dedicated connection did not answer; dropping it"),
+                Ok(Err(_)) => debug!("a pooled dedicated connection failed; dropping it"),
+                Err(_) => {
+                    debug!("a pooled dedicated connection was silent; dropping the pool");
+                    self.idle
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .clear();
+                    break;
+                }
             }
         }
         // No response timeout here: the caller bounds each use, WAIT included.
@@ -1157,7 +1167,13 @@ async fn subscriber(
                         if !answered(sent, &ch) {
                             break;
                         }
-                        let _ = ack.send(());
+                        // Confirmed after its waiter stopped waiting for it (a second): that
+                        // waiter tried again and went to sleep on its timer, and a release
+                        // published before this SUBSCRIBE reached the server went unheard.
+                        // Its waiters try once more, now that releases reach them.
+                        if ack.send(()).is_err() {
+                            wakeups.wake(&ch);
+                        }
                     }
                     Some(SubCmd::Unsubscribe(ch)) => {
                         let sent = tokio::time::timeout(bound, sink.unsubscribe(&ch)).await;
