@@ -15,6 +15,8 @@
 //! # Ok(()) }
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 pub mod backend;
 mod error;
 mod lease;
@@ -38,3 +40,18 @@ pub use scope::__private;
 pub use scope::{current_fence, current_lease, default_locker, set_default_locker};
 pub use types::{Fence, LockKey, MAX_KEEP_FENCE, MAX_KEY_LEN, MAX_TTL, MIN_TTL, Token};
 pub use wake::{Wakeups, Watch};
+
+/// The redis-rs crate this one is built on: its types appear in this crate's API (the source of
+/// [`Error::Unavailable`], [`RedisConn`] and [`ClusterConn`] implement its `ConnectionLike`),
+/// so use them from here rather than from a `redis` dependency of your own that could differ in
+/// version.
+///
+/// ```no_run
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::redis::AsyncCommands;
+/// let backend = lock_core::RedisBackend::connect("redis://127.0.0.1:6379/").await?;
+/// let mut conn = backend.connection();
+/// let _: () = conn.set("greeting", "hello").await.map_err(lock_core::Error::Unavailable)?;
+/// # Ok(()) }
+/// ```
+pub use redis;

@@ -366,6 +366,22 @@ impl<B: Backend + Clone> Clone for Locker<B> {
     }
 }
 
+/// The key prefix, which tells lockers apart in a log (so that a `Locker` can sit in a
+/// `#[derive(Debug)]` state struct).
+///
+/// ```
+/// let locker = lock_core::Locker::memory().with_prefix("billing")?;
+/// assert_eq!(format!("{locker:?}"), r#"Locker { prefix: "billing", .. }"#);
+/// # Ok::<(), lock_core::Error>(())
+/// ```
+impl<B: Backend + Clone> std::fmt::Debug for Locker<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Locker")
+            .field("prefix", &self.core.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The key prefix used unless [`Locker::with_prefix`] says otherwise.
 ///
 /// ```
@@ -1098,6 +1114,36 @@ pub struct FenceGate<B: Backend + Clone = AnyBackend> {
     core: Arc<Core<B>>,
     resource: String,
     key: String,
+}
+
+/// Cheap: the clone shares the locker's backend and checks the same resource.
+impl<B: Backend + Clone> Clone for FenceGate<B> {
+    fn clone(&self) -> Self {
+        FenceGate {
+            core: self.core.clone(),
+            resource: self.resource.clone(),
+            key: self.key.clone(),
+        }
+    }
+}
+
+/// The resource and the gate's key on the server.
+///
+/// ```
+/// let gate = lock_core::Locker::memory().fence_gate("ledger")?;
+/// assert_eq!(
+///     format!("{gate:?}"),
+///     r#"FenceGate { resource: "ledger", key: "{leasehold:ledger}:gate" }"#
+/// );
+/// # Ok::<(), lock_core::Error>(())
+/// ```
+impl<B: Backend + Clone> std::fmt::Debug for FenceGate<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FenceGate")
+            .field("resource", &self.resource)
+            .field("key", &self.key)
+            .finish()
+    }
 }
 
 impl<B: Backend + Clone> FenceGate<B> {

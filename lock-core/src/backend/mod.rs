@@ -197,7 +197,7 @@ pub trait Backend: Send + Sync + 'static {
     }
 }
 
-/// Either built-in backend, chosen at run time (for example from a command-line flag).
+/// Any of the built-in backends (memory, Redis/Valkey, cluster, quorum), chosen at run time (for example from a command-line flag).
 ///
 /// ```no_run
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {

@@ -385,7 +385,8 @@ pub struct Reaped {
 }
 
 /// Configures a [`Queue`]; finish with [`memory`](QueueBuilder::memory),
-/// [`redis`](QueueBuilder::redis) or [`on_redis`](QueueBuilder::on_redis).
+/// [`redis`](QueueBuilder::redis), [`on_redis`](QueueBuilder::on_redis),
+/// [`cluster`](QueueBuilder::cluster) or [`on_cluster`](QueueBuilder::on_cluster).
 ///
 /// ```
 /// use lock_core::queue::Queue;
@@ -409,7 +410,10 @@ pub struct QueueBuilder {
 impl QueueBuilder {
     /// The key prefix (default [`DEFAULT_PREFIX`]); server keys become `{prefix:queue}:...`.
     /// The rules of a key, and no `:` (prefix `a:b` and queue `c` would name the queue `b:c`
-    /// under prefix `a`), else [`Error::InvalidKey`] from `build`.
+    /// under prefix `a`), else [`Error::InvalidKey`] from the finishing call
+    /// ([`memory`](QueueBuilder::memory), [`redis`](QueueBuilder::redis),
+    /// [`on_redis`](QueueBuilder::on_redis), [`cluster`](QueueBuilder::cluster) or
+    /// [`on_cluster`](QueueBuilder::on_cluster)).
     ///
     /// ```
     /// use lock_core::queue::Queue;

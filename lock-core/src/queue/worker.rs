@@ -253,19 +253,69 @@ impl Worker {
         self
     }
 
-    /// How long each claim's lease lasts, and how far each extend moves it (default 30 s).
+    /// How long each claim's lease lasts, and how far each extend moves it (default 30 s;
+    /// between [`MIN_TTL`](crate::MIN_TTL) and [`MAX_TTL`](crate::MAX_TTL), else
+    /// [`start`](Self::start) refuses with [`Error::InvalidTtl`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::Error;
+    /// use lock_core::queue::{Queue, Worker};
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("thumbnails")?;
+    /// let handler = |_job| async { Ok(()) };
+    /// let zero = Worker::new(queue.clone()).ttl(Duration::ZERO).start(handler);
+    /// assert!(matches!(zero, Err(Error::InvalidTtl { .. })));
+    /// let worker = Worker::new(queue).ttl(Duration::from_secs(5)).start(handler)?;
+    /// worker.shutdown(Duration::from_secs(1)).await;
+    /// # Ok(()) }
+    /// ```
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self
     }
 
-    /// How often this worker runs the reaper.
+    /// How often this worker runs the reaper (default every second; 1 ms or more, else
+    /// [`start`](Self::start) refuses with [`Error::InvalidDuration`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::Error;
+    /// use lock_core::queue::{Queue, Worker};
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("thumbnails")?;
+    /// let handler = |_job| async { Ok(()) };
+    /// let busy = Worker::new(queue.clone()).reap_every(Duration::ZERO).start(handler);
+    /// assert!(matches!(busy, Err(Error::InvalidDuration { what: "reap interval", .. })));
+    /// let worker = Worker::new(queue).reap_every(Duration::from_secs(5)).start(handler)?;
+    /// worker.shutdown(Duration::from_secs(1)).await;
+    /// # Ok(()) }
+    /// ```
     pub fn reap_every(mut self, every: Duration) -> Self {
         self.reap_every = every;
         self
     }
 
-    /// The first retry delay and the cap the doubling stops at (at most [`MAX_RETRY_DELAY`]).
+    /// The first retry delay and the cap the doubling stops at (default 1 s and 5 min; a cap
+    /// above [`MAX_RETRY_DELAY`] is refused by [`start`](Self::start) with
+    /// [`Error::InvalidDuration`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::Error;
+    /// use lock_core::queue::{MAX_RETRY_DELAY, Queue, Worker};
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("thumbnails")?;
+    /// let handler = |_job| async { Ok(()) };
+    /// let far = MAX_RETRY_DELAY + Duration::from_secs(1);
+    /// let refused = Worker::new(queue.clone()).backoff(Duration::from_secs(1), far).start(handler);
+    /// assert!(matches!(refused, Err(Error::InvalidDuration { what: "max backoff", .. })));
+    /// let worker = Worker::new(queue)
+    ///     .backoff(Duration::from_millis(100), Duration::from_secs(60))
+    ///     .start(handler)?;
+    /// worker.shutdown(Duration::from_secs(1)).await;
+    /// # Ok(()) }
+    /// ```
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
         self.backoff = first;
         self.max_backoff = max;
@@ -342,8 +392,39 @@ pub struct WorkerHandle {
     task: JoinHandle<()>,
 }
 
+/// What the worker has done so far, and whether it was told to stop.
+impl fmt::Debug for WorkerHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WorkerHandle")
+            .field("report", &self.report())
+            .field("stopping", &self.stop.is_cancelled())
+            .finish_non_exhaustive()
+    }
+}
+
 impl WorkerHandle {
     /// What the worker has done so far.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::{JobError, Queue, Worker};
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"welcome".as_slice()).await?;
+    /// queue.enqueue(b"bounce".as_slice()).await?;
+    /// let worker = Worker::new(queue).start(|job| async move {
+    ///     match job.payload() {
+    ///         b"bounce" => Err(JobError::permanent("mailbox gone")),
+    ///         _ => Ok(()),
+    ///     }
+    /// })?;
+    /// while worker.report().completed + worker.report().failed < 2 {
+    ///     tokio::time::sleep(Duration::from_millis(5)).await;
+    /// }
+    /// assert_eq!((worker.report().completed, worker.report().failed), (1, 1));
+    /// # worker.shutdown(Duration::from_secs(1)).await;
+    /// # Ok(()) }
+    /// ```
     pub fn report(&self) -> WorkerReport {
         self.stats.report()
     }
