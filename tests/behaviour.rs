@@ -1425,6 +1425,12 @@ suite!(
     redis_tls,
     Harness::Tls(tls_support::start_tls(Flavor::Redis))
 );
+/// Without the `tls` feature the TLS suite is not built: said, not skipped silently.
+#[cfg(not(feature = "tls"))]
+#[test]
+fn redis_tls_suite_needs_the_tls_feature() {
+    panic!("the TLS suite needs --all-features (the `tls` feature); scripts/test.sh passes it");
+}
 suite!(
     redis_cluster,
     Harness::Cluster(Cluster::start(Flavor::Redis, 3, 0))

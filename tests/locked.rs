@@ -1,5 +1,6 @@
-//! `#[locked]` functions, run on every backend: memory, a real `redis-server` and a real
-//! `valkey-server`. Every function here names its locker with `locker = ...`, because the default
+//! `#[locked]` functions, run on memory, a real `redis-server` and a real `valkey-server`. The
+//! macro only calls `Locker`'s own methods, which `tests/behaviour.rs` runs on every backend
+//! (clusters, quorums, TLS and ACL users too), so it is not run on those again. Every function here names its locker with `locker = ...`, because the default
 //! locker is process-wide and these tests run in parallel; the default path has its own test
 //! binary (`tests/locked_default.rs`).
 #![cfg(feature = "macros")]
