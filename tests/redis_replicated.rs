@@ -258,14 +258,15 @@ async fn a_silent_pool_costs_one_ping(flavor: Flavor) {
     let locker = Locker::redis_with(&proxy.url(), config)
         .await
         .expect("connect");
-    // Eight acquires at once take eight dedicated connections; without a replica each is
-    // refused, and its connection goes back to the pool.
+    // Eight acquires at once take eight dedicated connections (each `WAIT`s 500 ms, long
+    // enough that they overlap on a loaded machine); without a replica each is refused, and its
+    // connection goes back to the pool.
     let fill: Vec<_> = (0..8)
         .map(|i| {
             let locker = locker.clone();
             tokio::spawn(async move {
                 locker
-                    .try_acquire(&format!("pool-{i}"), &replicated(50))
+                    .try_acquire(&format!("pool-{i}"), &replicated(500))
                     .await
                     .map(|l| l.fence())
             })

@@ -711,6 +711,10 @@ impl<B: Backend + Clone> Locker<B> {
     /// behind it for the same key too, at once, with [`Error::Unavailable`] naming it (nothing
     /// of theirs was sent): otherwise each would spend an attempt's timeouts in turn, and the
     /// last ones would run out their wait and end with a `WaitTimeout`, which is not transient.
+    /// (A waiter whose own wait ends before that first attempt's error comes still ends with
+    /// `WaitTimeout`.) Only failures on the shared connection are passed on this way, not those
+    /// of an acquire waiting for [`replicas`](LockOptions::replicas), which uses connections of
+    /// its own.
     ///
     /// The wait bounds the time between attempts, not an attempt already sent when it runs
     /// out: that one is answered first. On a slow or unreachable server an attempt can take the
@@ -777,7 +781,13 @@ impl<B: Backend + Clone> Locker<B> {
                 crate::wake::Watch::mark_seen(w);
             }
             let attempt = self.attempt(&key, &token, opts).await;
-            let remaining = match attempt.map_err(|e| turn.failed(e))? {
+            // A failure on the dedicated connections of a replicated acquire says nothing of
+            // the shared one the waiters behind may use.
+            let attempt = attempt.map_err(|e| match opts.replicas {
+                0 => turn.failed(e),
+                _ => e,
+            });
+            let remaining = match attempt? {
                 Attempt::Granted(mut lease) => {
                     debug!(waited = ?started.elapsed(), fence = lease.fence.0, "acquired");
                     turn.hold(lease.state.clone(), permit);
@@ -1099,7 +1109,8 @@ impl<B: Backend + Clone> Locker<B> {
 /// update on a fence column), which survives with it. On a Redlock quorum the gate needs a
 /// majority of members to admit, so a minority restarting empty does not forget. A key at the
 /// gate's place that holds anything but a fence (another type, or a string that is not a
-/// decimal up to 2^64 - 1) is refused with [`Error::WrongType`] and left as it is.
+/// canonical decimal up to 2^64 - 1: no sign, no leading zero) is refused with
+/// [`Error::WrongType`] and left as it is.
 ///
 /// ```
 /// use lock_core::{Error, Fence, Locker};

@@ -114,6 +114,12 @@ impl RedisConfig {
     /// would report a sound server as unreachable: refused before any connection is made.
     /// `Duration::MAX` is no timeout at all.
     pub(crate) fn validate(&self) -> Result<()> {
+        self.validate_for(cfg!(feature = "tls"))
+    }
+
+    /// [`validate`](Self::validate) for a build with or without TLS: both are tested in one
+    /// build (the tests run with every feature on).
+    fn validate_for(&self, tls_built: bool) -> Result<()> {
         for (what, value) in [
             ("response timeout", self.response_timeout),
             ("connection timeout", self.connection_timeout),
@@ -1268,15 +1274,17 @@ mod tests {
     #[test]
     fn a_tls_root_needs_the_tls_feature() {
         let config = RedisConfig::default().tls_root_pem(b"a CA in PEM".to_vec());
-        let checked = config.validate();
-        if cfg!(feature = "tls") {
-            assert!(checked.is_ok(), "{checked:?}");
-        } else {
-            assert!(
-                matches!(checked, Err(Error::Unsupported { .. })),
-                "{checked:?}"
-            );
-        }
-        assert!(RedisConfig::default().validate().is_ok());
+        assert!(config.validate_for(true).is_ok());
+        let refused = config.validate_for(false);
+        assert!(
+            matches!(refused, Err(Error::Unsupported { .. })),
+            "{refused:?}"
+        );
+        assert!(RedisConfig::default().validate_for(false).is_ok());
+        assert_eq!(
+            config.validate().is_ok(),
+            cfg!(feature = "tls"),
+            "this build"
+        );
     }
 }
