@@ -1227,31 +1227,59 @@ async fn try_acquire_does_not_queue_behind_waiters(h: Harness) {
     panic!("in three rounds the waiter never went to sleep before the key was freed");
 }
 
+/// Polls `fut` once, calls `in_line`, then waits for `fut`: an `acquire` that has to wait is in
+/// its locker's line from its first poll on.
+async fn in_line_then<F: std::future::Future>(fut: F, in_line: impl FnOnce()) -> F::Output {
+    let mut fut = std::pin::pin!(fut);
+    let mut in_line = Some(in_line);
+    std::future::poll_fn(|cx| {
+        let polled = fut.as_mut().poll(cx);
+        if let Some(f) = in_line.take() {
+            f();
+        }
+        polled
+    })
+    .await
+}
+
 /// Waiters of one locker take turns in arrival order, and a task that asks again right after
-/// releasing queues behind them instead of winning the key back.
+/// releasing queues behind them instead of winning the key back. Arrival and return are
+/// signalled, not slept for: each task is in line before the next one starts, and a holder
+/// keeps its turn until every task that went before it is back in line, so the order tested is
+/// the line's, not the machine's speed.
 async fn waiters_take_turns(h: Harness) {
     let locker = h.locker().await;
     let o = opts(5_000).wait(Duration::from_secs(20));
     let first = locker.acquire("turns", &o).await.expect("first");
     let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    // How many tasks are back in line after their first turn.
+    let back = Arc::new(tokio::sync::watch::Sender::new(0usize));
     let mut tasks = Vec::new();
     for id in 0..6usize {
-        let (locker, o, order) = (locker.clone(), o.clone(), order.clone());
+        let (locker, o, order, back) = (locker.clone(), o.clone(), order.clone(), back.clone());
+        let (queued, in_line) = tokio::sync::oneshot::channel();
         tasks.push(tokio::spawn(async move {
-            for _ in 0..2 {
-                let lease = locker.acquire("turns", &o).await.expect("turn");
-                order.lock().expect("order").push(id);
-                // Work while holding, then straight back into line. Long enough that the task
-                // before this one is back in line (a release round trip after its turn)
-                // before this turn ends, also on a loaded machine over TLS: at 2 ms a task
-                // was once late, and the next one queued ahead of it; 100 ms leaves room for
-                // a thread kept off its core that long.
-                sleep(Duration::from_millis(100)).await;
-                lease.release().await.expect("release");
-            }
+            let mut back_in_line = back.subscribe();
+            let queue = || {
+                let _ = queued.send(());
+            };
+            let lease = in_line_then(locker.acquire("turns", &o), queue).await;
+            order.lock().expect("order").push(id);
+            back_in_line
+                .wait_for(|&n| n >= id)
+                .await
+                .expect("the counter lives");
+            lease.expect("turn").release().await.expect("release");
+            let count = || back.send_modify(|n| *n += 1);
+            let lease = in_line_then(locker.acquire("turns", &o), count).await;
+            order.lock().expect("order").push(id);
+            lease
+                .expect("second turn")
+                .release()
+                .await
+                .expect("release");
         }));
-        // Each task is queued before the next one arrives.
-        sleep(Duration::from_millis(50)).await;
+        in_line.await.expect("the task queued");
     }
     first.release().await.expect("release");
     for t in tasks {

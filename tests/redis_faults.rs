@@ -559,6 +559,20 @@ async fn connecting_is_bounded_by_the_connection_timeout(flavor: Flavor) {
     );
 }
 
+/// Waits (at most 5 s) until `n` connections were made through `proxy`: a locker's shared
+/// connection comes first, then its subscription's.
+async fn proxied_connections(proxy: &support::proxy::Proxy, n: usize) {
+    let started = Instant::now();
+    while proxy.connections() < n {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{} of {n} connections made through the proxy",
+            proxy.connections()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// A subscription slow to be confirmed (it may take a second) does not carry a short wait
 /// past its deadline.
 async fn a_slow_subscription_keeps_the_wait_deadline(flavor: Flavor) {
@@ -566,14 +580,7 @@ async fn a_slow_subscription_keeps_the_wait_deadline(flavor: Flavor) {
     let proxy = support::proxy::Proxy::start(server.port).await;
     let locker = Locker::redis(&proxy.url()).await.expect("connect");
     // The locker's connections through the proxy: the shared one, then the subscription's.
-    let started = Instant::now();
-    while proxy.connections() < 2 {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the subscription connection was not made"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    proxied_connections(&proxy, 2).await;
     let holder = Locker::redis(&server.url()).await.expect("connect");
     let held = holder
         .try_acquire("slow-sub", &opts(20_000))
@@ -602,13 +609,7 @@ async fn a_slow_subscription_keeps_the_wait_deadline(flavor: Flavor) {
     let queue = leasehold::queue::Queue::builder("slow-sub")
         .on_redis(backend)
         .expect("queue");
-    while proxy.connections() < 4 {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the queue's subscription connection was not made"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    proxied_connections(&proxy, 4).await;
     proxy.delay_requests_of(3, Duration::from_millis(1500));
     let started = Instant::now();
     let claimed = queue
@@ -636,14 +637,7 @@ async fn a_late_confirmed_subscription_still_wakes_its_waiter(flavor: Flavor) {
     let locker = Locker::redis_with(&proxy.url(), patient)
         .await
         .expect("connect");
-    let started = Instant::now();
-    while proxy.connections() < 2 {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the subscription connection was not made"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    proxied_connections(&proxy, 2).await;
     let holder = Locker::redis(&server.url()).await.expect("connect");
     let held = holder
         .try_acquire("late-sub", &opts(20_000))
@@ -1491,6 +1485,9 @@ async fn holder_process_killed(flavor: Flavor) {
         .await
         .expect("acquire after the holder died");
     let waited = killed.elapsed();
-    assert!(waited <= Duration::from_millis(1_000 + 300), "{waited:?}");
+    // The lease (1 s, renewed every third of it) runs out within 1 s of the kill, and the
+    // waiter's timer is set from its PTTL: taken near then, far from the 5 s wait's end, with
+    // room for a loaded machine.
+    assert!(waited <= Duration::from_millis(2_000), "{waited:?}");
     assert!(lease.fence().get() > child_fence);
 }

@@ -61,14 +61,26 @@ async fn missing_replica_refuses_without_stalling(flavor: Flavor) {
             (r.map(|l| l.fence()), started.elapsed())
         })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Until the `WAIT` blocks on the server (not a guess at how long that takes, which a
+    // loaded machine could make the check below pass without a blocked `WAIT` to stall behind).
+    let blocking = Instant::now();
+    while !master
+        .cmd::<String>(&["INFO", "clients"])
+        .contains("blocked_clients:1")
+    {
+        assert!(
+            blocking.elapsed() < Duration::from_secs(1),
+            "WAIT never blocked"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let t = Instant::now();
     let other = locker
         .try_acquire("other", &LockOptions::new())
         .await
         .expect("plain acquire while WAIT blocks");
     assert!(
-        t.elapsed() < Duration::from_millis(500),
+        t.elapsed() < Duration::from_millis(700),
         "the shared connection stalled for {:?}",
         t.elapsed()
     );
