@@ -368,7 +368,7 @@ async fn digits(
     text: &str,
 ) -> Result<impl Iterator<Item = u32> + use<>, AppError> {
     let __lh_settings = __lh_locker.lock_key("digits")?;
-    assert_eq!(__lh_settings.user(), "digits");
+    assert_eq!(__lh_settings.key(), "digits");
     let n: u32 = text.parse().map_err(|_| AppError::Declined(__lh_key))?;
     if n == 0 {
         return Ok(vec![0].into_iter());

@@ -73,7 +73,7 @@ pub struct Lease<B: Backend + Clone = AnyBackend> {
 impl<B: Backend + Clone> std::fmt::Debug for Lease<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Lease")
-            .field("key", &self.key.user())
+            .field("key", &self.key.key())
             .field("fence", &self.fence)
             .field("remaining", &self.remaining())
             .finish_non_exhaustive()
@@ -126,7 +126,7 @@ impl<B: Backend + Clone> Lease<B> {
     /// # Ok(()) }
     /// ```
     pub fn key(&self) -> &str {
-        self.key.user()
+        self.key.key()
     }
 
     /// Time left on the lease, measured on the local monotonic clock from before the request
@@ -241,7 +241,7 @@ impl<B: Backend + Clone> Lease<B> {
     /// lease.release().await?;
     /// # Ok(()) }
     /// ```
-    #[instrument(level = "debug", skip(self), fields(key = self.key.user()))]
+    #[instrument(level = "debug", skip(self), fields(key = self.key.key()))]
     pub async fn extend(&self, ttl: Duration) -> Result<()> {
         crate::types::validate_ttl(ttl)?;
         let _one_at_a_time = self.extends.lock().await;
@@ -251,7 +251,7 @@ impl<B: Backend + Clone> Lease<B> {
         if self.state.is_lost() {
             self.state.lost.cancel();
             return Err(Error::LeaseLost {
-                key: self.key.user().to_owned(),
+                key: self.key.key().to_owned(),
             });
         }
         // From the moment it is sent, the extend may land and set the server's expiry to `ttl`,
@@ -278,7 +278,7 @@ impl<B: Backend + Clone> Lease<B> {
         let [held] = held[..] else {
             return Err(Error::OutcomeUnknown {
                 op: "extend",
-                key: self.key.user().to_owned(),
+                key: self.key.key().to_owned(),
                 source: redis::RedisError::from((
                     redis::ErrorKind::UnexpectedReturnType,
                     "the backend answered an extend of one lease with another number of answers",
@@ -294,7 +294,7 @@ impl<B: Backend + Clone> Lease<B> {
             {
                 // Lost while the extend was on its way (its alarm passed): as above.
                 return Err(Error::LeaseLost {
-                    key: self.key.user().to_owned(),
+                    key: self.key.key().to_owned(),
                 });
             }
             if self.renewing {
@@ -304,7 +304,7 @@ impl<B: Backend + Clone> Lease<B> {
         } else {
             self.state.lost.cancel();
             Err(Error::LeaseLost {
-                key: self.key.user().to_owned(),
+                key: self.key.key().to_owned(),
             })
         }
     }
@@ -334,7 +334,7 @@ impl<B: Backend + Clone> Lease<B> {
     /// assert_eq!(lapsed.release().await?, Release::NotHeld); // expired: nothing touched
     /// # Ok(()) }
     /// ```
-    #[instrument(level = "debug", skip(self), fields(key = self.key.user(), fence = self.fence.0))]
+    #[instrument(level = "debug", skip(self), fields(key = self.key.key(), fence = self.fence.0))]
     pub async fn release(mut self) -> Result<Release> {
         // A renewal still on its way that finds the key deleted by this release is not a loss.
         self.state
@@ -387,17 +387,16 @@ impl<B: Backend + Clone> Lease<B> {
         let held = match first {
             Ok(held) => held,
             // A token-checked delete is safe to repeat; only the second answer can be ambiguous.
-            Err(Error::OutcomeUnknown { .. }) => {
+            Err(Error::OutcomeUnknown { source, .. }) => {
                 match self.core.backend.release(&self.key, &self.token).await {
                     Ok(true) => true,
+                    // The lease is gone, but whether the first delete took it or it had
+                    // already expired is unknown: the first call's failure is the cause.
                     Ok(false) => {
                         return Err(Error::OutcomeUnknown {
                             op: "release",
-                            key: self.key.user().to_owned(),
-                            source: redis::RedisError::from((
-                                redis::ErrorKind::Io,
-                                "reply lost; lease is gone, but whether it was still ours is unknown",
-                            )),
+                            key: self.key.key().to_owned(),
+                            source,
                         });
                     }
                     Err(e) => return Err(e),
@@ -521,7 +520,7 @@ pub struct LeaseInfo {
 impl std::fmt::Debug for LeaseInfo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LeaseInfo")
-            .field("key", &self.key.user())
+            .field("key", &self.key.key())
             .field("fence", &self.fence)
             .finish_non_exhaustive()
     }
@@ -539,7 +538,7 @@ impl LeaseInfo {
     /// # Ok(()) }
     /// ```
     pub fn key(&self) -> &str {
-        self.key.user()
+        self.key.key()
     }
     /// The fence of the grant.
     ///

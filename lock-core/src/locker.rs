@@ -685,11 +685,11 @@ impl<B: Backend + Clone> Locker<B> {
         match self.attempt(&key, &token, opts).await? {
             Attempt::Granted(lease) => Ok(lease),
             Attempt::Held(remaining) => Err(Error::Busy {
-                key: key.user().to_owned(),
+                key: key.key().to_owned(),
                 remaining,
             }),
             Attempt::Late => Err(Error::LeaseLost {
-                key: key.user().to_owned(),
+                key: key.key().to_owned(),
             }),
         }
     }
@@ -754,12 +754,12 @@ impl<B: Backend + Clone> Locker<B> {
         let mut token = Token::generate();
         let started = Instant::now();
         let give_up = crate::types::deadline_after(started, opts.wait);
-        let turn = self.core.turnstiles.enter(key.user());
+        let turn = self.core.turnstiles.enter(key.key());
         let permit = match turn.wait_turn(give_up).await {
             Ok(permit) => permit,
             Err(NoTurn::TimedOut) => {
                 return Err(Error::WaitTimeout {
-                    key: key.user().to_owned(),
+                    key: key.key().to_owned(),
                     waited: started.elapsed(),
                 });
             }
@@ -805,7 +805,7 @@ impl<B: Backend + Clone> Locker<B> {
                     let now = Instant::now();
                     if late >= MAX_LATE_GRANTS || now >= give_up {
                         return Err(Error::LeaseLost {
-                            key: key.user().to_owned(),
+                            key: key.key().to_owned(),
                         });
                     }
                     debug!(
@@ -827,7 +827,7 @@ impl<B: Backend + Clone> Locker<B> {
                     // A wait that is already over (`wait(Duration::ZERO)`) has no use for a
                     // subscription.
                     return Err(Error::WaitTimeout {
-                        key: key.user().to_owned(),
+                        key: key.key().to_owned(),
                         waited: started.elapsed(),
                     });
                 }
@@ -839,7 +839,7 @@ impl<B: Backend + Clone> Locker<B> {
                     Ok(w) => watch = Some(w.map_err(|e| turn.failed(e))?),
                     Err(_) => {
                         return Err(Error::WaitTimeout {
-                            key: key.user().to_owned(),
+                            key: key.key().to_owned(),
                             waited: started.elapsed(),
                         });
                     }
@@ -849,7 +849,7 @@ impl<B: Backend + Clone> Locker<B> {
             let now = Instant::now();
             if now >= give_up {
                 return Err(Error::WaitTimeout {
-                    key: key.user().to_owned(),
+                    key: key.key().to_owned(),
                     waited: now - started,
                 });
             }
@@ -993,7 +993,7 @@ impl<B: Backend + Clone> Locker<B> {
                 // A grant the replicas lack could vanish in a failover: not a lease.
                 let _ = self.core.backend.release(key, token).await;
                 Err(Error::NotReplicated {
-                    key: key.user().to_owned(),
+                    key: key.key().to_owned(),
                     acked,
                     wanted: opts.replicas,
                 })
@@ -1328,7 +1328,7 @@ mod tests {
         ) -> impl Future<Output = Result<AcquireReply>> + Send {
             let n = self.acquires.fetch_add(1, Ordering::SeqCst);
             let grant = self.inner.acquire(key, token, ttl);
-            let (fault, user) = (self.fault, key.user().to_owned());
+            let (fault, user) = (self.fault, key.key().to_owned());
             async move {
                 match fault {
                     AcquireFault::LostReplyThenSilence if n > 0 => std::future::pending().await,
@@ -1459,7 +1459,7 @@ mod tests {
                     .items
                     .lock()
                     .expect("items")
-                    .entry(key.user().to_owned())
+                    .entry(key.key().to_owned())
                     .or_default() += 1;
             }
             let (me, items) = (self.clone(), items.to_vec());
@@ -1481,7 +1481,7 @@ mod tests {
         ) -> impl Future<Output = Result<Vec<Option<bool>>>> + Send {
             let unanswered: Vec<bool> = items
                 .iter()
-                .map(|(key, _)| Some(key.user()) == self.unanswered)
+                .map(|(key, _)| Some(key.key()) == self.unanswered)
                 .collect();
             let answers = self.extend(items, ttl);
             async move {

@@ -498,9 +498,9 @@ impl Dropped {
             None => backend.release(&key, &token).await,
         };
         match released {
-            Ok(held) => debug!(key = key.user(), held, "dropped lease released"),
+            Ok(held) => debug!(key = key.key(), held, "dropped lease released"),
             Err(e) => {
-                warn!(key = key.user(), error = %e, "dropped lease not released; it expires with its TTL")
+                warn!(key = key.key(), error = %e, "dropped lease not released; it expires with its TTL")
             }
         }
     }
@@ -827,7 +827,7 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
             }
             if let Some(e) = d.remove(id) {
                 warn!(
-                    key = e.key.user(),
+                    key = e.key.key(),
                     "lease lost: no renewal got through before its deadline"
                 );
                 e.state.lost.cancel();
@@ -897,7 +897,7 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
         }
         for id in lost {
             if let Some(e) = d.remove(id) {
-                debug!(key = e.key.user(), "lease already lost; not renewed");
+                debug!(key = e.key.key(), "lease already lost; not renewed");
             }
         }
         for (id, ttl) in deferred.drain(..) {
@@ -1052,7 +1052,7 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                     // This lease's part of the batch failed: retry it like a failed batch.
                     e.state.renewal_unknown(sent_at + ttl - drift(ttl));
                     let retry = Instant::now() + (e.ttl / 10).min(Duration::from_millis(250));
-                    debug!(key = e.key.user(), "renewal outcome unknown; retrying");
+                    debug!(key = e.key.key(), "renewal outcome unknown; retrying");
                     d.file_retry(*id, retry);
                     continue;
                 };
@@ -1063,12 +1063,12 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                             // Released or dropped meanwhile (or lost and said so already): the
                             // holder's own delete, not a loss to warn of.
                             debug!(
-                                key = e.key.user(),
+                                key = e.key.key(),
                                 "renewal found the lease gone after it ended"
                             );
                         } else {
                             warn!(
-                                key = e.key.user(),
+                                key = e.key.key(),
                                 "lease lost: the server no longer holds it"
                             );
                             e.state.lost.cancel();
@@ -1087,7 +1087,7 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                     }
                     None => {
                         debug!(
-                            key = e.key.user(),
+                            key = e.key.key(),
                             "renewal answered after the lease counted as lost; it stays lost"
                         );
                         d.remove(*id);
@@ -1101,7 +1101,7 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                 e.state.renewal_unknown(sent_at + ttl - drift(ttl));
                 // Retry soon; the deadline timer marks the lease lost if none succeeds in time.
                 let retry = Instant::now() + (e.ttl / 10).min(Duration::from_millis(250));
-                debug!(key = e.key.user(), error = %err, "renewal failed; retrying");
+                debug!(key = e.key.key(), error = %err, "renewal failed; retrying");
                 d.file_retry(*id, retry);
             }
         }

@@ -292,7 +292,7 @@ pub(crate) fn warn_ahead(ttl: Duration) -> Duration {
 ///
 /// ```
 /// let names = lock_core::Locker::memory().lock_key("orders:7")?;
-/// assert_eq!(names.user(), "orders:7");
+/// assert_eq!(names.key(), "orders:7");
 /// assert_eq!(names.lock_key(), "{leasehold:orders:7}:lock");
 /// assert_eq!(names.fence_key(), "{leasehold:orders:7}:fence");
 /// assert_eq!(names.channel(), "{leasehold:orders:7}:released");
@@ -361,10 +361,10 @@ impl LockKey {
     ///
     /// ```
     /// let names = lock_core::Locker::memory().lock_key("orders:7")?;
-    /// assert_eq!(names.user(), "orders:7");
+    /// assert_eq!(names.key(), "orders:7");
     /// # Ok::<(), lock_core::Error>(())
     /// ```
-    pub fn user(&self) -> &str {
+    pub fn key(&self) -> &str {
         &self.names[..self.user_end]
     }
 
@@ -453,7 +453,7 @@ pub(crate) type KeyHash = std::hash::BuildHasherDefault<KeyHasher>;
 impl fmt::Debug for LockKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockKey")
-            .field("user", &self.user())
+            .field("key", &self.key())
             .field("lock_key", &self.lock_key())
             .finish()
     }
@@ -511,14 +511,14 @@ mod tests {
         let k = LockKey::new("app", "orders:1");
         let e = LockKey::new("", "x");
         assert_eq!(
-            [e.user(), e.lock_key(), e.fence_key(), e.channel()],
+            [e.key(), e.lock_key(), e.fence_key(), e.channel()],
             ["x", "{:x}:lock", "{:x}:fence", "{:x}:released"]
         );
         // A prefix past the scratch buffer's cap: names stay whole, and the next key is right.
         let long = "p".repeat(5000);
         let l = LockKey::new(&long, "k");
         assert_eq!(l.fence_key(), format!("{{{long}:k}}:fence"));
-        assert_eq!(LockKey::new("app", "orders:2").user(), "orders:2");
+        assert_eq!(LockKey::new("app", "orders:2").key(), "orders:2");
         // Built apart, the same names are one key; another prefix or user is another key, also
         // in a map that trusts the carried hash.
         let mut map: HashMap<LockKey, u8, KeyHash> = HashMap::default();
@@ -579,7 +579,7 @@ mod tests {
         assert_eq!(k.lock_key(), "{lh:job:7}:lock");
         assert_eq!(k.fence_key(), "{lh:job:7}:fence");
         assert_eq!(k.channel(), "{lh:job:7}:released");
-        assert_eq!(k.user(), "job:7");
+        assert_eq!(k.key(), "job:7");
         assert_eq!(k, LockKey::new("lh", "job:7"));
         assert_ne!(k, LockKey::new("other", "job:7"));
     }

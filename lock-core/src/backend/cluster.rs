@@ -931,7 +931,7 @@ impl Backend for ClusterBackend {
         if let Some(i) = answers.iter().position(Option::is_none) {
             return Err(first_error.unwrap_or_else(|| Error::OutcomeUnknown {
                 op: "extend",
-                key: items[i].0.user().to_owned(),
+                key: items[i].0.key().to_owned(),
                 source: redis::RedisError::from((
                     redis::ErrorKind::Io,
                     "the node did not answer the extend in time",

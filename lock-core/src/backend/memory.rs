@@ -259,7 +259,7 @@ impl MemoryBackend {
         // As acquire.lua: no fence above 2^64 - 1 exists, so none is granted (nothing changed).
         let Some(next) = slot.fence.checked_add(1) else {
             return Err(Error::FenceExhausted {
-                key: key.user().to_owned(),
+                key: key.key().to_owned(),
             });
         };
         slot.fence = next.max(clock);
@@ -581,7 +581,7 @@ mod tests {
         st.keys.insert(key("ahead-of-the-clock"), ahead);
         st.sweep_above = 5;
         st.sweep(now);
-        let mut left: Vec<&str> = st.keys.keys().map(LockKey::user).collect();
+        let mut left: Vec<&str> = st.keys.keys().map(LockKey::key).collect();
         left.sort_unstable();
         assert_eq!(
             left,

@@ -390,7 +390,7 @@ impl QuorumBackend {
         crate::types::validate_ttl(ttl)?;
         let started = Instant::now();
         let limit = ttl.saturating_sub(drift(ttl));
-        let batch_key = items.first().map_or("(batch)", |(k, _)| k.user());
+        let batch_key = items.first().map_or("(batch)", |(k, _)| k.key());
         let shared: Arc<[(LockKey, Token)]> = items.into();
         let mut calls = futures_util::stream::FuturesUnordered::new();
         for (i, slot) in self.inner.members.iter().enumerate() {
@@ -540,7 +540,7 @@ impl QuorumBackend {
             .arg(ttl.as_millis() as u64)
             .invoke_async(&mut member.connection())
             .await
-            .map_err(|e| classify("acquire", key.user(), e))?;
+            .map_err(|e| classify("acquire", key.key(), e))?;
         let Value::Array(items) = &reply else {
             return Err(unexpected("acquire", &reply));
         };
@@ -600,7 +600,7 @@ impl QuorumBackend {
             .arg(fence.to_string())
             .invoke_async(&mut member.connection())
             .await
-            .map_err(|e| classify("acquire", key.user(), e))?;
+            .map_err(|e| classify("acquire", key.key(), e))?;
         Ok(n == 1)
     }
 
@@ -670,7 +670,7 @@ impl QuorumBackend {
                 .on_members(&may_hold, limit, |m| m.release(key, token))
                 .await;
             return Round::Refused(Error::FenceExhausted {
-                key: key.user().to_owned(),
+                key: key.key().to_owned(),
             });
         }
         if granted.len() >= quorum && Instant::now() < valid_until {
@@ -780,7 +780,7 @@ impl Backend for QuorumBackend {
 
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
         crate::types::validate_ttl(ttl)?;
-        let span = debug_span!("quorum_acquire", key = key.user(), members = self.members());
+        let span = debug_span!("quorum_acquire", key = key.key(), members = self.members());
         async move {
             let started = Instant::now();
             let valid_until = started + ttl.saturating_sub(drift(ttl));
@@ -811,7 +811,7 @@ impl Backend for QuorumBackend {
                         Some(remaining) if answered >= self.inner.quorum => {
                             Ok(AcquireReply::Held { remaining })
                         }
-                        _ => Err(self.no_quorum("acquire", key.user(), agreed)),
+                        _ => Err(self.no_quorum("acquire", key.key(), agreed)),
                     };
                 }
                 debug!(agreed, answered, ?pause, "no quorum; retrying");
@@ -875,7 +875,7 @@ impl Backend for QuorumBackend {
         if released + unknown < self.inner.quorum {
             return Ok(false);
         }
-        Err(self.no_quorum("release", key.user(), released))
+        Err(self.no_quorum("release", key.key(), released))
     }
 
     /// A lease is renewed when a quorum renewed it within the validity. When too few members
@@ -892,7 +892,7 @@ impl Backend for QuorumBackend {
         let (counts, unknown) = self.extend_counts(items, ttl, ttl).await?;
         let decided: Option<Vec<bool>> = counts.iter().map(|&c| self.renewed(c, unknown)).collect();
         decided.ok_or_else(|| {
-            let batch_key = items.first().map_or("(batch)", |(k, _)| k.user());
+            let batch_key = items.first().map_or("(batch)", |(k, _)| k.key());
             let agreed = counts.iter().copied().min().unwrap_or(0);
             self.no_quorum("extend", batch_key, agreed)
         })

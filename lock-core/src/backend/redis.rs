@@ -132,7 +132,7 @@ impl RedisConfig {
                 });
             }
         }
-        if cfg!(not(feature = "tls")) && self.tls_root_pem.is_some() {
+        if !tls_built && self.tls_root_pem.is_some() {
             return Err(Error::Unsupported {
                 what: "a TLS root certificate without the `tls` feature",
                 backend: "redis",
@@ -250,8 +250,8 @@ impl Flush for Acquires {
         let (key, token) = (item.0.clone(), item.1.clone());
         runtime.spawn(async move {
             match ops::release(&mut conn, &scripts, &key, &token, "PUBLISH").await {
-                Ok(held) => debug!(key = key.user(), held, "abandoned grant released"),
-                Err(e) => warn!(key = key.user(), error = %e, "abandoned grant not released; it expires with its TTL"),
+                Ok(held) => debug!(key = key.key(), held, "abandoned grant released"),
+                Err(e) => warn!(key = key.key(), error = %e, "abandoned grant not released; it expires with its TTL"),
             }
         });
     }
@@ -275,7 +275,7 @@ impl Flush for Releases {
 fn unanswered(op: &'static str, key: &LockKey) -> Error {
     Error::OutcomeUnknown {
         op,
-        key: key.user().to_owned(),
+        key: key.key().to_owned(),
         source: redis::RedisError::from(std::io::Error::other("the call was dropped unanswered")),
     }
 }
@@ -650,7 +650,7 @@ pub(super) mod ops {
                 .collect(),
             Ok(reply) => items.map(|_| Err(unexpected("acquire", &reply))).collect(),
             Err(e) => items
-                .map(|(key, ..)| Err(classify("acquire", key.user(), e.clone())))
+                .map(|(key, ..)| Err(classify("acquire", key.key(), e.clone())))
                 .collect(),
         }
     }
@@ -682,9 +682,9 @@ pub(super) mod ops {
                 server_key: key.fence_key().to_owned(),
                 found: text(value),
             }),
-            Some(-3) => Err(classify("acquire", key.user(), refusal(value))),
+            Some(-3) => Err(classify("acquire", key.key(), refusal(value))),
             Some(-4) => Err(Error::FenceExhausted {
-                key: key.user().to_owned(),
+                key: key.key().to_owned(),
             }),
             _ => Err(unexpected()),
         }
@@ -729,13 +729,13 @@ pub(super) mod ops {
                 .map(|((key, _), reply)| match reply {
                     Value::Int(n) => Ok(*n == 1),
                     // Text is the server's refusal of this item's command.
-                    Value::BulkString(_) => Err(classify("release", key.user(), refusal(reply))),
+                    Value::BulkString(_) => Err(classify("release", key.key(), refusal(reply))),
                     _ => Err(unexpected("release", reply)),
                 })
                 .collect(),
             Ok(reply) => items.map(|_| Err(unexpected("release", &reply))).collect(),
             Err(e) => items
-                .map(|(key, _)| Err(classify("release", key.user(), e.clone())))
+                .map(|(key, _)| Err(classify("release", key.key(), e.clone())))
                 .collect(),
         }
     }
@@ -760,7 +760,7 @@ pub(super) mod ops {
         }
         // A lone lease (an explicit extend) is named in the error; a batch has no one key.
         let named = match items {
-            [(key, _)] => key.user(),
+            [(key, _)] => key.key(),
             _ => "(batch)",
         };
         let answers = inv
@@ -820,7 +820,7 @@ impl RedisBackend {
         let timed_out = |op| {
             classify(
                 op,
-                key.user(),
+                key.key(),
                 redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut)),
             )
         };
@@ -842,7 +842,7 @@ impl RedisBackend {
         )
         .await
         .map_err(|_| timed_out("wait"))
-        .and_then(|r| r.map_err(|e| classify("wait", key.user(), e)));
+        .and_then(|r| r.map_err(|e| classify("wait", key.key(), e)));
         match acked {
             Ok(acked) => Ok((reply, u32::try_from(acked.max(0)).unwrap_or(u32::MAX))),
             Err(e) => {
@@ -850,7 +850,7 @@ impl RedisBackend {
                 // until its TTL runs out. The acquire was answered, so the release cannot
                 // overtake it, on whichever connection it goes.
                 if let Err(release) = self.release(key, token).await {
-                    warn!(key = key.user(), error = %release, "grant not given back after a failed WAIT; it expires with its TTL");
+                    warn!(key = key.key(), error = %release, "grant not given back after a failed WAIT; it expires with its TTL");
                 }
                 Err(e)
             }
@@ -875,17 +875,17 @@ impl RedisBackend {
             // often why its outcome is unknown): an acquire sent on it has run or never will,
             // so a release on the shared connection can no longer get there first.
             Ok(Err(e @ (Error::Unavailable(_) | Error::OutcomeUnknown { .. }))) => {
-                debug!(key = key.user(), error = %e, "the acquire's connection failed; giving it back on the shared one");
+                debug!(key = key.key(), error = %e, "the acquire's connection failed; giving it back on the shared one");
                 if let Err(e) = Backend::release(self, key, token).await {
-                    warn!(key = key.user(), error = %e, "acquire of unknown outcome not given back; a grant would expire with its TTL");
+                    warn!(key = key.key(), error = %e, "acquire of unknown outcome not given back; a grant would expire with its TTL");
                 }
             }
             Ok(Err(e)) => {
-                warn!(key = key.user(), error = %e, "acquire of unknown outcome not given back; a grant would expire with its TTL");
+                warn!(key = key.key(), error = %e, "acquire of unknown outcome not given back; a grant would expire with its TTL");
             }
             Err(_) => {
                 warn!(
-                    key = key.user(),
+                    key = key.key(),
                     "give-back of an acquire of unknown outcome unanswered in time; it may still land behind the acquire"
                 );
             }
@@ -1027,11 +1027,11 @@ impl Backend for RedisBackend {
             // connection cannot overtake it.
             if let Err(Ok((AcquireReply::Granted { .. }, _))) = answer.send(outcome) {
                 debug!(
-                    key = key.user(),
+                    key = key.key(),
                     "replicated grant whose caller left; giving it back"
                 );
                 if let Err(e) = backend.release(&key, &token).await {
-                    warn!(key = key.user(), error = %e, "abandoned replicated grant not given back; it expires with its TTL");
+                    warn!(key = key.key(), error = %e, "abandoned replicated grant not given back; it expires with its TTL");
                 }
             }
             // After the answer: the caller learns of the unknown outcome without waiting for
