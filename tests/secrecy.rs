@@ -1,6 +1,7 @@
 //! Tokens are secrets: whoever knows a holder's token can release or extend its lease. No error
 //! and no trace event may show one, least of all another holder's. Every span and event, at
-//! every level, is captured while two holders contend on memory and on a real `redis-server`,
+//! every level, is captured while two holders contend (on memory, a real `redis-server` and
+//! `valkey-server`, a Redis Cluster and a Redlock quorum: each backend logs in its own code),
 //! and the text is searched for both tokens.
 
 #[path = "support/captured.rs"]
@@ -11,7 +12,7 @@ use std::time::Duration;
 
 use captured::Captured;
 use leasehold::{Error, LockOptions, Locker};
-use support::{Flavor, Server};
+use support::{Cluster, Flavor, Server};
 use tracing_subscriber::util::SubscriberInitExt;
 
 /// Two holders contend: busy, wait timeout, extend, a stale release, a lost lease, a drop.
@@ -60,7 +61,15 @@ async fn contend(locker: &Locker, other: &Locker) -> (Vec<String>, Vec<String>) 
     (tokens, errors)
 }
 
-async fn no_token_leaks(flavor: Option<Flavor>) {
+/// Where the two contending lockers run.
+enum Setup {
+    Memory,
+    Server(Flavor),
+    Cluster,
+    Quorum,
+}
+
+async fn no_token_leaks(setup: Setup) {
     let captured = Captured::default();
     let subscriber = tracing_subscriber::fmt()
         .with_max_level(tracing_subscriber::filter::LevelFilter::TRACE)
@@ -70,16 +79,38 @@ async fn no_token_leaks(flavor: Option<Flavor>) {
         .with_ansi(false)
         .finish();
     let _guard = subscriber.set_default();
-    let server = flavor.map(Server::start);
-    let (locker, other) = match &server {
-        None => {
+    // Kept until the end: dropped, the servers stop.
+    let (mut servers, mut cluster) = (Vec::new(), None);
+    let (locker, other) = match setup {
+        Setup::Memory => {
             let memory = leasehold::AnyBackend::Memory(leasehold::MemoryBackend::new());
             (Locker::new(memory.clone()), Locker::new(memory))
         }
-        Some(s) => (
-            Locker::redis(&s.url()).await.expect("connect"),
-            Locker::redis(&s.url()).await.expect("connect"),
-        ),
+        Setup::Server(flavor) => {
+            servers.push(Server::start(flavor));
+            let url = servers[0].url();
+            (
+                Locker::redis(&url).await.expect("connect"),
+                Locker::redis(&url).await.expect("connect"),
+            )
+        }
+        Setup::Cluster => {
+            let urls = cluster.insert(Cluster::start(Flavor::Redis, 3, 0)).urls();
+            let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+            (
+                Locker::redis_cluster(&urls).await.expect("connect"),
+                Locker::redis_cluster(&urls).await.expect("connect"),
+            )
+        }
+        Setup::Quorum => {
+            servers.extend((0..3).map(|_| Server::start(Flavor::Redis)));
+            let urls: Vec<String> = servers.iter().map(Server::url).collect();
+            let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+            (
+                Locker::redlock(&urls).await.expect("connect"),
+                Locker::redlock(&urls).await.expect("connect"),
+            )
+        }
     };
     let (tokens, errors) = contend(&locker, &other).await;
     let log = captured.text();
@@ -98,10 +129,25 @@ async fn no_token_leaks(flavor: Option<Flavor>) {
 
 #[tokio::test(flavor = "current_thread")]
 async fn no_token_in_errors_or_traces_on_memory() {
-    no_token_leaks(None).await
+    no_token_leaks(Setup::Memory).await
 }
 
 #[tokio::test(flavor = "current_thread")]
 async fn no_token_in_errors_or_traces_on_redis() {
-    no_token_leaks(Some(Flavor::Redis)).await
+    no_token_leaks(Setup::Server(Flavor::Redis)).await
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn no_token_in_errors_or_traces_on_valkey() {
+    no_token_leaks(Setup::Server(Flavor::Valkey)).await
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn no_token_in_errors_or_traces_on_a_cluster() {
+    no_token_leaks(Setup::Cluster).await
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn no_token_in_errors_or_traces_on_a_quorum() {
+    no_token_leaks(Setup::Quorum).await
 }
