@@ -802,6 +802,121 @@ async fn start_counting(server: &Server, locker: &Locker) {
     let _: () = server.cmd(&["CONFIG", "RESETSTAT"]);
 }
 
+/// Waiters that start waiting on many keys at once subscribe in a few `SUBSCRIBE` commands, not
+/// one each in turn, and each is woken by its key's release. One channel an ACL rule refuses
+/// among them costs only its own subscription (the burst is sent again channel by channel).
+async fn a_burst_of_waiters_subscribes_in_few_commands(flavor: Flavor) {
+    const KEYS: usize = 40;
+    let server = Server::start(flavor);
+    let _: () = server.cmd(&[
+        "ACL",
+        "SETUSER",
+        "some-channels",
+        "on",
+        ">pw",
+        "~*",
+        "&*burst*",
+        "+@all",
+    ]);
+    // A link of 10 ms round trips: a SUBSCRIBE takes long enough for the waiters' to queue
+    // behind it (on loopback each is confirmed before the next waiter asks).
+    let proxy = support::proxy::Proxy::start(server.port).await;
+    proxy.set_latency(Duration::from_millis(5));
+    let url = proxy.url().replacen("://", "://some-channels:pw@", 1);
+    let waiting = Locker::redis(&url).await.expect("connect");
+    let holding = Locker::redis(&server.url()).await.expect("connect");
+    let hold = |keys: Vec<String>| {
+        let holding = holding.clone();
+        async move {
+            let mut held = Vec::new();
+            for key in keys {
+                held.push(
+                    holding
+                        .try_acquire(&key, &opts(20_000))
+                        .await
+                        .expect("hold"),
+                );
+            }
+            held
+        }
+    };
+    let wait = |keys: Vec<String>| {
+        keys.into_iter()
+            .map(|key| {
+                let locker = waiting.clone();
+                tokio::spawn(async move {
+                    let wait = opts(5_000).wait(Duration::from_secs(15));
+                    (locker.acquire(&key, &wait).await.map(|l| l.fence()), key)
+                })
+            })
+            .collect::<Vec<_>>()
+    };
+    let subscribed = |keys: &[String]| {
+        let channels: Vec<String> = keys
+            .iter()
+            .map(|k| holding.lock_key(k).expect("key").channel().to_owned())
+            .collect();
+        let server = &server;
+        async move {
+            for channel in channels {
+                server.wait_for_subscriber(&channel).await;
+            }
+        }
+    };
+    let burst: Vec<String> = (0..KEYS).map(|i| format!("burst-{i}")).collect();
+    let held = hold(burst.clone()).await;
+    start_counting(&server, &waiting).await;
+    let waiters = wait(burst.clone());
+    subscribed(&burst).await;
+    let subscribes = calls(&server, "subscribe");
+    assert!(
+        (1..=10).contains(&subscribes),
+        "{subscribes} SUBSCRIBE commands for {KEYS} keys"
+    );
+    let started = Instant::now();
+    for lease in held {
+        lease.release().await.expect("release");
+    }
+    for w in waiters {
+        let (got, key) = w.await.expect("waiter");
+        assert!(got.is_ok(), "{key}: {got:?}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "woken by timers ({:?}), not by the releases",
+        started.elapsed()
+    );
+
+    // A burst with a channel the ACL rule refuses: the others are subscribed all the same.
+    let mut mixed: Vec<String> = (KEYS..KEYS + 5).map(|i| format!("burst-{i}")).collect();
+    mixed.push("denied".to_owned());
+    let held = hold(mixed.clone()).await;
+    let mut waiters = wait(mixed.clone());
+    mixed.pop();
+    subscribed(&mixed).await;
+    let on_denied = waiters.pop().expect("the denied key's waiter");
+    let started = Instant::now();
+    let mut held = held.into_iter();
+    let denied = held.next_back().expect("the denied key's lease");
+    for lease in held {
+        lease.release().await.expect("release");
+    }
+    for w in waiters {
+        let (got, key) = w.await.expect("waiter");
+        assert!(got.is_ok(), "{key}: {got:?}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "woken by timers ({:?}), not by the releases",
+        started.elapsed()
+    );
+    // Its waiter, unsubscribed, would take the key on its timer once freed
+    // (`a_refused_subscription_costs_only_its_own_key`); not waited for here.
+    assert!(!on_denied.is_finished(), "the denied key is still held");
+    on_denied.abort();
+    denied.release().await.expect("release");
+}
+
 /// Renewal on one server goes in batches: one script call per 256 leases (README), not one per
 /// lease. 600 renewing leases for two TTLs: about three calls a round, where lease by lease it
 /// would be 600.
@@ -1411,6 +1526,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_silent_command_connection_is_replaced() {
                 super::a_silent_command_connection_is_replaced($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_burst_of_waiters_subscribes_in_few_commands() {
+                super::a_burst_of_waiters_subscribes_in_few_commands($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_refused_subscription_costs_only_its_own_key() {

@@ -1097,6 +1097,10 @@ impl Backend for RedisBackend {
     }
 }
 
+/// The most channels one `SUBSCRIBE` carries: enough for a burst, short enough that the
+/// server answers it at once.
+const MAX_SUBSCRIBE_BATCH: usize = 256;
+
 /// How often the subscription connection is checked with a `PING`.
 const SUBSCRIPTION_CHECK: Duration = Duration::from_secs(5);
 
@@ -1128,7 +1132,7 @@ async fn subscriber(
                 continue;
             }
         };
-        if !resubscribe(&mut sink, wakeups.channels(), bound).await {
+        if !subscribe_all(&mut sink, wakeups.channels(), bound).await {
             // Broken as soon as made: back off as after a failed connect, not in a tight loop.
             if !drain_while_down(&mut rx, backoff).await {
                 return;
@@ -1169,16 +1173,42 @@ async fn subscriber(
                 cmd = rx.recv() => match cmd {
                     None => return,
                     Some(SubCmd::Subscribe(ch, ack)) => {
-                        let sent = tokio::time::timeout(bound, sink.subscribe(&ch)).await;
-                        if !answered(sent, &ch) {
+                        // The subscribes queued behind this one go in the same command: a
+                        // burst of newly waited keys costs one round trip, not one each in
+                        // turn (under load the last ones' waiters would wait out their
+                        // confirmation, and give up on it).
+                        let mut batch = vec![(ch, ack)];
+                        let mut after = None;
+                        while batch.len() < MAX_SUBSCRIBE_BATCH {
+                            match rx.try_recv() {
+                                Ok(SubCmd::Subscribe(ch, ack)) => batch.push((ch, ack)),
+                                // Kept for after the batch: an unsubscribe must follow the
+                                // subscribes queued before it.
+                                Ok(unsubscribe) => {
+                                    after = Some(unsubscribe);
+                                    break;
+                                }
+                                Err(_) => break,
+                            }
+                        }
+                        let channels = batch.iter().map(|(ch, _)| ch.clone()).collect();
+                        if !subscribe_all(&mut sink, channels, bound).await {
                             break;
                         }
-                        // Confirmed after its waiter stopped waiting for it (a second): that
-                        // waiter tried again and went to sleep on its timer, and a release
-                        // published before this SUBSCRIBE reached the server went unheard.
-                        // Its waiters try once more, now that releases reach them.
-                        if ack.send(()).is_err() {
-                            wakeups.wake(&ch);
+                        for (ch, ack) in batch {
+                            // Confirmed after its waiter stopped waiting for it (a second):
+                            // that waiter tried again and went to sleep on its timer, and a
+                            // release published before this SUBSCRIBE reached the server went
+                            // unheard. Its waiters try once more, now that releases reach them.
+                            if ack.send(()).is_err() {
+                                wakeups.wake(&ch);
+                            }
+                        }
+                        if let Some(SubCmd::Unsubscribe(ch)) = after {
+                            let sent = tokio::time::timeout(bound, sink.unsubscribe(&ch)).await;
+                            if !answered(sent, &ch) {
+                                break;
+                            }
                         }
                     }
                     Some(SubCmd::Unsubscribe(ch)) => {
@@ -1193,10 +1223,10 @@ async fn subscriber(
     }
 }
 
-/// Subscribes a new connection to `channels`: in one command, or, when the server refuses that
-/// (one channel its ACL rule leaves out refuses them all), one at a time, so that only the
-/// refused ones go without. False when the connection failed.
-async fn resubscribe(
+/// Subscribes to `channels` (a new connection's, or a burst of new ones): in one command, or,
+/// when the server refuses that (one channel its ACL rule leaves out refuses them all), one at a
+/// time, so that only the refused ones go without. False when the connection failed.
+async fn subscribe_all(
     sink: &mut redis::aio::PubSubSink,
     channels: Vec<String>,
     bound: Duration,
