@@ -1839,6 +1839,10 @@ suite!(
     Harness::Cluster(Cluster::start(Flavor::Redis, 3, 0))
 );
 suite!(
+    valkey_cluster,
+    Harness::Cluster(Cluster::start(Flavor::Valkey, 3, 0))
+);
+suite!(
     redis_cluster_acl,
     Harness::ClusterAcl(Cluster::start(Flavor::Redis, 3, 0))
 );
