@@ -792,6 +792,16 @@ fn calls(server: &Server, command: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// How many `command` calls the server refused before running them (an ACL rule, say).
+fn rejected(server: &Server, command: &str) -> u64 {
+    let stats = server.info_field("commandstats", &format!("cmdstat_{command}"));
+    stats
+        .split(',')
+        .find_map(|field| field.strip_prefix("rejected_calls="))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
 /// Loads the scripts (so that NOSCRIPT retries do not count), then zeroes the command counts.
 async fn start_counting(server: &Server, locker: &Locker) {
     let warm = locker
@@ -803,7 +813,8 @@ async fn start_counting(server: &Server, locker: &Locker) {
 }
 
 /// Waiters that start waiting on many keys at once subscribe in a few `SUBSCRIBE` commands, not
-/// one each in turn, and each is woken by its key's release. One channel an ACL rule refuses
+/// one each in turn, and each is woken by its key's release; their subscriptions end in a few
+/// `UNSUBSCRIBE`s. One channel an ACL rule refuses
 /// among them costs only its own subscription (the burst is sent again channel by channel).
 async fn a_burst_of_waiters_subscribes_in_few_commands(flavor: Flavor) {
     const KEYS: usize = 40;
@@ -887,13 +898,44 @@ async fn a_burst_of_waiters_subscribes_in_few_commands(flavor: Flavor) {
         started.elapsed()
     );
 
-    // A burst with a channel the ACL rule refuses: the others are subscribed all the same.
+    // The waiters are gone, and so are their subscriptions: in a few commands as well.
+    let left = Instant::now();
+    for key in &burst {
+        let channel = holding.lock_key(key).expect("key").channel().to_owned();
+        while server
+            .cmd::<(String, i64)>(&["PUBSUB", "NUMSUB", &channel])
+            .1
+            > 0
+        {
+            assert!(
+                left.elapsed() < Duration::from_secs(5),
+                "{channel} still subscribed"
+            );
+            sleep(Duration::from_millis(10)).await;
+        }
+    }
+    let unsubscribes = calls(&server, "unsubscribe");
+    assert!(
+        (1..=10).contains(&unsubscribes),
+        "{unsubscribes} UNSUBSCRIBE commands for {KEYS} keys"
+    );
+
+    // A burst with a channel the ACL rule refuses: the others are subscribed all the same. The
+    // subscription connection's requests are slowed so that the burst queues behind the first
+    // SUBSCRIBE and goes as one, which the server refuses whole (counted), then one by one.
     let mut mixed: Vec<String> = (KEYS..KEYS + 5).map(|i| format!("burst-{i}")).collect();
     mixed.push("denied".to_owned());
     let held = hold(mixed.clone()).await;
+    proxy.delay_requests_of(1, Duration::from_millis(300));
+    let refused_before = rejected(&server, "subscribe");
     let mut waiters = wait(mixed.clone());
     mixed.pop();
     subscribed(&mixed).await;
+    let refused = rejected(&server, "subscribe") - refused_before;
+    assert!(
+        refused >= 2,
+        "{refused} SUBSCRIBE refused: the denied channel was never in a refused burst"
+    );
     let on_denied = waiters.pop().expect("the denied key's waiter");
     let started = Instant::now();
     let mut held = held.into_iter();

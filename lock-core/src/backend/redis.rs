@@ -1097,9 +1097,40 @@ impl Backend for RedisBackend {
     }
 }
 
-/// The most channels one `SUBSCRIBE` carries: enough for a burst, short enough that the
-/// server answers it at once.
+/// The most channels one `SUBSCRIBE` or `UNSUBSCRIBE` carries: enough for a burst, short
+/// enough that the server answers it at once.
 const MAX_SUBSCRIBE_BATCH: usize = 256;
+
+/// Queued subscription commands of one kind, sent as one command.
+enum Run {
+    Subscribe(Vec<(String, tokio::sync::oneshot::Sender<()>)>),
+    Unsubscribe(Vec<String>),
+}
+
+/// `first` and the commands of its kind queued right behind it (up to
+/// [`MAX_SUBSCRIBE_BATCH`]), and the first queued command of the other kind, which must wait for
+/// this run to be sent.
+fn take_run(rx: &mut mpsc::UnboundedReceiver<SubCmd>, first: SubCmd) -> (Run, Option<SubCmd>) {
+    let mut run = match first {
+        SubCmd::Subscribe(ch, ack) => Run::Subscribe(vec![(ch, ack)]),
+        SubCmd::Unsubscribe(ch) => Run::Unsubscribe(vec![ch]),
+    };
+    loop {
+        let len = match &run {
+            Run::Subscribe(v) => v.len(),
+            Run::Unsubscribe(v) => v.len(),
+        };
+        if len >= MAX_SUBSCRIBE_BATCH {
+            return (run, None);
+        }
+        match (rx.try_recv(), &mut run) {
+            (Ok(SubCmd::Subscribe(ch, ack)), Run::Subscribe(v)) => v.push((ch, ack)),
+            (Ok(SubCmd::Unsubscribe(ch)), Run::Unsubscribe(v)) => v.push(ch),
+            (Ok(other), _) => return (run, Some(other)),
+            (Err(_), _) => return (run, None),
+        }
+    }
+}
 
 /// How often the subscription connection is checked with a `PING`.
 const SUBSCRIPTION_CHECK: Duration = Duration::from_secs(5);
@@ -1132,7 +1163,7 @@ async fn subscriber(
                 continue;
             }
         };
-        if !subscribe_all(&mut sink, wakeups.channels(), bound).await {
+        if !subscribe_all(&mut sink, wakeups.channels(), bound, |_| {}).await {
             // Broken as soon as made: back off as after a failed connect, not in a tight loop.
             if !drain_while_down(&mut rx, backoff).await {
                 return;
@@ -1170,54 +1201,49 @@ async fn subscriber(
                         break;
                     }
                 },
-                cmd = rx.recv() => match cmd {
-                    None => return,
-                    Some(SubCmd::Subscribe(ch, ack)) => {
-                        // The subscribes queued behind this one go in the same command: a
-                        // burst of newly waited keys costs one round trip, not one each in
-                        // turn (under load the last ones' waiters would wait out their
-                        // confirmation, and give up on it).
-                        let mut batch = vec![(ch, ack)];
-                        let mut after = None;
-                        while batch.len() < MAX_SUBSCRIBE_BATCH {
-                            match rx.try_recv() {
-                                Ok(SubCmd::Subscribe(ch, ack)) => batch.push((ch, ack)),
-                                // Kept for after the batch: an unsubscribe must follow the
-                                // subscribes queued before it.
-                                Ok(unsubscribe) => {
-                                    after = Some(unsubscribe);
-                                    break;
-                                }
-                                Err(_) => break,
+                cmd = rx.recv() => {
+                    let Some(mut cmd) = cmd else { return };
+                    // The commands queued behind this one go with it, a run of one kind per
+                    // command: a burst of newly waited keys (or of keys whose last waiter
+                    // left) costs one round trip, not one each in turn, under which the last
+                    // ones' waiters would wait out their confirmation and give up on it, or
+                    // wait behind a queue of unsubscribes. Runs keep their order: a channel's
+                    // subscribe and unsubscribe alternate, and each goes in its own run.
+                    let live = loop {
+                        let (run, next) = take_run(&mut rx, cmd);
+                        let live = match run {
+                            Run::Subscribe(batch) => {
+                                let channels = batch.iter().map(|(ch, _)| ch.clone()).collect();
+                                let mut acks = batch.into_iter().map(|(_, ack)| ack);
+                                // Confirmed after its waiter stopped waiting for it (a
+                                // second): that waiter tried again and went to sleep on its
+                                // timer, and a release published before this SUBSCRIBE reached
+                                // the server went unheard. Its waiters try once more, now that
+                                // releases reach them.
+                                let confirmed = |ch: &str| {
+                                    if let Some(ack) = acks.next()
+                                        && ack.send(()).is_err()
+                                    {
+                                        wakeups.wake(ch);
+                                    }
+                                };
+                                subscribe_all(&mut sink, channels, bound, confirmed).await
                             }
-                        }
-                        let channels = batch.iter().map(|(ch, _)| ch.clone()).collect();
-                        if !subscribe_all(&mut sink, channels, bound).await {
-                            break;
-                        }
-                        for (ch, ack) in batch {
-                            // Confirmed after its waiter stopped waiting for it (a second):
-                            // that waiter tried again and went to sleep on its timer, and a
-                            // release published before this SUBSCRIBE reached the server went
-                            // unheard. Its waiters try once more, now that releases reach them.
-                            if ack.send(()).is_err() {
-                                wakeups.wake(&ch);
+                            Run::Unsubscribe(channels) => {
+                                let sent =
+                                    tokio::time::timeout(bound, sink.unsubscribe(&channels)).await;
+                                answered(sent, &channels.join(" "))
                             }
+                        };
+                        match next {
+                            Some(c) if live => cmd = c,
+                            _ => break live,
                         }
-                        if let Some(SubCmd::Unsubscribe(ch)) = after {
-                            let sent = tokio::time::timeout(bound, sink.unsubscribe(&ch)).await;
-                            if !answered(sent, &ch) {
-                                break;
-                            }
-                        }
+                    };
+                    if !live {
+                        break;
                     }
-                    Some(SubCmd::Unsubscribe(ch)) => {
-                        let sent = tokio::time::timeout(bound, sink.unsubscribe(&ch)).await;
-                        if !answered(sent, &ch) {
-                            break;
-                        }
-                    }
-                },
+                }
             }
         }
     }
@@ -1225,27 +1251,42 @@ async fn subscriber(
 
 /// Subscribes to `channels` (a new connection's, or a burst of new ones): in one command, or,
 /// when the server refuses that (one channel its ACL rule leaves out refuses them all), one at a
-/// time, so that only the refused ones go without. False when the connection failed.
+/// time, so that only the refused ones go without. `confirmed` is called for each channel, in
+/// order, once it is subscribed or refused alone (in the one-at-a-time case as each is
+/// answered, not when all are). False when the connection failed.
 async fn subscribe_all(
     sink: &mut redis::aio::PubSubSink,
     channels: Vec<String>,
     bound: Duration,
+    mut confirmed: impl FnMut(&str),
 ) -> bool {
-    if channels.is_empty() {
+    let Some(first) = channels.first() else {
         return true;
-    }
+    };
     match tokio::time::timeout(bound, sink.subscribe(&channels)).await {
-        Ok(Ok(())) => true,
-        Ok(Err(e)) if refused(&e) => {
+        Ok(Ok(())) => {
+            channels.iter().for_each(|ch| confirmed(ch));
+            true
+        }
+        Ok(Err(e)) if refused(&e) && channels.len() > 1 => {
             for ch in &channels {
                 let sent = tokio::time::timeout(bound, sink.subscribe(ch)).await;
                 if !answered(sent, ch) {
                     return false;
                 }
+                confirmed(ch);
             }
             true
         }
-        _ => false,
+        // One channel refused alone (logged, and confirmed: its waiters fall back to their
+        // timers), or a failed connection (logged).
+        sent => {
+            let live = answered(sent, first);
+            if live {
+                confirmed(first);
+            }
+            live
+        }
     }
 }
 
