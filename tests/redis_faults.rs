@@ -812,6 +812,27 @@ async fn start_counting(server: &Server, locker: &Locker) {
     let _: () = server.cmd(&["CONFIG", "RESETSTAT"]);
 }
 
+/// Releases `held`, then waits for `waiters`: each must get its key, woken by a release (within
+/// 5 s, where the holders' 20 s TTL would be what wakes a waiter that missed it).
+async fn released_to(
+    held: Vec<leasehold::Lease>,
+    waiters: Vec<tokio::task::JoinHandle<(Result<leasehold::Fence, Error>, String)>>,
+) {
+    let started = Instant::now();
+    for lease in held {
+        lease.release().await.expect("release");
+    }
+    for w in waiters {
+        let (got, key) = w.await.expect("waiter");
+        assert!(got.is_ok(), "{key}: {got:?}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "woken by timers ({:?}), not by the releases",
+        started.elapsed()
+    );
+}
+
 /// Waiters that start waiting on many keys at once subscribe in a few `SUBSCRIBE` commands, not
 /// one each in turn, and each is woken by its key's release; their subscriptions end in a few
 /// `UNSUBSCRIBE`s. One channel an ACL rule refuses
@@ -884,19 +905,7 @@ async fn a_burst_of_waiters_subscribes_in_few_commands(flavor: Flavor) {
         (1..=10).contains(&subscribes),
         "{subscribes} SUBSCRIBE commands for {KEYS} keys"
     );
-    let started = Instant::now();
-    for lease in held {
-        lease.release().await.expect("release");
-    }
-    for w in waiters {
-        let (got, key) = w.await.expect("waiter");
-        assert!(got.is_ok(), "{key}: {got:?}");
-    }
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "woken by timers ({:?}), not by the releases",
-        started.elapsed()
-    );
+    released_to(held, waiters).await;
 
     // The waiters are gone, and so are their subscriptions: in a few commands as well.
     let left = Instant::now();
@@ -937,21 +946,9 @@ async fn a_burst_of_waiters_subscribes_in_few_commands(flavor: Flavor) {
         "{refused} SUBSCRIBE refused: the denied channel was never in a refused burst"
     );
     let on_denied = waiters.pop().expect("the denied key's waiter");
-    let started = Instant::now();
-    let mut held = held.into_iter();
-    let denied = held.next_back().expect("the denied key's lease");
-    for lease in held {
-        lease.release().await.expect("release");
-    }
-    for w in waiters {
-        let (got, key) = w.await.expect("waiter");
-        assert!(got.is_ok(), "{key}: {got:?}");
-    }
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "woken by timers ({:?}), not by the releases",
-        started.elapsed()
-    );
+    let mut held = held;
+    let denied = held.pop().expect("the denied key's lease");
+    released_to(held, waiters).await;
     // Its waiter, unsubscribed, would take the key on its timer once freed
     // (`a_refused_subscription_costs_only_its_own_key`); not waited for here.
     assert!(!on_denied.is_finished(), "the denied key is still held");
