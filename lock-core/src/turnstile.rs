@@ -35,11 +35,11 @@ struct Turnstile {
     holder: Mutex<Option<Holder>>,
     /// Bumped whenever `holder` changes, so waiters watch the right lease.
     changed: watch::Sender<u64>,
-    /// Bumped, with what went wrong, when the waiter whose turn it was failed with a transient
+    /// Set to what went wrong when the waiter whose turn it was failed with a transient
     /// error (a server gone silent or away): the waiters queued behind it end with it at
     /// once, instead of each spending its own attempt's timeouts in turn while the rest of the
     /// queue runs out its wait.
-    failed: watch::Sender<(u64, Arc<str>)>,
+    failed: watch::Sender<Arc<str>>,
 }
 
 /// Why [`TurnHandle::wait_turn`] ended without the turn.
@@ -102,7 +102,7 @@ impl Turnstiles {
                     turn: Arc::new(Semaphore::new(1)),
                     holder: Mutex::new(None),
                     changed: watch::Sender::new(0),
-                    failed: watch::Sender::new((0, Arc::from(""))),
+                    failed: watch::Sender::new(Arc::from("")),
                 })
             })
             .clone();
@@ -152,10 +152,10 @@ impl TurnHandle {
     pub(crate) async fn wait_turn(&self, give_up: Instant) -> Result<OwnedSemaphorePermit, NoTurn> {
         let t = self.turnstile();
         let mut changes = t.changed.subscribe();
+        // Sees only failures from now on: one before this waiter came is not its own.
         let mut failures = t.failed.subscribe();
-        failures.mark_unchanged();
-        let ahead_failed = |failures: &mut watch::Receiver<(u64, Arc<str>)>| {
-            NoTurn::AheadFailed(failures.borrow_and_update().1.clone())
+        let ahead_failed = |failures: &mut watch::Receiver<Arc<str>>| {
+            NoTurn::AheadFailed(failures.borrow_and_update().clone())
         };
         let acquire = t.turn.clone().acquire_owned();
         tokio::pin!(acquire);
@@ -212,11 +212,9 @@ impl TurnHandle {
     /// try for themselves. Returns `e`.
     pub(crate) fn failed(&self, e: crate::Error) -> crate::Error {
         if e.is_transient() {
-            let what: Arc<str> = Arc::from(e.to_string());
-            self.turnstile().failed.send_modify(|(n, w)| {
-                *n += 1;
-                *w = what;
-            });
+            self.turnstile()
+                .failed
+                .send_replace(Arc::from(e.to_string()));
         }
         e
     }
