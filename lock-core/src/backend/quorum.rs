@@ -321,7 +321,11 @@ impl QuorumBackend {
                     let _ = inner.members[i].set(backend);
                 }
                 Err(e) => {
-                    warn!(member = i, error = %e, "quorum member unreachable; retrying in the background");
+                    warn!(
+                        member = i,
+                        error = &e as &dyn std::error::Error,
+                        "quorum member unreachable; retrying in the background"
+                    );
                     tokio::spawn(reconnect(Arc::downgrade(&inner), i, urls[i].to_owned()));
                     first_error.get_or_insert(e);
                 }
@@ -430,7 +434,11 @@ impl QuorumBackend {
                     }
                 }
                 Ok(_) => warn!(member = i, "extend answered for a different batch size"),
-                Err(e) => debug!(member = i, error = %e, "quorum extend failed"),
+                Err(e) => debug!(
+                    member = i,
+                    error = &e as &dyn std::error::Error,
+                    "quorum extend failed"
+                ),
             }
             if counts
                 .iter()
@@ -653,7 +661,11 @@ impl QuorumBackend {
                 }
                 Err(e) => {
                     // It may have granted before the reply was lost or late.
-                    debug!(member = i, error = %e, "quorum vote failed");
+                    debug!(
+                        member = i,
+                        error = &e as &dyn std::error::Error,
+                        "quorum vote failed"
+                    );
                     may_hold.push(i);
                 }
             }
@@ -732,9 +744,15 @@ impl Inner {
             due
         };
         if due {
-            warn!(error = %e, foreign, "quorum members hold a foreign key; counted as no votes");
+            warn!(
+                error = e as &dyn std::error::Error,
+                foreign, "quorum members hold a foreign key; counted as no votes"
+            );
         } else {
-            debug!(error = %e, foreign, "quorum members hold a foreign key; counted as no votes");
+            debug!(
+                error = e as &dyn std::error::Error,
+                foreign, "quorum members hold a foreign key; counted as no votes"
+            );
         }
     }
 
@@ -744,7 +762,10 @@ impl Inner {
         let mut conn = member.connection();
         for script in [&self.vote, &self.write_fence] {
             if let Err(e) = script.load_async(&mut conn).await {
-                debug!(error = %e, "quorum script not preloaded; it loads on first use");
+                debug!(
+                    error = &e as &dyn std::error::Error,
+                    "quorum script not preloaded; it loads on first use"
+                );
             }
         }
     }
@@ -767,7 +788,11 @@ async fn reconnect(inner: Weak<Inner>, index: usize, url: String) {
                 }
                 return;
             }
-            Err(e) => debug!(member = index, error = %e, "quorum member still unreachable"),
+            Err(e) => debug!(
+                member = index,
+                error = &e as &dyn std::error::Error,
+                "quorum member still unreachable"
+            ),
         }
         pause = (pause * 2).min(Duration::from_secs(2));
     }
