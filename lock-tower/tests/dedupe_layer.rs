@@ -1226,9 +1226,9 @@ async fn result_is_not_stored_when_the_claim_changed_hands(h: Harness) {
     drop(h2);
 }
 
-// The result store's other transport: a 3-master Redis Cluster (claim and result share one
-// hash tag, so the store script runs on the node that owns the claim).
-on_redis_cluster!(
+// The result store's other transport: 3-master Redis and Valkey Clusters (claim and result
+// share one hash tag, so the store script runs on the node that owns the claim).
+on_clusters!(
     concurrent_duplicates_run_the_handler_once,
     result_is_not_stored_when_the_claim_changed_hands,
     survives_a_service_restart,

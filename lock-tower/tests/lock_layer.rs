@@ -1,4 +1,5 @@
-//! `LockLayer` over a real axum server and a real HTTP client, on memory, Redis and Valkey.
+//! `LockLayer` over a real axum server and a real HTTP client, on memory, Redis and Valkey
+//! (and a subset on Redis and Valkey Clusters and a Redlock quorum).
 
 mod common;
 #[path = "../../tests/support/mod.rs"]
@@ -43,13 +44,23 @@ on_every_backend!(
     a_response_without_a_body_frees_the_lease_before_it_goes_out,
 );
 
-// A subset on a 3-master Redis Cluster.
-on_redis_cluster!(
+// A subset on a 3-master Redis Cluster and Valkey Cluster, and on a Redlock quorum.
+on_clusters!(
     held_key_gets_409_with_retry_after,
     sequential_requests_see_increasing_fences,
     concurrent_requests_run_one_at_a_time,
     client_disconnect_during_handler_releases,
     waiting_gets_the_key_after_the_holder,
+);
+on_quorum!(
+    held_key_gets_409_with_retry_after,
+    sequential_requests_see_increasing_fences,
+    concurrent_requests_run_one_at_a_time,
+    client_disconnect_during_handler_releases,
+    waiting_gets_the_key_after_the_holder,
+    lease_loss_cancels_the_handler,
+    lease_loss_while_streaming_cuts_the_body,
+    renewed_through_a_long_handler_and_body,
 );
 
 /// A route whose handler reports it entered and then waits for `go`.

@@ -1,5 +1,6 @@
 //! HTTP test support: a real axum server on a loopback port, a real hyper client, and the
-//! backends under test (memory, a real redis-server, a real valkey-server).
+//! backends under test (memory, a real redis-server, a real valkey-server, clusters of them and
+//! a Redlock quorum).
 #![allow(dead_code)]
 
 use std::convert::Infallible;
@@ -24,6 +25,8 @@ pub enum Harness {
     Memory(MemoryBackend),
     Server(Server),
     Cluster(Cluster),
+    /// Independent servers, locked by a Redlock quorum.
+    Quorum(Vec<Server>),
 }
 
 impl Harness {
@@ -42,6 +45,16 @@ impl Harness {
         Harness::Cluster(Cluster::start(Flavor::Redis, 3, 0))
     }
 
+    /// A 3-master Valkey Cluster.
+    pub fn valkey_cluster() -> Harness {
+        Harness::Cluster(Cluster::start(Flavor::Valkey, 3, 0))
+    }
+
+    /// A Redlock quorum of three independent Redis servers.
+    pub fn quorum() -> Harness {
+        Harness::Quorum((0..3).map(|_| Server::start(Flavor::Redis)).collect())
+    }
+
     pub async fn locker_for(s: &Server) -> Locker {
         Locker::redis(&s.url()).await.expect("connect")
     }
@@ -54,6 +67,11 @@ impl Harness {
                 let urls = c.urls();
                 let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
                 Locker::redis_cluster(&urls).await.expect("connect cluster")
+            }
+            Harness::Quorum(servers) => {
+                let urls: Vec<String> = servers.iter().map(Server::url).collect();
+                let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+                Locker::redlock(&urls).await.expect("connect quorum")
             }
         }
     }
@@ -72,6 +90,17 @@ impl Harness {
             Harness::Cluster(c) => {
                 let n: i64 = c.cmd(&["DEL", k.lock_key()]);
                 assert_eq!(n, 1, "no lease on {key} to delete");
+            }
+            // From every member: a quorum's lease is lost once too few still hold it.
+            Harness::Quorum(servers) => {
+                let n: i64 = servers
+                    .iter()
+                    .map(|s| s.cmd::<i64>(&["DEL", k.lock_key()]))
+                    .sum();
+                assert!(
+                    n >= 2,
+                    "no lease on {key} to delete on a majority ({n} of 3)"
+                );
             }
         }
     }
@@ -96,14 +125,29 @@ macro_rules! on_every_backend {
     };
 }
 
-/// Generates one test per scenario on a 3-master Redis Cluster, for the scenarios that reach
-/// the backend only through the layer's locker.
+/// Generates one test per scenario on a 3-master Redis Cluster and a 3-master Valkey Cluster,
+/// for the scenarios that reach the backend only through the layer's locker.
 #[macro_export]
-macro_rules! on_redis_cluster {
+macro_rules! on_clusters {
     ($($name:ident),* $(,)?) => {
         mod redis_cluster {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() { $crate::common::bounded(super::$name($crate::common::Harness::redis_cluster())).await })*
+        }
+        mod valkey_cluster {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { $crate::common::bounded(super::$name($crate::common::Harness::valkey_cluster())).await })*
+        }
+    };
+}
+
+/// Generates one test per scenario on a Redlock quorum of three Redis servers.
+#[macro_export]
+macro_rules! on_quorum {
+    ($($name:ident),* $(,)?) => {
+        mod quorum {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { $crate::common::bounded(super::$name($crate::common::Harness::quorum())).await })*
         }
     };
 }
