@@ -388,6 +388,93 @@ async fn odd_stored_fences(flavor: Flavor) {
     }
 }
 
+/// A round's give-back that a member did not answer may still land, and it is token-checked
+/// on the round's token: a later round of the same acquire must not take that member with the
+/// same token, or the late give-back deletes the vote the grant was counted with. Member 2's
+/// first connection is slowed (its requests land 3 s late); its replacement is not. A rival
+/// holds member 0, so a grant needs members 1 and 2. Whatever the acquire answers, once the
+/// slowed requests have landed a lease it handed out is still held by a majority.
+async fn a_late_give_back_does_not_undo_a_later_round(flavor: Flavor) {
+    let (servers, _proxies, locker) = rival_and_a_slowed_member(flavor).await;
+    let started = Instant::now();
+    let outcome = locker.try_acquire("contended", &opts(20_000)).await;
+    // Everything sent on the slowed connection lands by now.
+    sleep((started + Duration::from_secs(5)).saturating_duration_since(Instant::now())).await;
+    match outcome {
+        Ok(lease) => held_by_a_majority(&servers, &locker, &lease),
+        Err(Error::Busy { .. } | Error::NoQuorum { .. }) => {}
+        Err(e) => panic!("unexpected answer: {e:?}"),
+    }
+}
+
+/// As above for a waiting acquire: its first attempt ends busy with a give-back unanswered,
+/// and a release elsewhere wakes it for a second attempt, which wins members 1 and 2. That
+/// attempt must not use the first one's token, which the late give-back deletes on member 2.
+async fn a_waiter_tries_again_with_a_fresh_token(flavor: Flavor) {
+    let (servers, _proxies, locker) = rival_and_a_slowed_member(flavor).await;
+    let started = Instant::now();
+    let waiter = {
+        let locker = locker.clone();
+        tokio::spawn(async move {
+            let o = opts(20_000).wait(Duration::from_secs(10));
+            locker.acquire("contended", &o).await
+        })
+    };
+    // Past the first attempt, and past the replacement of member 2's silent connection.
+    sleep(Duration::from_millis(1_500)).await;
+    let k = locker.lock_key("contended").expect("key");
+    let _: i64 = servers[1].cmd(&["PUBLISH", k.channel(), "1"]);
+    let lease = waiter
+        .await
+        .expect("the waiter task")
+        .expect("granted by members 1 and 2 once woken");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "granted only after {:?}: the test needs the grant before the late requests land",
+        started.elapsed()
+    );
+    sleep((started + Duration::from_secs(5)).saturating_duration_since(Instant::now())).await;
+    held_by_a_majority(&servers, &locker, &lease);
+}
+
+/// Three members behind proxies, a quorum locker with many quick rounds, a rival holding
+/// `contended` on member 0, and every connection open to member 2 slowed by 3 s (the ones
+/// made after, such as its replacement, are not).
+async fn rival_and_a_slowed_member(flavor: Flavor) -> (Vec<Server>, Vec<Proxy>, Locker) {
+    let servers = start(flavor, 3);
+    let mut proxies = Vec::new();
+    for s in &servers {
+        proxies.push(Proxy::start(s.port).await);
+    }
+    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
+    let config = QuorumConfig::default()
+        .retries(20)
+        .retry_delay(Duration::from_millis(100));
+    let locker = redlock(&proxy_urls, config).await;
+    warm_up(&locker).await;
+    let k = locker.lock_key("contended").expect("key");
+    let _: () = servers[0].cmd(&["SET", k.lock_key(), "rival", "PX", "30000"]);
+    for c in 0..proxies[2].connections() {
+        proxies[2].delay_requests_of(c, Duration::from_secs(3));
+    }
+    (servers, proxies, locker)
+}
+
+/// Asserts that at least two of the three members hold `lease`'s token on `contended`.
+fn held_by_a_majority(servers: &[Server], locker: &Locker, lease: &leasehold::Lease) {
+    let k = locker.lock_key("contended").expect("key");
+    let token = lease.token().as_str();
+    let holding = servers
+        .iter()
+        .filter(|s| s.cmd::<Option<String>>(&["GET", k.lock_key()]).as_deref() == Some(token))
+        .count();
+    assert!(
+        holding >= 2,
+        "granted, but once the late requests landed only {holding} of 3 members hold its \
+         token: a rival could take a majority while it holds"
+    );
+}
+
 /// Leases renewed in one batch are decided each on its own: one whose answer hangs on a
 /// member that is down (its key gone from one member, a second member down) is retried until
 /// its deadline, while a lease that the other two members renew is kept.
@@ -1383,6 +1470,14 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_handoff_overlaps_the_release() {
                 super::a_handoff_overlaps_the_release($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_late_give_back_does_not_undo_a_later_round() {
+                super::a_late_give_back_does_not_undo_a_later_round($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_waiter_tries_again_with_a_fresh_token() {
+                super::a_waiter_tries_again_with_a_fresh_token($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn two_down_still_grant() {

@@ -794,7 +794,14 @@ impl<B: Backend + Clone> Locker<B> {
                     lease.turn = Some(turn);
                     return Ok(lease);
                 }
-                Attempt::Held(remaining) => remaining,
+                Attempt::Held(remaining) => {
+                    // A fresh token for the next attempt, as after a late grant below: on a
+                    // quorum, this attempt's give-backs to members that voted for it may still
+                    // be on their way, token-checked, and with the same token they would take
+                    // back the votes the next attempt wins there.
+                    token = Token::generate();
+                    remaining
+                }
                 // A grant whose reply came too late to be handed out is being given back:
                 // within the wait it is one more attempt that did not win, since a loaded
                 // machine or a slow link makes a late reply a passing thing. Not forever: a

@@ -16,6 +16,11 @@
 //!    answered "held by another"), then retries after a random delay
 //!    ([`QuorumConfig::retries`], [`QuorumConfig::retry_delay`]) while the first half of the TTL
 //!    lasts. A quorum of "held by another" is an ordinary busy answer and is not retried.
+//!    Nor is a round whose release a member did not answer: that release may still land,
+//!    checked against this token, and would take back the vote a next round with the same
+//!    token won there (the grant then held by fewer members than it was counted with). The
+//!    acquire ends with the round's answer, and a waiting [`Locker`](crate::Locker) tries again
+//!    with a fresh token.
 //!
 //! Extend needs a quorum of members to renew within the validity; release runs on every member.
 //!
@@ -102,7 +107,8 @@ pub struct QuorumConfig {
     /// the lease's validity instead, but only for members whose answer still matters (see
     /// [`Backend::extend`] on [`QuorumBackend`]).
     pub member_timeout: Duration,
-    /// How many more rounds an acquire tries after a round without a quorum (default 2).
+    /// How many more rounds an acquire tries after a round without a quorum (default 2); none
+    /// after a round whose release a member left unanswered (see the module docs).
     pub retries: u32,
     /// The upper bound of the random pause before a retry (default 200 ms, and at most a quarter
     /// of the TTL; the pause is drawn from its upper half), so that competing clients stop
@@ -227,6 +233,10 @@ enum Round {
         agreed: usize,
         answered: usize,
         held: Option<Option<Duration>>,
+        /// Every give-back of the round was answered. One that was not may still run on its
+        /// member, token-checked on this token: another round with the same token could win
+        /// that member and then lose its vote to the late give-back.
+        settled: bool,
     },
     Refused(Error),
 }
@@ -516,7 +526,13 @@ impl QuorumBackend {
                                     // could fire (and start its check): a member whose
                                     // connection went silent is made again all the same.
                                     member.connection().check();
-                                    Err(member_error("quorum member did not answer in time"))
+                                    Err(Error::Unavailable(
+                                        std::io::Error::new(
+                                            std::io::ErrorKind::TimedOut,
+                                            "quorum member did not answer in time",
+                                        )
+                                        .into(),
+                                    ))
                                 }
                             }
                         }
@@ -699,12 +715,16 @@ impl QuorumBackend {
             debug!(written, "fence write-back found no quorum in time");
             agreed = written;
         }
+        let mut settled = true;
         if !may_hold.is_empty() {
             // Token-checked, so members that never granted are untouched.
             let limit = self.inner.config.member_timeout;
-            let _ = self
+            let released = self
                 .on_members(&may_hold, limit, |m| m.release(key, token))
                 .await;
+            settled = !released
+                .iter()
+                .any(|(_, r)| r.as_ref().is_err_and(in_doubt));
         }
         if held >= quorum {
             return Round::Held(shortest.flatten());
@@ -723,6 +743,7 @@ impl QuorumBackend {
             agreed,
             answered,
             held: (held > 0).then(|| shortest.flatten()),
+            settled,
         }
     }
 }
@@ -811,25 +832,32 @@ impl Backend for QuorumBackend {
             let valid_until = started + ttl.saturating_sub(drift(ttl));
             let mut round = 0;
             loop {
-                let (agreed, answered, held) = match self.round(key, token, ttl, valid_until).await
-                {
-                    Round::Granted(fence) => {
-                        debug!(fence, rounds = round + 1, "quorum granted");
-                        return Ok(AcquireReply::Granted { fence });
-                    }
-                    Round::Held(remaining) => return Ok(AcquireReply::Held { remaining }),
-                    Round::Refused(e) => return Err(e),
-                    Round::Failed {
-                        agreed,
-                        answered,
-                        held,
-                    } => (agreed, answered, held),
-                };
+                let (agreed, answered, held, settled) =
+                    match self.round(key, token, ttl, valid_until).await {
+                        Round::Granted(fence) => {
+                            debug!(fence, rounds = round + 1, "quorum granted");
+                            return Ok(AcquireReply::Granted { fence });
+                        }
+                        Round::Held(remaining) => return Ok(AcquireReply::Held { remaining }),
+                        Round::Refused(e) => return Err(e),
+                        Round::Failed {
+                            agreed,
+                            answered,
+                            held,
+                            settled,
+                        } => (agreed, answered, held, settled),
+                    };
                 round += 1;
                 // Short leases retry sooner: a pause longer than the lease would end every retry.
                 let pause = pause(self.inner.config.retry_delay.min(ttl / 4));
+                if !settled {
+                    debug!("a give-back went unanswered; no more rounds with this token");
+                }
                 // A grant late in the TTL is worth little; past half of it, stop retrying.
-                if round > self.inner.config.retries || started.elapsed() + pause >= ttl / 2 {
+                if !settled
+                    || round > self.inner.config.retries
+                    || started.elapsed() + pause >= ttl / 2
+                {
                     return match held {
                         // Enough members answered, some for another holder: that is contention,
                         // and waiting (wake-up or timer) is the right answer.
@@ -1042,6 +1070,16 @@ fn pause(max: Duration) -> Duration {
         0.5
     };
     max / 2 + (max / 2).mul_f64(frac)
+}
+
+/// Whether a member call that failed may still run on the member: its reply was lost or late
+/// (the connection dropped after sending, or the quorum's own timeout cut it off).
+fn in_doubt(e: &Error) -> bool {
+    match e {
+        Error::OutcomeUnknown { .. } => true,
+        Error::Unavailable(e) => e.is_timeout(),
+        _ => false,
+    }
 }
 
 fn member_error(what: &'static str) -> Error {
