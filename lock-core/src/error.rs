@@ -6,11 +6,6 @@ use std::time::Duration;
 /// Input problems ([`Error::InvalidKey`], [`Error::InvalidTtl`]) are reported before any round
 /// trip. Server problems keep the underlying [`redis::RedisError`] as their source.
 ///
-/// `Display` says what went wrong at this level only; the cause is in
-/// [`source()`](std::error::Error::source), never repeated in the message (so that a report
-/// walking the chain, such as anyhow's `{:#}` or `tracing`'s error fields, prints each cause
-/// once). Print the chain, not just `{e}`, to see the server's own words.
-///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
 /// use lock_core::{Error, LockOptions, Locker};
@@ -153,7 +148,7 @@ pub enum Error {
     /// first `enqueued.len()` payloads), so that a retry can send only the rest. Whether the
     /// round trip that failed added its jobs is what `source` says (nothing when the server
     /// refused it; unknown after [`Error::OutcomeUnknown`]).
-    #[error("{} jobs were enqueued before a round trip failed", enqueued.len())]
+    #[error("{} jobs were enqueued before a round trip failed: {source}", enqueued.len())]
     PartlyEnqueued {
         /// The jobs the round trips before the failure added.
         enqueued: Vec<crate::queue::JobId>,
@@ -162,7 +157,7 @@ pub enum Error {
         source: Box<Error>,
     },
     /// A typed payload could not be encoded or decoded.
-    #[error("payload codec failed")]
+    #[error("payload codec: {0}")]
     Codec(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// A `#[locked]` function without `locker = ...` was called before
     /// [`set_default_locker`](crate::set_default_locker) installed a default locker.
@@ -218,14 +213,14 @@ pub enum Error {
         reason: &'static str,
     },
     /// The server could not be reached, or answered in a shape leasehold does not understand.
-    #[error("backend unavailable")]
+    #[error("backend unavailable: {0}")]
     Unavailable(#[source] redis::RedisError),
     /// The server was reached and answered the command with an error instead of running it:
     /// out of memory (`OOM`), writes stopped after a failed save (`MISCONF`), a command the
     /// client's ACL user may not run (`NOPERM`), a read-only replica (`READONLY`), data still
     /// loading (`LOADING`). Under these the server refuses a script at its first write, so the
     /// call wrote nothing; it may succeed once the condition clears.
-    #[error("the server refused {op} on `{key}`")]
+    #[error("the server refused {op} on `{key}`: {source}")]
     Refused {
         /// The operation that was refused.
         op: &'static str,
@@ -348,33 +343,5 @@ mod tests {
             "No connections found",
         ));
         assert!(matches!(sort(none), Error::OutcomeUnknown { .. }));
-    }
-
-    #[test]
-    fn messages_leave_their_cause_to_source() {
-        use std::error::Error as _;
-        let server = || error_reply("OOM command not allowed when used memory > 'maxmemory'");
-        let cases = [
-            Error::Unavailable(std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into()),
-            classify("acquire", "k", server()),
-            classify(
-                "acquire",
-                "k",
-                std::io::Error::from(std::io::ErrorKind::ConnectionReset).into(),
-            ),
-            Error::Codec("expected value at line 1 column 1".into()),
-            Error::PartlyEnqueued {
-                enqueued: Vec::new(),
-                source: Box::new(classify("enqueue", "q", server())),
-            },
-        ];
-        for e in cases {
-            let cause = e.source().expect("each of these has a cause").to_string();
-            let message = e.to_string();
-            assert!(
-                !message.contains(&cause),
-                "`{message}` repeats its source `{cause}`"
-            );
-        }
     }
 }

@@ -1064,7 +1064,7 @@ impl<B: Backend + Clone> Locker<B> {
                 match lease.release().await {
                     Ok(Release::Released) => {}
                     Ok(Release::NotHeld) => warn!(key, "with_lock: the lease had lapsed by the time the body finished"),
-                    Err(e) => warn!(key, error = &e as &dyn std::error::Error, "with_lock: release failed; the lease expires with its ttl"),
+                    Err(e) => warn!(key, error = %e, "with_lock: release failed; the lease expires with its ttl"),
                 }
                 Ok(out)
             }

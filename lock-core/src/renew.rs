@@ -500,11 +500,7 @@ impl Dropped {
         match released {
             Ok(held) => debug!(key = key.key(), held, "dropped lease released"),
             Err(e) => {
-                warn!(
-                    key = key.key(),
-                    error = &e as &dyn std::error::Error,
-                    "dropped lease not released; it expires with its TTL"
-                )
+                warn!(key = key.key(), error = %e, "dropped lease not released; it expires with its TTL")
             }
         }
     }
@@ -1105,11 +1101,7 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                 e.state.renewal_unknown(sent_at + ttl - drift(ttl));
                 // Retry soon; the deadline timer marks the lease lost if none succeeds in time.
                 let retry = Instant::now() + (e.ttl / 10).min(Duration::from_millis(250));
-                debug!(
-                    key = e.key.key(),
-                    error = &err as &dyn std::error::Error,
-                    "renewal failed; retrying"
-                );
+                debug!(key = e.key.key(), error = %err, "renewal failed; retrying");
                 d.file_retry(*id, retry);
             }
         }

@@ -215,7 +215,7 @@ pub mod __private {
                     match lease.release().await {
                         Ok(Release::Released) => {}
                         Ok(Release::NotHeld) => warn!("lease had lapsed by the time the body finished"),
-                        Err(e) => warn!(error = &e as &dyn std::error::Error, "release failed; the lease expires with its ttl"),
+                        Err(e) => warn!(error = %e, "release failed; the lease expires with its ttl"),
                     }
                     out
                 }

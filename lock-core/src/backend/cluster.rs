@@ -545,10 +545,7 @@ impl Pauses {
         if Instant::now() + self.next >= self.give_up {
             return false;
         }
-        debug!(
-            error = refused as &dyn std::error::Error,
-            "sending again after a pause"
-        );
+        debug!(error = %refused, "sending again after a pause");
         tokio::time::sleep(self.next).await;
         self.next = (self.next * 2).min(LAST_PAUSE);
         true
@@ -808,10 +805,7 @@ impl ClusterBackend {
                     }
                 }
                 Ok(Err(e)) => {
-                    debug!(
-                        error = &e as &dyn std::error::Error,
-                        "renewal failed in one slot; its leases are retried"
-                    );
+                    debug!(error = %e, "renewal failed in one slot; its leases are retried");
                     first_error.get_or_insert(e);
                 }
                 Err(_) => {
@@ -998,10 +992,7 @@ async fn subscriber(
         match connected {
             Ok(conn) => break (conn, push_rx),
             Err(e) => {
-                debug!(
-                    error = &e as &dyn std::error::Error,
-                    "subscription connect failed; waiters keep their timers"
-                );
+                debug!(error = %e, "subscription connect failed; waiters keep their timers");
                 if !super::redis::drain_while_down(&mut rx, backoff).await {
                     return;
                 }
@@ -1085,10 +1076,7 @@ async fn reach_every_master(commands: &ClusterConn, patience: Duration) {
             Ok(_) => return,
             Err(e) if pauses.wait(&e).await => {}
             Err(e) => {
-                debug!(
-                    error = &e as &dyn std::error::Error,
-                    "a master stayed unreachable; waking the waiters anyway"
-                );
+                debug!(error = %e, "a master stayed unreachable; waking the waiters anyway");
                 return;
             }
         }
@@ -1107,10 +1095,7 @@ async fn subscribe(conn: &mut ClusterConnection, channel: &str, patience: Durati
                 if (unrun(&e) || e.is_connection_dropped() || e.is_timeout())
                     && pauses.wait(&e).await => {}
             Err(e) => {
-                debug!(
-                    error = &e as &dyn std::error::Error,
-                    channel, "sharded subscribe failed; the waiter keeps its timer"
-                );
+                debug!(error = %e, channel, "sharded subscribe failed; the waiter keeps its timer");
                 return;
             }
             Ok(()) => return,

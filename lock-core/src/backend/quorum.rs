@@ -331,11 +331,7 @@ impl QuorumBackend {
                     let _ = inner.members[i].set(backend);
                 }
                 Err(e) => {
-                    warn!(
-                        member = i,
-                        error = &e as &dyn std::error::Error,
-                        "quorum member unreachable; retrying in the background"
-                    );
+                    warn!(member = i, error = %e, "quorum member unreachable; retrying in the background");
                     tokio::spawn(reconnect(Arc::downgrade(&inner), i, urls[i].to_owned()));
                     first_error.get_or_insert(e);
                 }
@@ -444,11 +440,7 @@ impl QuorumBackend {
                     }
                 }
                 Ok(_) => warn!(member = i, "extend answered for a different batch size"),
-                Err(e) => debug!(
-                    member = i,
-                    error = &e as &dyn std::error::Error,
-                    "quorum extend failed"
-                ),
+                Err(e) => debug!(member = i, error = %e, "quorum extend failed"),
             }
             if counts
                 .iter()
@@ -677,11 +669,7 @@ impl QuorumBackend {
                 }
                 Err(e) => {
                     // It may have granted before the reply was lost or late.
-                    debug!(
-                        member = i,
-                        error = &e as &dyn std::error::Error,
-                        "quorum vote failed"
-                    );
+                    debug!(member = i, error = %e, "quorum vote failed");
                     may_hold.push(i);
                 }
             }
@@ -765,15 +753,9 @@ impl Inner {
             due
         };
         if due {
-            warn!(
-                error = e as &dyn std::error::Error,
-                foreign, "quorum members hold a foreign key; counted as no votes"
-            );
+            warn!(error = %e, foreign, "quorum members hold a foreign key; counted as no votes");
         } else {
-            debug!(
-                error = e as &dyn std::error::Error,
-                foreign, "quorum members hold a foreign key; counted as no votes"
-            );
+            debug!(error = %e, foreign, "quorum members hold a foreign key; counted as no votes");
         }
     }
 
@@ -783,10 +765,7 @@ impl Inner {
         let mut conn = member.connection();
         for script in [&self.vote, &self.write_fence] {
             if let Err(e) = script.load_async(&mut conn).await {
-                debug!(
-                    error = &e as &dyn std::error::Error,
-                    "quorum script not preloaded; it loads on first use"
-                );
+                debug!(error = %e, "quorum script not preloaded; it loads on first use");
             }
         }
     }
@@ -809,11 +788,7 @@ async fn reconnect(inner: Weak<Inner>, index: usize, url: String) {
                 }
                 return;
             }
-            Err(e) => debug!(
-                member = index,
-                error = &e as &dyn std::error::Error,
-                "quorum member still unreachable"
-            ),
+            Err(e) => debug!(member = index, error = %e, "quorum member still unreachable"),
         }
         pause = (pause * 2).min(Duration::from_secs(2));
     }

@@ -251,11 +251,7 @@ impl Flush for Acquires {
         runtime.spawn(async move {
             match ops::release(&mut conn, &scripts, &key, &token, "PUBLISH").await {
                 Ok(held) => debug!(key = key.key(), held, "abandoned grant released"),
-                Err(e) => warn!(
-                    key = key.key(),
-                    error = &e as &dyn std::error::Error,
-                    "abandoned grant not released; it expires with its TTL"
-                ),
+                Err(e) => warn!(key = key.key(), error = %e, "abandoned grant not released; it expires with its TTL"),
             }
         });
     }
@@ -501,10 +497,7 @@ impl RedisConn {
                         *now = (fresh, generation + 1);
                     }
                     Ok(Err(e)) => {
-                        warn!(
-                            error = &e as &dyn std::error::Error,
-                            "the shared connection stopped answering, and a new one failed"
-                        );
+                        warn!(error = %e, "the shared connection stopped answering, and a new one failed");
                     }
                     Err(_) => {
                         warn!(
@@ -857,11 +850,7 @@ impl RedisBackend {
                 // until its TTL runs out. The acquire was answered, so the release cannot
                 // overtake it, on whichever connection it goes.
                 if let Err(release) = self.release(key, token).await {
-                    warn!(
-                        key = key.key(),
-                        error = &release as &dyn std::error::Error,
-                        "grant not given back after a failed WAIT; it expires with its TTL"
-                    );
+                    warn!(key = key.key(), error = %release, "grant not given back after a failed WAIT; it expires with its TTL");
                 }
                 Err(e)
             }
@@ -886,25 +875,13 @@ impl RedisBackend {
             // often why its outcome is unknown): an acquire sent on it has run or never will,
             // so a release on the shared connection can no longer get there first.
             Ok(Err(e @ (Error::Unavailable(_) | Error::OutcomeUnknown { .. }))) => {
-                debug!(
-                    key = key.key(),
-                    error = &e as &dyn std::error::Error,
-                    "the acquire's connection failed; giving it back on the shared one"
-                );
+                debug!(key = key.key(), error = %e, "the acquire's connection failed; giving it back on the shared one");
                 if let Err(e) = Backend::release(self, key, token).await {
-                    warn!(
-                        key = key.key(),
-                        error = &e as &dyn std::error::Error,
-                        "acquire of unknown outcome not given back; a grant would expire with its TTL"
-                    );
+                    warn!(key = key.key(), error = %e, "acquire of unknown outcome not given back; a grant would expire with its TTL");
                 }
             }
             Ok(Err(e)) => {
-                warn!(
-                    key = key.key(),
-                    error = &e as &dyn std::error::Error,
-                    "acquire of unknown outcome not given back; a grant would expire with its TTL"
-                );
+                warn!(key = key.key(), error = %e, "acquire of unknown outcome not given back; a grant would expire with its TTL");
             }
             Err(_) => {
                 warn!(
@@ -1054,11 +1031,7 @@ impl Backend for RedisBackend {
                     "replicated grant whose caller left; giving it back"
                 );
                 if let Err(e) = backend.release(&key, &token).await {
-                    warn!(
-                        key = key.key(),
-                        error = &e as &dyn std::error::Error,
-                        "abandoned replicated grant not given back; it expires with its TTL"
-                    );
+                    warn!(key = key.key(), error = %e, "abandoned replicated grant not given back; it expires with its TTL");
                 }
             }
             // After the answer: the caller learns of the unknown outcome without waiting for
@@ -1181,10 +1154,7 @@ async fn subscriber(
             Ok(Ok(p)) => p.split(),
             failed => {
                 if let Ok(Err(e)) = failed {
-                    debug!(
-                        error = &e as &dyn std::error::Error,
-                        "subscription connect failed"
-                    );
+                    debug!(error = %e, "subscription connect failed");
                 }
                 if !drain_while_down(&mut rx, backoff).await {
                     return;
@@ -1329,18 +1299,11 @@ fn answered(
     match sent {
         Ok(Ok(())) => true,
         Ok(Err(e)) if refused(&e) => {
-            warn!(
-                channel,
-                error = &e as &dyn std::error::Error,
-                "subscription refused; waiters on this key fall back to timers"
-            );
+            warn!(channel, error = %e, "subscription refused; waiters on this key fall back to timers");
             true
         }
         Ok(Err(e)) => {
-            debug!(
-                error = &e as &dyn std::error::Error,
-                "subscription connection failed"
-            );
+            debug!(error = %e, "subscription connection failed");
             false
         }
         Err(_) => {

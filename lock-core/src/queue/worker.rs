@@ -497,11 +497,7 @@ async fn run<F, Fut>(
                     )
                 }
                 Ok(_) => {}
-                Err(e) => warn!(
-                    queue = reaper.queue.name(),
-                    error = &e as &dyn std::error::Error,
-                    "reap failed"
-                ),
+                Err(e) => warn!(queue = reaper.queue.name(), error = %e, "reap failed"),
             }
         }
     });
@@ -535,10 +531,7 @@ async fn slot_loop<F, Fut>(
             }
             Ok(None) => {}
             Err(e) => {
-                warn!(
-                    error = &e as &dyn std::error::Error,
-                    "claim failed; retrying"
-                );
+                warn!(error = %e, "claim failed; retrying");
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     _ = sleep(pause) => {},
@@ -635,17 +628,11 @@ where
         match settled {
             Ok(()) => {}
             Err(e @ (Error::Stale { .. } | Error::LeaseLost { .. })) => {
-                warn!(
-                    error = &e as &dyn std::error::Error,
-                    "result refused: the lease was lost before it landed"
-                );
+                warn!(error = %e, "result refused: the lease was lost before it landed");
                 bump(&stats.lost);
             }
             Err(e) => {
-                warn!(
-                    error = &e as &dyn std::error::Error,
-                    "could not settle the job; the reaper will return it"
-                );
+                warn!(error = %e, "could not settle the job; the reaper will return it");
                 bump(&stats.lost);
             }
         }
@@ -674,10 +661,7 @@ where
     for _ in 0..4 {
         match op().await {
             Err(e) if e.is_transient() => {
-                debug!(
-                    error = &e as &dyn std::error::Error,
-                    "settle failed; trying again"
-                );
+                debug!(error = %e, "settle failed; trying again");
                 sleep(pause).await;
                 pause *= 2;
             }
@@ -741,10 +725,7 @@ async fn keep_alive(
                 next = start + every;
             }
             Err(e) if e.is_transient() => {
-                debug!(
-                    error = &e as &dyn std::error::Error,
-                    "extend failed; trying again before the deadline"
-                );
+                debug!(error = %e, "extend failed; trying again before the deadline");
                 next = Instant::now() + (ttl / 20).max(Duration::from_millis(5));
             }
             Err(e) => return e,

@@ -403,10 +403,7 @@ pub(crate) fn log_release(outcome: lock_core::Result<lock_core::Release>) {
              past it without waiting, so neither could be cancelled"
         ),
         Err(e) => {
-            tracing::warn!(
-                error = &e as &dyn std::error::Error,
-                "release after the response failed; the lease expires with its TTL"
-            )
+            tracing::warn!(error = %e, "release after the response failed; the lease expires with its TTL")
         }
     }
 }
@@ -438,10 +435,7 @@ pub(crate) fn refuse<B>(
         // The key's stored fence is 2^64 - 1: no grant is possible, now or later, so no
         // `Retry-After`, and an operator has to look.
         Error::FenceExhausted { .. } => {
-            tracing::error!(
-                error = e as &dyn std::error::Error,
-                "no fence is left for the key; it cannot be locked"
-            );
+            tracing::error!(error = %e, "no fence is left for the key; it cannot be locked");
             reject(
                 rejections,
                 Reason::Unavailable,
@@ -452,10 +446,7 @@ pub(crate) fn refuse<B>(
         // Another program's value under the key's server name: a retry meets it again, so no
         // `Retry-After`, and an operator has to look (nothing was overwritten).
         Error::WrongType { .. } => {
-            tracing::error!(
-                error = e as &dyn std::error::Error,
-                "the key's server name holds another program's value"
-            );
+            tracing::error!(error = %e, "the key's server name holds another program's value");
             reject(
                 rejections,
                 Reason::Unavailable,
@@ -470,10 +461,7 @@ pub(crate) fn refuse<B>(
             reject(rejections, Reason::Misconfigured, None, e.to_string())
         }
         other => {
-            tracing::warn!(
-                error = other as &dyn std::error::Error,
-                "lock backend failed"
-            );
+            tracing::warn!(error = %other, "lock backend failed");
             reject(
                 rejections,
                 Reason::Unavailable,
