@@ -6,6 +6,12 @@ use std::time::Duration;
 /// Input problems ([`Error::InvalidKey`], [`Error::InvalidTtl`]) are reported before any round
 /// trip. Server problems keep the underlying [`redis::RedisError`] as their source.
 ///
+/// The message of [`Error::Unavailable`], [`Error::Refused`], [`Error::Codec`] and
+/// [`Error::PartlyEnqueued`] includes its cause as well, because much of what reports an error
+/// prints its message alone (JSON log formatters, a job's failure reason, an HTTP body); a
+/// report that walks [`source()`](std::error::Error::source) too, such as anyhow's `{:#}`,
+/// shows the cause twice.
+///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
 /// use lock_core::{Error, LockOptions, Locker};
