@@ -398,6 +398,52 @@ async fn a_reissued_id_is_not_the_old_claims(flavor: Flavor) {
     new3.complete().await.expect("complete");
 }
 
+/// A job id counter far behind its jobs (deleted by hand, evicted, rolled back) costs an
+/// enqueue a few probes, not one per job in a single script call that blocks the server, and
+/// never overwrites a job.
+async fn a_counter_far_behind_costs_a_few_probes(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let q = Queue::redis(&server.url(), "cb").await.expect("connect");
+    let payloads: Vec<String> = (0..500).map(|i| format!("job {i}")).collect();
+    let ids = q.enqueue_many(&payloads).await.expect("enqueue");
+    let _: i64 = server.cmd(&["DEL", "{leasehold:cb}:seq"]);
+    let exists_calls = |server: &Server| -> u64 {
+        let info: String = server.cmd(&["INFO", "commandstats"]);
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_exists:calls="))
+            .map_or(0, |rest| {
+                rest.split(',')
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .expect("calls")
+            })
+    };
+    let before = exists_calls(&server);
+    let id = q.enqueue("after the reset").await.expect("enqueue");
+    let probes = exists_calls(&server) - before;
+    assert!(
+        !ids.contains(&id),
+        "the new job took the id of an existing one: {id:?}"
+    );
+    assert!(
+        probes <= 20,
+        "{probes} EXISTS probes for one enqueue behind 500 jobs"
+    );
+    for (i, old) in ids.iter().enumerate() {
+        let job = q.job(*old).await.expect("old job");
+        assert_eq!(
+            job.payload,
+            Some(format!("job {i}").into_bytes()),
+            "job {old:?} overwritten"
+        );
+    }
+    let next = q.enqueue("next").await.expect("enqueue");
+    assert!(
+        next > id,
+        "ids go on rising from the new one: {next:?} after {id:?}"
+    );
+}
+
 /// The same for a `Worker`: after the server lost its writes and another worker claimed the
 /// new job under the old id and attempt, the first worker's renewal is refused, its handler is
 /// cancelled, and it does not complete the new job.
@@ -1011,6 +1057,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn enqueue_many_failing_midway_names_what_landed() {
                 super::enqueue_many_failing_midway_names_what_landed($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_counter_far_behind_costs_a_few_probes() {
+                super::a_counter_far_behind_costs_a_few_probes($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn foreign_types() {

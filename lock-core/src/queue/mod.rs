@@ -64,7 +64,11 @@
 //!   new job ([`Error::LeaseLost`] at the same attempt, [`Error::Stale`] once the new job has
 //!   had more); the steps that name a job by id and attempt alone ([`Queue::complete`] and the
 //!   rest) cannot tell the two apart, and neither can any step on a job claimed by a version
-//!   of leasehold from before the token (during a rolling upgrade).
+//!   of leasehold from before the token (during a rolling upgrade). When only the id counter
+//!   is lost or set back while the jobs remain, an enqueue never overwrites a job: it leaps
+//!   over existing ids (1, 2, 4, ... on, a few probes even a million jobs behind) and moves the
+//!   counter there, so new ids can fall into gaps the old jobs left rather than strictly after
+//!   every old one.
 //!
 //! ```
 //! use lock_core::queue::Queue;
