@@ -206,8 +206,6 @@ async fn aborted_worker_is_reaped(h: Harness) {
     let started = Arc::new(AtomicBool::new(false));
     let flag = started.clone();
     let doomed_queue = h.open(Queue::builder("crash")).await;
-    // The claim happens after this instant, so its deadline is at least a lease later.
-    let before_claim = Instant::now();
     let doomed = Worker::new(doomed_queue)
         .ttl(ms(1_000))
         .reap_every(Duration::from_secs(3_600))
@@ -228,14 +226,29 @@ async fn aborted_worker_is_reaped(h: Harness) {
     );
     doomed.abort();
     let aborted_at = Instant::now();
+    // The first lease's deadline on the store's clock (the wall clock of this machine, for the
+    // memory store and for a server on loopback alike).
+    let deadline_ms = q
+        .job(id)
+        .await
+        .expect("job")
+        .at_ms
+        .expect("an active job has a deadline");
     // Past the deadline the first lease still holds until someone reaps; nothing refreshes it.
     let seen: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let rescued_ms = Arc::new(AtomicU64::new(0));
+    let rescued = rescued_ms.clone();
     let rec = seen.clone();
     let rescuer = Worker::new(h.open(Queue::builder("crash")).await)
         .ttl(ms(5_000))
         .reap_every(ms(100))
         .start(move |job| {
             let rec = rec.clone();
+            let now_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("clock after 1970")
+                .as_millis() as u64;
+            rescued.store(now_ms, Ordering::SeqCst);
             async move {
                 rec.lock().expect("seen").push(job.attempts());
                 Ok(())
@@ -252,8 +265,12 @@ async fn aborted_worker_is_reaped(h: Harness) {
     let waited = aborted_at.elapsed();
     // Not before the lease ran out (1 ms of slack for the store clock's rounding), and not
     // long after it.
-    let since_claim = before_claim.elapsed();
-    assert!(since_claim >= ms(999), "reaped too early: {since_claim:?}");
+    let rescued_ms = rescued_ms.load(Ordering::SeqCst);
+    assert!(
+        rescued_ms + 1 >= deadline_ms,
+        "handed out again {} ms before the first lease's deadline",
+        deadline_ms - rescued_ms
+    );
     assert!(waited <= ms(1_000 + 2_000), "reaped too late: {waited:?}");
     assert_eq!(*seen.lock().expect("seen"), vec![2]);
     match q.complete(id, 1).await {
