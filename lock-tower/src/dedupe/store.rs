@@ -273,3 +273,52 @@ fn decode(fields: Vec<Option<Vec<u8>>>) -> Result<Option<Record>, StoreError> {
         body_omitted,
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The memory store keeps no result past its retention for long: every 1024th put sweeps
+    /// the expired ones (nothing else reads them out).
+    #[tokio::test]
+    async fn expired_results_are_swept_as_more_arrive() {
+        let locker = Locker::memory();
+        let store = Store::for_locker(&locker);
+        let Store::Memory(mem) = &store else {
+            panic!("a memory locker has a memory store")
+        };
+        let claim = locker
+            .acquire("claim", &lock_core::LockOptions::new())
+            .await
+            .expect("claim");
+        let rec = Record {
+            fingerprint: String::new(),
+            status: StatusCode::OK,
+            headers: Vec::new(),
+            body: Bytes::new(),
+            body_omitted: false,
+        };
+        let (ttl, short) = (Duration::from_secs(30), Duration::from_millis(1));
+        let len = || mem.map.lock().unwrap_or_else(PoisonError::into_inner).len();
+        for i in 0..1023 {
+            let key = format!("old-{i}");
+            assert!(
+                store
+                    .put(&claim, ttl, "", &key, &rec, short)
+                    .await
+                    .expect("put")
+            );
+        }
+        assert_eq!(len(), 1023);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let long = Duration::from_secs(60);
+        assert!(
+            store
+                .put(&claim, ttl, "", "new", &rec, long)
+                .await
+                .expect("put")
+        );
+        assert_eq!(len(), 1, "the expired results are still held");
+        assert!(store.get("new").await.expect("get").is_some());
+    }
+}
