@@ -106,22 +106,25 @@ impl Harness {
     }
 }
 
+/// Generates, in a module `$module`, one test per scenario (an `async fn(Harness)`) on the
+/// backend `Harness::$harness()` makes.
+#[macro_export]
+macro_rules! on_harness {
+    ($module:ident, $harness:ident: $($name:ident),*) => {
+        mod $module {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { $crate::common::bounded(super::$name($crate::common::Harness::$harness())).await })*
+        }
+    };
+}
+
 /// Generates one test per backend from an `async fn(Harness)`.
 #[macro_export]
 macro_rules! on_every_backend {
     ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { $crate::common::bounded(super::$name($crate::common::Harness::memory())).await })*
-        }
-        mod redis {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { $crate::common::bounded(super::$name($crate::common::Harness::redis())).await })*
-        }
-        mod valkey {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { $crate::common::bounded(super::$name($crate::common::Harness::valkey())).await })*
-        }
+        $crate::on_harness!(memory, memory: $($name),*);
+        $crate::on_harness!(redis, redis: $($name),*);
+        $crate::on_harness!(valkey, valkey: $($name),*);
     };
 }
 
@@ -130,14 +133,8 @@ macro_rules! on_every_backend {
 #[macro_export]
 macro_rules! on_clusters {
     ($($name:ident),* $(,)?) => {
-        mod redis_cluster {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { $crate::common::bounded(super::$name($crate::common::Harness::redis_cluster())).await })*
-        }
-        mod valkey_cluster {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { $crate::common::bounded(super::$name($crate::common::Harness::valkey_cluster())).await })*
-        }
+        $crate::on_harness!(redis_cluster, redis_cluster: $($name),*);
+        $crate::on_harness!(valkey_cluster, valkey_cluster: $($name),*);
     };
 }
 
@@ -145,10 +142,7 @@ macro_rules! on_clusters {
 #[macro_export]
 macro_rules! on_quorum {
     ($($name:ident),* $(,)?) => {
-        mod quorum {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { $crate::common::bounded(super::$name($crate::common::Harness::quorum())).await })*
-        }
+        $crate::on_harness!(quorum, quorum: $($name),*);
     };
 }
 
