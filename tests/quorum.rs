@@ -48,12 +48,17 @@ async fn warm_up(locker: &Locker) {
 /// A proxy in front of each of `servers`, and a quorum locker through them with its scripts
 /// loaded.
 async fn through_proxies(servers: &[Server]) -> (Vec<Proxy>, Locker) {
+    through_proxies_with(servers, QuorumConfig::default()).await
+}
+
+/// [`through_proxies`] with a quorum configuration of the test's own.
+async fn through_proxies_with(servers: &[Server], config: QuorumConfig) -> (Vec<Proxy>, Locker) {
     let mut proxies = Vec::new();
     for s in servers {
         proxies.push(Proxy::start(s.port).await);
     }
     let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
-    let locker = redlock(&proxy_urls, QuorumConfig::default()).await;
+    let locker = redlock(&proxy_urls, config).await;
     warm_up(&locker).await;
     (proxies, locker)
 }
@@ -392,8 +397,9 @@ async fn odd_stored_fences(flavor: Flavor) {
 /// on the round's token: a later round of the same acquire must not take that member with the
 /// same token, or the late give-back deletes the vote the grant was counted with. Member 2's
 /// first connection is slowed (its requests land 3 s late); its replacement is not. A rival
-/// holds member 0, so a grant needs members 1 and 2. Whatever the acquire answers, once the
-/// slowed requests have landed a lease it handed out is still held by a majority.
+/// holds member 0, so a grant needs members 1 and 2. The acquire answers busy after its first
+/// round (its give-back to member 2 unanswered); a lease it handed out instead would have to be
+/// held by a majority once the slowed requests have landed.
 async fn a_late_give_back_does_not_undo_a_later_round(flavor: Flavor) {
     let (servers, _proxies, locker) = rival_and_a_slowed_member(flavor).await;
     let started = Instant::now();
@@ -452,16 +458,10 @@ async fn a_waiter_tries_again_with_a_fresh_token(flavor: Flavor) {
 /// made after, such as its replacement, are not).
 async fn rival_and_a_slowed_member(flavor: Flavor) -> (Vec<Server>, Vec<Proxy>, Locker) {
     let servers = start(flavor, 3);
-    let mut proxies = Vec::new();
-    for s in &servers {
-        proxies.push(Proxy::start(s.port).await);
-    }
-    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
     let config = QuorumConfig::default()
         .retries(20)
         .retry_delay(Duration::from_millis(100));
-    let locker = redlock(&proxy_urls, config).await;
-    warm_up(&locker).await;
+    let (proxies, locker) = through_proxies_with(&servers, config).await;
     let k = locker.lock_key("contended").expect("key");
     let _: () = servers[0].cmd(&["SET", k.lock_key(), "rival", "PX", "30000"]);
     for c in 0..proxies[2].connections() {
