@@ -681,7 +681,7 @@ impl<B: Backend + Clone> Locker<B> {
     pub async fn try_acquire(&self, key: &str, opts: &LockOptions) -> Result<Lease<B>> {
         let key = self.lock_key(key)?;
         opts.validate()?;
-        let token = Token::generate();
+        let token = self.core.backend.token();
         match self.attempt(&key, &token, opts).await? {
             Attempt::Granted(lease) => Ok(lease),
             Attempt::Held(remaining) => Err(Error::Busy {
@@ -751,7 +751,7 @@ impl<B: Backend + Clone> Locker<B> {
     pub async fn acquire(&self, key: &str, opts: &LockOptions) -> Result<Lease<B>> {
         let key = self.lock_key(key)?;
         opts.validate()?;
-        let mut token = Token::generate();
+        let mut token = self.core.backend.token();
         let started = Instant::now();
         let give_up = crate::types::deadline_after(started, opts.wait);
         let turn = self.core.turnstiles.enter(key.key());
@@ -799,7 +799,7 @@ impl<B: Backend + Clone> Locker<B> {
                     // quorum, this attempt's give-backs to members that voted for it may still
                     // be on their way, token-checked, and with the same token they would take
                     // back the votes the next attempt wins there.
-                    token = Token::generate();
+                    token = self.core.backend.token();
                     remaining
                 }
                 // A grant whose reply came too late to be handed out is being given back:
@@ -822,7 +822,7 @@ impl<B: Backend + Clone> Locker<B> {
                     // A fresh token: the give-back still on its way is token-checked, and with
                     // the same token it would free the grant the next attempt wins (the acquire
                     // script grants a token its own key again).
-                    token = Token::generate();
+                    token = self.core.backend.token();
                     // A pause the give-back's own wake-up does not cut short, so that late
                     // tries are spaced out as busy ones are.
                     tokio::time::sleep_until((now + next_backoff(&mut backoff)).min(give_up)).await;

@@ -121,16 +121,23 @@ thread_local! {
     };
 }
 
-fn os_random_16() -> [u8; 16] {
+/// Sixteen bytes of OS randomness, each handed out once in this process. With `fork_checked`,
+/// also never bytes a parent process had read before a `fork`; that check is a `getpid` system
+/// call, which costs as much as the rest of an in-memory acquire's token.
+fn os_random_16(fork_checked: bool) -> [u8; 16] {
     ENTROPY.with_borrow_mut(|e| {
-        let pid = std::process::id();
-        if e.next + 16 > e.bytes.len() || e.pid != pid {
+        let forked = fork_checked && {
+            let pid = std::process::id();
+            let forked = e.pid != pid;
+            e.pid = pid;
+            forked
+        };
+        if e.next + 16 > e.bytes.len() || forked {
             // The OS RNG failing is not a condition a lock library can recover from sensibly;
             // a predictable token would silently break release safety, so refusing is the only
             // option.
             getrandom::fill(&mut e.bytes).expect("the operating system's random source failed");
             e.next = 0;
-            e.pid = pid;
         }
         let mut out = [0u8; 16];
         out.copy_from_slice(&e.bytes[e.next..e.next + 16]);
@@ -149,9 +156,22 @@ impl Token {
     /// assert!(token.as_str().bytes().all(|b| b.is_ascii_hexdigit()));
     /// ```
     pub fn generate() -> Token {
+        Token::from_random(os_random_16(true))
+    }
+
+    /// As [`generate`](Token::generate), for a lease that lives in this process's memory alone
+    /// (the memory backend): a forked child works on its own copy of that store, so the bytes
+    /// its parent also hands out after the `fork` can never meet the child's tokens there, and
+    /// the fork check is skipped. Every byte is still from the OS and handed out once in this
+    /// process.
+    pub(crate) fn generate_in_process() -> Token {
+        Token::from_random(os_random_16(false))
+    }
+
+    fn from_random(random: [u8; 16]) -> Token {
         const HEX: &[u8; 16] = b"0123456789abcdef";
         let mut hex = [0u8; 32];
-        for (i, b) in os_random_16().into_iter().enumerate() {
+        for (i, b) in random.into_iter().enumerate() {
             hex[2 * i] = HEX[usize::from(b >> 4)];
             hex[2 * i + 1] = HEX[usize::from(b & 0xf)];
         }
@@ -490,8 +510,40 @@ mod tests {
             e.next = 0;
             e.pid = e.pid.wrapping_add(1);
         });
-        assert_ne!(os_random_16(), [0xab; 16], "replayed the parent's bytes");
+        assert_ne!(
+            os_random_16(true),
+            [0xab; 16],
+            "replayed the parent's bytes"
+        );
         ENTROPY.with_borrow(|e| assert_eq!((e.pid, e.next), (std::process::id(), 16)));
+    }
+
+    /// The memory backend's draws skip the fork check (no `getpid`) but share the page with
+    /// fork-checked draws, so that no bytes are handed out twice in one process either way.
+    #[test]
+    fn in_process_draws_skip_the_fork_check_and_never_repeat() {
+        let _ = Token::generate();
+        let recorded = ENTROPY.with_borrow_mut(|e| {
+            e.pid = e.pid.wrapping_add(1);
+            e.pid
+        });
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..300 {
+            let local = Token::generate_in_process();
+            assert!(local.as_str().bytes().all(|b| b.is_ascii_hexdigit()));
+            assert!(seen.insert(local));
+        }
+        ENTROPY.with_borrow(|e| assert_eq!(e.pid, recorded, "checked the pid"));
+        // The page ran out and was read again along the way (4096 / 16 = 256 draws a page);
+        // mixed with fork-checked draws, still nothing repeats.
+        for i in 0..600 {
+            let token = if i % 2 == 0 {
+                Token::generate()
+            } else {
+                Token::generate_in_process()
+            };
+            assert!(seen.insert(token));
+        }
     }
 
     #[test]

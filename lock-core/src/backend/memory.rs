@@ -240,10 +240,10 @@ impl MemoryBackend {
     ) -> Result<AcquireReply> {
         crate::types::validate_ttl(ttl)?;
         let mut st = self.state();
-        st.sweep(Instant::now());
-        // Read under the lock and after the sweep, as a server judges the key when the command
-        // runs: a clock read before a wait for the lock would see an expired lease as held.
+        // Read under the lock, as a server judges the key when the command runs: a clock read
+        // before a wait for the lock would see an expired lease as held.
         let now = Instant::now();
+        st.sweep(now);
         let slot = st.keys.entry(key.clone()).or_default();
         let fence = slot.fence;
         if let Some((holder, expires)) = slot.live(now) {
@@ -374,6 +374,10 @@ impl Backend for MemoryBackend {
     // An acquire completes on its first poll: it cannot be dropped in flight.
     fn undoes_abandoned_grants(&self) -> bool {
         true
+    }
+
+    fn token(&self) -> Token {
+        Token::generate_in_process()
     }
 }
 

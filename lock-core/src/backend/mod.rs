@@ -168,6 +168,13 @@ pub trait Backend: Send + Sync + 'static {
     /// The wake-up registry this backend feeds.
     fn wakeups(&self) -> &Arc<Wakeups>;
 
+    /// Draws the token of a new acquire. The default is [`Token::generate`]: OS randomness,
+    /// never bytes a parent process read before a `fork`. The memory backend, whose leases
+    /// never leave the process, skips that fork check (a system call per token).
+    fn token(&self) -> Token {
+        Token::generate()
+    }
+
     /// Whether the backend itself releases a grant whose [`acquire`](Backend::acquire) was
     /// dropped in flight (or its acquires cannot be dropped in flight). Otherwise the locker
     /// releases one in the background, token-checked, in case the acquire landed.
@@ -295,6 +302,9 @@ impl Backend for AnyBackend {
     }
     fn undoes_abandoned_grants(&self) -> bool {
         dispatch!(self, b => b.undoes_abandoned_grants())
+    }
+    fn token(&self) -> Token {
+        dispatch!(self, b => b.token())
     }
     async fn release_in_line(
         &self,
