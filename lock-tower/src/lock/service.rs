@@ -187,15 +187,13 @@ where
             fence: lease.fence(),
             info: lease.info(),
         });
-        if lease.is_lost() {
-            return Ok(lost(&cfg, lease.key()));
-        }
         let res = {
             let mut handler = std::pin::pin!(inner.call(Request::from_parts(parts, body)));
             // Most handlers answer on their first poll. Waiting on the loss signal registers a
             // waker and a timer, which cost more than such a handler, so the signal is armed
-            // only once the handler has to wait (a lease found lost above is the same answer as
-            // before); from then on it is checked before the handler, as a biased select would.
+            // only once the handler has to wait (the acquire hands out no lease already lost, so
+            // no check is needed before the first poll); from then on it is checked before the
+            // handler, as a biased select would.
             // One await for all of it: a future awaited in two places would keep its room in
             // every later state of this one.
             let mut lost_signal: Option<Pin<Box<dyn Future<Output = ()> + Send + '_>>> = None;
