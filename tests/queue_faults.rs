@@ -3,6 +3,8 @@
 //! under libfaketime). Each runs on Redis and on Valkey. Last, the memory queue under a wall
 //! clock that steps (libfaketime again, no server).
 
+#[path = "support/captured.rs"]
+mod captured;
 mod support;
 
 use std::io::{BufRead, BufReader};
@@ -788,6 +790,51 @@ async fn slow_link_keeps_the_lease(flavor: Flavor) {
     worker.shutdown(Duration::from_secs(5)).await;
 }
 
+/// A settle whose reply is lost (the proxy closes the connection after the server ran it):
+/// the worker repeats it, the repeat finds the job settled and no longer held, and the worker
+/// says so as a settle in doubt, not as a lease that was lost. It still counts it under
+/// `lost`, as documented: it cannot tell a try that landed from a lease that ran out between
+/// the tries.
+async fn a_settle_whose_reply_was_lost_is_in_doubt(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let q = Queue::redis(&proxy.url(), "doubt").await.expect("connect");
+    // The fail script loaded first, so that the armed fault meets its reply, not a NOSCRIPT.
+    q.enqueue(b"warm").await.expect("enqueue");
+    let warm = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    warm.fail("warm").await.expect("fail");
+    let id = q.enqueue(b"job").await.expect("enqueue");
+    // fail.lua's reply, `{1, 'dead', now}`.
+    proxy.drop_replies(b"*3\r\n:1\r\n$4\r\ndead\r\n", 1);
+    let (logs, _logging) = captured::capture(tracing::Level::WARN);
+    let worker = Worker::new(q.clone())
+        .ttl(ms(5_000))
+        .reap_every(Duration::from_secs(3_600))
+        .start(|_| async { Err(leasehold::queue::JobError::permanent("bad payload")) })
+        .expect("start");
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while worker.report().failed + worker.report().lost == 0 {
+        assert!(
+            Instant::now() < give_up,
+            "not settled: {:?}",
+            worker.report()
+        );
+        sleep(ms(20)).await;
+    }
+    let report = worker.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(
+        proxy.dropped.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the reply was lost"
+    );
+    assert_eq!((report.failed, report.lost), (0, 1), "{report:?}");
+    let job = q.job(id).await.expect("job");
+    assert_eq!(job.state, JobState::Dead, "the first fail landed");
+    let text = logs.text();
+    assert!(text.contains("settle in doubt"), "{text}");
+    assert!(!text.contains("the lease was lost"), "{text}");
+}
+
 /// The child side of `skewed_clients`: claims one job and leaves it, claims and completes
 /// another, and reports its own wall clock beside the deadlines it was given.
 #[tokio::test]
@@ -1101,6 +1148,11 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn slow_link_keeps_the_lease() {
                 super::slow_link_keeps_the_lease($flavor).await
+            }
+            // One thread: the worker's tasks log to this thread's captured subscriber.
+            #[tokio::test]
+            async fn a_settle_whose_reply_was_lost_is_in_doubt() {
+                super::a_settle_whose_reply_was_lost_is_in_doubt($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn shares_backend_with_locks() {

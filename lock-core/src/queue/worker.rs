@@ -133,8 +133,10 @@ pub struct WorkerReport {
     pub failed: u64,
     /// Jobs whose lease was lost: the handler was cancelled, or its result was refused as
     /// stale or could not be settled. The reaper returns them; another worker runs them again.
-    /// A complete whose reply was lost on a queue with `keep_done` zero counts here too, though
-    /// it may have landed (its repeat finds no job).
+    /// So does a settle (complete, retry or fail) whose reply was lost when its repeat is then
+    /// refused, though the first may have landed (a repeated retry or fail finds the job no
+    /// longer held; a repeated complete, on a queue with `keep_done` zero, finds no job); the
+    /// worker logs those as in doubt, not as lost.
     pub lost: u64,
     /// Handlers still running when the report was taken; after a shutdown, the ones cut off at
     /// the grace deadline (their jobs are left to the reaper).
@@ -599,34 +601,51 @@ where
             }),
         };
         drop(renewal);
-        let settled = match &outcome {
-            Ok(()) => with_retries(|| queue.complete_as(id, attempts, holder.as_str()))
-                .await
-                .map(|_| {
+        let (settled, in_doubt) = match &outcome {
+            Ok(()) => {
+                let (done, in_doubt) =
+                    with_retries(|| queue.complete_as(id, attempts, holder.as_str())).await;
+                let done = done.map(|_| {
                     bump(&stats.completed);
-                }),
+                });
+                (done, in_doubt)
+            }
             Err(e) if e.is_permanent() => {
-                with_retries(|| queue.fail_as(id, attempts, holder.as_str(), &e.message))
-                    .await
-                    .map(|_| {
-                        bump(&stats.failed);
-                    })
+                let (failed, in_doubt) =
+                    with_retries(|| queue.fail_as(id, attempts, holder.as_str(), &e.message)).await;
+                let failed = failed.map(|_| {
+                    bump(&stats.failed);
+                });
+                (failed, in_doubt)
             }
             Err(e) => {
                 let delay = worker.delay_for(attempts);
-                with_retries(|| queue.retry_as(id, attempts, holder.as_str(), delay, &e.message))
-                    .await
-                    .map(|to| {
-                        debug!(to = %to, ?delay, error = %e, "retrying");
-                        if to == JobState::Dead {
-                            debug!("out of attempts: dead");
-                        }
-                        bump(&stats.retried);
-                    })
+                let (retried, in_doubt) = with_retries(|| {
+                    queue.retry_as(id, attempts, holder.as_str(), delay, &e.message)
+                })
+                .await;
+                let retried = retried.map(|to| {
+                    debug!(to = %to, ?delay, error = %e, "retrying");
+                    if to == JobState::Dead {
+                        debug!("out of attempts: dead");
+                    }
+                    bump(&stats.retried);
+                });
+                (retried, in_doubt)
             }
         };
         match settled {
             Ok(()) => {}
+            Err(e) if in_doubt => {
+                // Most likely the lost reply's try landed and the repeat found the job settled;
+                // the worker cannot tell that from a lease that ran out between the tries.
+                warn!(
+                    error = %e,
+                    "settle in doubt: a try whose reply was lost may have landed, and the repeat \
+                     found the job no longer held; if it did not land, the reaper returns the job"
+                );
+                bump(&stats.lost);
+            }
             Err(e @ (Error::Stale { .. } | Error::LeaseLost { .. })) => {
                 warn!(error = %e, "result refused: the lease was lost before it landed");
                 bump(&stats.lost);
@@ -653,22 +672,27 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
 /// Settling is idempotent per attempt (a repeated complete succeeds while the done marker is
 /// kept; a repeated retry or fail is refused as no longer held, which the caller then reports),
 /// so transient failures are worth a few more tries before the reaper has to step in.
-async fn with_retries<T, Fut>(mut op: impl FnMut() -> Fut) -> Result<T>
+///
+/// Also answers whether an earlier try's outcome is unknown (its reply was lost): that try may
+/// have landed, so a refusal of a later one does not show that the lease was lost.
+async fn with_retries<T, Fut>(mut op: impl FnMut() -> Fut) -> (Result<T>, bool)
 where
     Fut: Future<Output = Result<T>>,
 {
     let mut pause = Duration::from_millis(20);
+    let mut in_doubt = false;
     for _ in 0..4 {
         match op().await {
             Err(e) if e.is_transient() => {
                 debug!(error = %e, "settle failed; trying again");
+                in_doubt |= matches!(e, Error::OutcomeUnknown { .. });
                 sleep(pause).await;
                 pause *= 2;
             }
-            other => return other,
+            other => return (other, in_doubt),
         }
     }
-    op().await
+    (op().await, in_doubt)
 }
 
 /// A task aborted when its handle is dropped: a job's renewal task when the job ended (or its
