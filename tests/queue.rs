@@ -1284,6 +1284,14 @@ async fn retry_delay_is_bounded(h: Harness) {
             ..
         })
     ));
+    // Refused through the claim too, and the claim is not spent: it settles afterwards.
+    assert!(matches!(
+        c.retry(Duration::MAX).await,
+        Err(Error::InvalidDuration {
+            what: "retry delay",
+            ..
+        })
+    ));
     let before = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .expect("clock after 1970")

@@ -835,6 +835,32 @@ async fn a_settle_whose_reply_was_lost_is_in_doubt(flavor: Flavor) {
     assert!(!text.contains("the lease was lost"), "{text}");
 }
 
+/// A claim whose complete fails on a transient error (the link to the server cut) is not
+/// spent: once the link is back, the same claim completes its job with its own token.
+async fn a_claim_settles_again_after_a_transient_error(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let q = Queue::redis(&proxy.url(), "again").await.expect("connect");
+    let id = q.enqueue(b"job").await.expect("enqueue");
+    let claim = q.claim(ms(30_000)).await.expect("claim").expect("job");
+    proxy.cut(true);
+    let cut = claim.complete().await;
+    assert!(
+        matches!(&cut, Err(e) if e.is_transient()),
+        "a complete over a cut link: {cut:?}"
+    );
+    proxy.cut(false);
+    let give_up = Instant::now() + Duration::from_secs(10);
+    loop {
+        match claim.complete().await {
+            Ok(()) => break,
+            Err(e) if e.is_transient() && Instant::now() < give_up => sleep(ms(50)).await,
+            Err(e) => panic!("the claim did not complete once the link was back: {e}"),
+        }
+    }
+    assert_eq!(q.job(id).await.expect("job").state, JobState::Done);
+}
+
 /// The child side of `skewed_clients`: claims one job and leaves it, claims and completes
 /// another, and reports its own wall clock beside the deadlines it was given.
 #[tokio::test]
@@ -1148,6 +1174,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn slow_link_keeps_the_lease() {
                 super::slow_link_keeps_the_lease($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_claim_settles_again_after_a_transient_error() {
+                super::a_claim_settles_again_after_a_transient_error($flavor).await
             }
             // One thread: the worker's tasks log to this thread's captured subscriber.
             #[tokio::test]

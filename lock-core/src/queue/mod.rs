@@ -1634,6 +1634,13 @@ impl Claim {
 
     /// Completes the job (see [`Queue::complete`]).
     ///
+    /// The settling steps (this one, [`retry`](Claim::retry), [`retry_because`](Claim::retry_because)
+    /// and [`fail`](Claim::fail)) borrow the claim, so that one refused for bad input or failed
+    /// on a transient error ([`Error::is_transient`]) can be sent again with the claim's own
+    /// token: a complete repeated after its reply was lost succeeds while the job's done marker
+    /// is kept; a retry or fail repeated after it landed is refused as no longer held
+    /// ([`Error::LeaseLost`]).
+    ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
     /// use lock_core::queue::Queue;
@@ -1645,7 +1652,7 @@ impl Claim {
     /// assert_eq!(queue.counts().await?.active, 0);
     /// # Ok(()) }
     /// ```
-    pub async fn complete(self) -> Result<()> {
+    pub async fn complete(&self) -> Result<()> {
         let holder = self.holder.as_str();
         self.queue.complete_as(self.id, self.attempts, holder).await
     }
@@ -1663,7 +1670,7 @@ impl Claim {
     /// assert_eq!(claim.retry(Duration::from_secs(10)).await?, JobState::Delayed);
     /// # Ok(()) }
     /// ```
-    pub async fn retry(self, delay: Duration) -> Result<JobState> {
+    pub async fn retry(&self, delay: Duration) -> Result<JobState> {
         self.retry_because(delay, "").await
     }
 
@@ -1680,7 +1687,7 @@ impl Claim {
     /// assert_eq!(queue.job(id).await?.error.as_deref(), Some("upstream 503"));
     /// # Ok(()) }
     /// ```
-    pub async fn retry_because(self, delay: Duration, error: &str) -> Result<JobState> {
+    pub async fn retry_because(&self, delay: Duration, error: &str) -> Result<JobState> {
         let holder = self.holder.as_str();
         self.queue
             .retry_as(self.id, self.attempts, holder, delay, error)
@@ -1700,7 +1707,7 @@ impl Claim {
     /// assert_eq!(queue.counts().await?.dead, 1);
     /// # Ok(()) }
     /// ```
-    pub async fn fail(self, reason: &str) -> Result<()> {
+    pub async fn fail(&self, reason: &str) -> Result<()> {
         let holder = self.holder.as_str();
         self.queue
             .fail_as(self.id, self.attempts, holder, reason)
