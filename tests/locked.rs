@@ -1001,6 +1001,22 @@ async fn a_nested_call_on_the_same_key_is_refused() {
     assert!(matches!(waited, Error::WaitTimeout { .. }), "{waited:?}");
 }
 
+#[locked(key = "raw-name", locker = locker)]
+async fn r#match(locker: &Locker) -> Result<(), Error> {
+    tracing::info!("inside");
+    Ok(())
+}
+
+/// A raw identifier names the span by the function's name, not its spelling: `match`.
+#[tokio::test]
+async fn a_raw_identifier_names_the_span_without_its_prefix() {
+    let (logs, _logging) = captured::capture(tracing::Level::DEBUG);
+    r#match(&Locker::memory()).await.expect("locked");
+    let text = logs.text();
+    assert!(text.contains("function=\"match\""), "{text}");
+    assert!(!text.contains("r#match"), "{text}");
+}
+
 #[locked(key = "caller-span", locker = locker)]
 async fn under_the_callers_span(locker: &Locker) -> Result<u64, Error> {
     Ok(current_fence().expect("a fence").0)

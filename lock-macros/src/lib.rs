@@ -286,9 +286,17 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
             ));
         }
     };
-    if let Type::ImplTrait(_) = ret_ty {
+    // Parentheses (and the invisible groups of a type passed through `macro_rules!`) hide
+    // nothing: `-> (impl Trait)` is the same type.
+    let mut bare = &ret_ty;
+    while let Type::Paren(syn::TypeParen { elem, .. }) | Type::Group(syn::TypeGroup { elem, .. }) =
+        bare
+    {
+        bare = elem;
+    }
+    if let Type::ImplTrait(_) = bare {
         return Err(syn::Error::new(
-            ret_ty.span(),
+            bare.span(),
             "a `#[locked]` function must return `Result<T, E>` with `E: From<leasehold::Error>`, not `impl Trait`",
         ));
     }
@@ -340,7 +348,8 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
         Some(e) => quote_spanned!(e.span()=> ::core::option::Option::Some::<bool>(#e)),
         None => quote!(::core::option::Option::None),
     };
-    let name = sig.ident.to_string();
+    // `r#match` names the function `match` (as `stringify!` would not say).
+    let name = syn::ext::IdentExt::unraw(&sig.ident).to_string();
 
     // Names the return type inside the body so that `?` and `return` infer against it before
     // the body is checked, as tracing's `#[instrument]` does, but with a call that returns it
