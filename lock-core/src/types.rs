@@ -126,18 +126,18 @@ thread_local! {
 /// call, which costs as much as the rest of an in-memory acquire's token.
 fn os_random_16(fork_checked: bool) -> [u8; 16] {
     ENTROPY.with_borrow_mut(|e| {
-        let forked = fork_checked && {
-            let pid = std::process::id();
-            let forked = e.pid != pid;
-            e.pid = pid;
-            forked
-        };
-        if e.next + 16 > e.bytes.len() || forked {
+        let pid = fork_checked.then(std::process::id);
+        if e.next + 16 > e.bytes.len() || pid.is_some_and(|pid| pid != e.pid) {
             // The OS RNG failing is not a condition a lock library can recover from sensibly;
             // a predictable token would silently break release safety, so refusing is the only
             // option.
             getrandom::fill(&mut e.bytes).expect("the operating system's random source failed");
             e.next = 0;
+            // Marked as this process's only once read: a failed read caught as a panic must
+            // leave a parent's bytes marked as the parent's.
+            if let Some(pid) = pid {
+                e.pid = pid;
+            }
         }
         let mut out = [0u8; 16];
         out.copy_from_slice(&e.bytes[e.next..e.next + 16]);
