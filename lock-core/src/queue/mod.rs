@@ -1637,9 +1637,11 @@ impl Claim {
     /// The settling steps (this one, [`retry`](Claim::retry), [`retry_because`](Claim::retry_because)
     /// and [`fail`](Claim::fail)) borrow the claim, so that one refused for bad input or failed
     /// on a transient error ([`Error::is_transient`]) can be sent again with the claim's own
-    /// token: a complete repeated after its reply was lost succeeds while the job's done marker
-    /// is kept; a retry or fail repeated after it landed is refused as no longer held
-    /// ([`Error::LeaseLost`]).
+    /// token. A repeat after a try whose reply was lost cannot always tell that the try landed:
+    /// a complete repeated succeeds while the job's done marker is kept, and finds no job
+    /// ([`Error::UnknownJob`]) on a queue with `keep_done` zero; a retry or fail repeated
+    /// after it landed is refused as no longer held ([`Error::LeaseLost`]), or as
+    /// [`Error::Stale`] once a retried job was claimed again.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {

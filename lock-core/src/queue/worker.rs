@@ -636,7 +636,9 @@ where
         };
         match settled {
             Ok(()) => {}
-            Err(e) if in_doubt => {
+            Err(e @ (Error::Stale { .. } | Error::LeaseLost { .. } | Error::UnknownJob { .. }))
+                if in_doubt =>
+            {
                 // Most likely the lost reply's try landed and the repeat found the job settled;
                 // the worker cannot tell that from a lease that ran out between the tries.
                 warn!(
