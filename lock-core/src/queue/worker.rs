@@ -601,37 +601,35 @@ where
             }),
         };
         drop(renewal);
-        let (settled, in_doubt) = match &outcome {
-            Ok(()) => {
-                let (done, in_doubt) =
-                    with_retries(|| queue.complete_as(id, attempts, holder.as_str())).await;
-                let done = done.map(|_| {
-                    bump(&stats.completed);
-                });
-                (done, in_doubt)
-            }
-            Err(e) if e.is_permanent() => {
-                let (failed, in_doubt) =
-                    with_retries(|| queue.fail_as(id, attempts, holder.as_str(), &e.message)).await;
-                let failed = failed.map(|_| {
-                    bump(&stats.failed);
-                });
-                (failed, in_doubt)
-            }
+        let mut in_doubt = false;
+        let settled = match &outcome {
+            Ok(()) => with_retries(&mut in_doubt, || {
+                queue.complete_as(id, attempts, holder.as_str())
+            })
+            .await
+            .map(|_| {
+                bump(&stats.completed);
+            }),
+            Err(e) if e.is_permanent() => with_retries(&mut in_doubt, || {
+                queue.fail_as(id, attempts, holder.as_str(), &e.message)
+            })
+            .await
+            .map(|_| {
+                bump(&stats.failed);
+            }),
             Err(e) => {
                 let delay = worker.delay_for(attempts);
-                let (retried, in_doubt) = with_retries(|| {
+                with_retries(&mut in_doubt, || {
                     queue.retry_as(id, attempts, holder.as_str(), delay, &e.message)
                 })
-                .await;
-                let retried = retried.map(|to| {
+                .await
+                .map(|to| {
                     debug!(to = %to, ?delay, error = %e, "retrying");
                     if to == JobState::Dead {
                         debug!("out of attempts: dead");
                     }
                     bump(&stats.retried);
-                });
-                (retried, in_doubt)
+                })
             }
         };
         match settled {
@@ -675,26 +673,25 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
 /// kept; a repeated retry or fail is refused as no longer held, which the caller then reports),
 /// so transient failures are worth a few more tries before the reaper has to step in.
 ///
-/// Also answers whether an earlier try's outcome is unknown (its reply was lost): that try may
-/// have landed, so a refusal of a later one does not show that the lease was lost.
-async fn with_retries<T, Fut>(mut op: impl FnMut() -> Fut) -> (Result<T>, bool)
+/// Sets `in_doubt` when a try's outcome is unknown (its reply was lost): that try may have
+/// landed, so a refusal of a later one does not show that the lease was lost.
+async fn with_retries<T, Fut>(in_doubt: &mut bool, mut op: impl FnMut() -> Fut) -> Result<T>
 where
     Fut: Future<Output = Result<T>>,
 {
     let mut pause = Duration::from_millis(20);
-    let mut in_doubt = false;
     for _ in 0..4 {
         match op().await {
             Err(e) if e.is_transient() => {
                 debug!(error = %e, "settle failed; trying again");
-                in_doubt |= matches!(e, Error::OutcomeUnknown { .. });
+                *in_doubt |= matches!(e, Error::OutcomeUnknown { .. });
                 sleep(pause).await;
                 pause *= 2;
             }
-            other => return (other, in_doubt),
+            other => return other,
         }
     }
-    (op().await, in_doubt)
+    op().await
 }
 
 /// A task aborted when its handle is dropped: a job's renewal task when the job ended (or its
