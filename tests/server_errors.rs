@@ -961,6 +961,91 @@ async fn loading(flavor: Flavor) {
     assert!(empty.is_none(), "a refused enqueue left a job: {empty:?}");
 }
 
+/// On a cluster, `LOADING` is no verdict. A node loading its dataset refuses a keyed command
+/// with `CLUSTERDOWN`, not `LOADING` (checked here on the node itself), so the `LOADING` a
+/// cluster request meets is the error of the client's failed slot-map refresh (a node's
+/// answer to its `PING` or `CLUSTER SLOTS`), which redis-rs hands to every request in flight,
+/// including ones a node already ran. Through a load, then, no cluster operation answers
+/// `Refused` with `LOADING` ("wrote nothing"; the unit test in `error.rs` pins what it answers
+/// instead, `OutcomeUnknown`), every error is transient, and nothing is left held: after the
+/// load the key asked for during it is free, the lease saved with the dataset is still its
+/// holder's, and the saved job is still there.
+async fn cluster_loading(flavor: Flavor) {
+    let mut cluster = Cluster::start(flavor, 1, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let node = &mut cluster.nodes[0];
+    let _: i64 = node.cmd(&[
+        "EVAL",
+        "for i = 1, tonumber(ARGV[1]) do redis.call('SET', 'pad:' .. i, 'x') end return 1",
+        "0",
+        "40000",
+    ]);
+    let locker = Locker::redis_cluster(&urls).await.expect("connect");
+    let kept = locker
+        .try_acquire("kept", &opts(30_000))
+        .await
+        .expect("kept");
+    let q = Queue::builder("jobs").cluster(&urls).await.expect("queue");
+    q.enqueue(b"saved").await.expect("enqueue");
+    let _: String = node.cmd(&["SAVE"]);
+
+    node.restart_loading(Duration::from_micros(50));
+    let mut raw = node.conn();
+    let ping = redis::cmd("PING").query::<String>(&mut raw).err();
+    let set = redis::cmd("SET")
+        .arg("k")
+        .arg("v")
+        .query::<()>(&mut raw)
+        .err();
+    let code = |e: &Option<redis::RedisError>| e.as_ref().and_then(|e| e.code().map(str::to_owned));
+    assert_eq!(
+        (code(&ping).as_deref(), code(&set).as_deref()),
+        (Some("LOADING"), Some("CLUSTERDOWN")),
+        "what a loading cluster node answers: PING {ping:?}, SET {set:?}"
+    );
+    let mut errors = 0;
+    while node.loading() == Some(true) {
+        let acquired = locker.try_acquire("free", &opts(5_000)).await;
+        let enqueued = q.enqueue(b"new").await;
+        for e in [acquired.err(), enqueued.err()].into_iter().flatten() {
+            assert!(
+                !is_loading(&e),
+                "a cluster request that met LOADING said it wrote nothing: {e:?}"
+            );
+            assert!(e.is_transient(), "{e:?} is not transient");
+            errors += 1;
+        }
+        sleep(Duration::from_millis(10)).await;
+    }
+    assert!(errors > 0, "no request was refused while the node loaded");
+
+    let other = Locker::redis_cluster(&urls).await.expect("connect");
+    let give_up = Instant::now() + Duration::from_secs(10);
+    let free = loop {
+        // The node takes up its slots a moment after the load.
+        match other.try_acquire("free", &opts(5_000)).await {
+            Ok(free) => break free,
+            Err(e) if e.is_transient() && Instant::now() < give_up => {
+                sleep(Duration::from_millis(20)).await;
+            }
+            other => panic!("the key asked for during the load is not free after it: {other:?}"),
+        }
+    };
+    assert!(
+        matches!(
+            other.try_acquire("kept", &opts(5_000)).await,
+            Err(Error::Busy { .. })
+        ),
+        "the lease saved with the dataset is not held after the load"
+    );
+    assert!(!kept.is_lost(), "the lease was reported lost");
+    free.release().await.expect("release");
+    assert_eq!(kept.release().await.expect("release"), Release::Released);
+    let claim = q.claim(Duration::from_secs(60)).await.expect("claim");
+    assert_eq!(claim.expect("the saved job").payload(), &b"saved"[..]);
+}
+
 /// A release whose wake-up `PUBLISH` the server refuses (the ACL user may not publish) still
 /// releases: the answer is `Released` and the key is gone; the refused publish is only a
 /// wake-up missed, and a waiter still gets the lease from its timer.
@@ -1156,6 +1241,7 @@ on_redis_and_valkey! {
     quorum_members_out_of_memory: redis_quorum_members_out_of_memory,
         valkey_quorum_members_out_of_memory;
     loading: redis_loading, valkey_loading;
+    cluster_loading: redis_cluster_loading, valkey_cluster_loading;
     refused_publish: redis_refused_publish, valkey_refused_publish;
     queue_refused_publish: redis_queue_refused_publish, valkey_queue_refused_publish;
 }

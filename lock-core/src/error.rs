@@ -224,8 +224,9 @@ pub enum Error {
     /// The server was reached and answered the command with an error instead of running it:
     /// out of memory (`OOM`), writes stopped after a failed save (`MISCONF`), a command the
     /// client's ACL user may not run (`NOPERM`), a read-only replica (`READONLY`), data still
-    /// loading (`LOADING`). Under these the server refuses a script at its first write, so the
-    /// call wrote nothing; it may succeed once the condition clears.
+    /// loading (`LOADING`, on one server; on a cluster see [`Error::OutcomeUnknown`]). Under
+    /// these the server refuses a script at its first write, so the call wrote nothing; it may
+    /// succeed once the condition clears.
     #[error("the server refused {op} on `{key}`: {source}")]
     Refused {
         /// The operation that was refused.
@@ -238,8 +239,11 @@ pub enum Error {
     },
     /// The connection dropped or the reply timed out after the command was sent, so whether it
     /// took effect is unknown. On a cluster also when the client lost its connections while
-    /// the command was in flight (redis-rs reports that as "no connection"), or when a node did
-    /// not answer an explicit extend within a quarter of its TTL.
+    /// the command was in flight (redis-rs reports that as "no connection"), when a node did
+    /// not answer an explicit extend within a quarter of its TTL, and when the error is one the
+    /// client's failed slot-map refresh met (a node still `LOADING`, a connection or a login
+    /// refused): redis-rs hands that error to every request in flight, including ones a node
+    /// already ran.
     #[error(
         "outcome of {op} on `{key}` is unknown: no answer came (the connection failed or timed out)"
     )]
@@ -320,6 +324,29 @@ pub(crate) fn classify(op: &'static str, key: &str, err: redis::RedisError) -> E
     }
 }
 
+/// As [`classify`], for a request sent on a cluster. redis-rs hands the error of a failed
+/// slot-map refresh to every request in flight, including requests a node already ran (see
+/// `ClusterConn`), and the refusals a refresh meets say nothing of those requests: a node still
+/// `LOADING` (its `PING`), a connection refused, a login refused (reconnecting). Read as
+/// "wrote nothing", they would leave a grant that landed held by no one and a settle that
+/// landed not in doubt, so on a cluster they count as no verdict. A request refused this way
+/// directly was not run; taking it for unknown costs only a token-checked release or a
+/// repeat, which finds it so.
+pub(crate) fn classify_cluster(op: &'static str, key: &str, err: redis::RedisError) -> Error {
+    let refresh_may_give = err.is_connection_refusal()
+        || err.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(err.code(), Some("LOADING" | "WRONGPASS" | "NOAUTH"));
+    if refresh_may_give {
+        Error::OutcomeUnknown {
+            op,
+            key: key.to_owned(),
+            source: err,
+        }
+    } else {
+        classify(op, key, err)
+    }
+}
+
 /// A server's error reply line (`OOM command not allowed ...`) as the error redis-rs makes of
 /// it, or a client error carrying the line when it does not parse as one.
 pub(crate) fn error_reply(line: &str) -> redis::RedisError {
@@ -349,5 +376,44 @@ mod tests {
             "No connections found",
         ));
         assert!(matches!(sort(none), Error::OutcomeUnknown { .. }));
+    }
+
+    #[test]
+    fn on_a_cluster_what_a_slot_refresh_meets_is_no_verdict() {
+        let loading = || error_reply("LOADING Redis is loading the dataset in memory");
+        let refused = || std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into();
+        let login = || error_reply("WRONGPASS invalid username-password pair or user is disabled.");
+        let anonymous = || error_reply("NOAUTH Authentication required.");
+        let failed = || redis::RedisError::from((redis::ErrorKind::AuthenticationFailed, "failed"));
+        for e in [loading(), refused(), login(), anonymous(), failed()] {
+            let shown = e.to_string();
+            assert!(
+                matches!(
+                    classify_cluster("acquire", "k", e),
+                    Error::OutcomeUnknown { .. }
+                ),
+                "{shown}"
+            );
+        }
+        // On one server the same replies answer the request itself.
+        assert!(matches!(
+            classify("acquire", "k", loading()),
+            Error::Refused { .. }
+        ));
+        assert!(matches!(
+            classify("acquire", "k", refused()),
+            Error::Unavailable(_)
+        ));
+        // Refusals a refresh never meets keep their verdict on a cluster too.
+        let oom = error_reply("OOM command not allowed");
+        assert!(matches!(
+            classify_cluster("acquire", "k", oom),
+            Error::Refused { .. }
+        ));
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert!(matches!(
+            classify_cluster("acquire", "k", reset.into()),
+            Error::OutcomeUnknown { .. }
+        ));
     }
 }

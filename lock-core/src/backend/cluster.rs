@@ -173,8 +173,10 @@ impl SlotMap {
 /// dropped or whose reply did not come in time is an error, as on one server (the lock
 /// operations report it as [`Error::OutcomeUnknown`]), and so is one the client found no
 /// connection for or that met `LOADING`: redis-rs hands the error of a failed slot-map refresh
-/// (no connection, a node still loading) to every request in flight, including requests the
-/// node may have run.
+/// (no connection, a node still loading, a connection or login refused) to every request in
+/// flight, including requests the node may have run; the lock and queue operations report
+/// those as [`Error::OutcomeUnknown`] too. (A node loading its dataset answers a keyed command
+/// `CLUSTERDOWN`, which is sent again; `LOADING` is its answer to the refresh's `PING`.)
 ///
 /// Clones share the node connections. Commands run through it with redis-rs's
 /// [`AsyncCommands`](redis::AsyncCommands), [`Script::invoke_async`] or `query_async`. A
@@ -661,7 +663,7 @@ impl ClusterBackend {
         });
         Ok(ClusterBackend {
             conn,
-            scripts: Arc::new(Scripts::new()),
+            scripts: Arc::new(Scripts::for_cluster()),
             extend_cross: Arc::new(Script::new(EXTEND_NODE)),
             slots: Arc::default(),
             wakeups,

@@ -168,15 +168,36 @@ pub(super) struct Scripts {
     release: Script,
     extend: Script,
     admit: Script,
+    /// Sent through a cluster connection, whose errors are sorted by `classify_cluster`.
+    on_cluster: bool,
 }
 
 impl Scripts {
+    /// For one server.
     pub(super) fn new() -> Scripts {
         Scripts {
             acquire: Script::new(include_str!("../lua/acquire.lua")),
             release: Script::new(include_str!("../lua/release.lua")),
             extend: Script::new(include_str!("../lua/extend.lua")),
             admit: Script::new(include_str!("../lua/fence_gate.lua")),
+            on_cluster: false,
+        }
+    }
+
+    /// For a cluster.
+    pub(super) fn for_cluster() -> Scripts {
+        Scripts {
+            on_cluster: true,
+            ..Scripts::new()
+        }
+    }
+
+    /// The error of a call that got no answer from its script.
+    fn classify(&self, op: &'static str, key: &str, err: redis::RedisError) -> Error {
+        if self.on_cluster {
+            crate::error::classify_cluster(op, key, err)
+        } else {
+            classify(op, key, err)
         }
     }
 }
@@ -650,7 +671,7 @@ pub(super) mod ops {
                 .collect(),
             Ok(reply) => items.map(|_| Err(unexpected("acquire", &reply))).collect(),
             Err(e) => items
-                .map(|(key, ..)| Err(classify("acquire", key.key(), e.clone())))
+                .map(|(key, ..)| Err(scripts.classify("acquire", key.key(), e.clone())))
                 .collect(),
         }
     }
@@ -735,7 +756,7 @@ pub(super) mod ops {
                 .collect(),
             Ok(reply) => items.map(|_| Err(unexpected("release", &reply))).collect(),
             Err(e) => items
-                .map(|(key, _)| Err(classify("release", key.key(), e.clone())))
+                .map(|(key, _)| Err(scripts.classify("release", key.key(), e.clone())))
                 .collect(),
         }
     }
@@ -766,7 +787,7 @@ pub(super) mod ops {
         let answers = inv
             .invoke_async::<Vec<i64>>(&mut conn)
             .await
-            .map_err(|e| classify("extend", named, e))?;
+            .map_err(|e| scripts.classify("extend", named, e))?;
         // Answers are matched to leases by position: a reply of another length (or with a
         // value the script never gives) would tell one lease another's fate, so it fails the
         // whole call instead, as an unreadable reply.
@@ -789,7 +810,7 @@ pub(super) mod ops {
             .arg(fence)
             .invoke_async(conn)
             .await
-            .map_err(|e| classify("admit", gate_key, e))?;
+            .map_err(|e| scripts.classify("admit", gate_key, e))?;
         match pair(&reply) {
             Some((1, _)) => Ok(None),
             Some((0, highest)) => Ok(Some(

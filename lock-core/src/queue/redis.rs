@@ -8,7 +8,7 @@ use tracing::warn;
 
 use super::{ClaimReply, JobId, JobInfo, JobState, Op, QueueCounts, Reaped, Refusal, Settled};
 use crate::backend::{Backend, ClusterBackend, RedisBackend};
-use crate::error::{Error, Result, classify};
+use crate::error::{Error, Result, classify, classify_cluster};
 use crate::types::LockKey;
 use crate::wake::Watch;
 
@@ -170,11 +170,12 @@ impl RedisQueue {
         }
         inv.arg(&self.job_prefix).arg(self.wake_key.channel());
         args(&mut inv);
-        let reply = match &self.backend {
-            Server::Single(b) => inv.invoke_async(&mut b.connection()).await,
-            Server::Cluster(b) => inv.invoke_async(&mut b.connection()).await,
-        };
-        reply.map_err(|e| classify(op, &self.tag, e))
+        match &self.backend {
+            Server::Single(b) => (inv.invoke_async(&mut b.connection()).await)
+                .map_err(|e| classify(op, &self.tag, e)),
+            Server::Cluster(b) => (inv.invoke_async(&mut b.connection()).await)
+                .map_err(|e| classify_cluster(op, &self.tag, e)),
+        }
     }
 
     pub(crate) async fn enqueue(&self, payloads: &[&[u8]], max: u64) -> Result<Vec<u64>> {
