@@ -790,12 +790,21 @@ async fn slow_link_keeps_the_lease(flavor: Flavor) {
     worker.shutdown(Duration::from_secs(5)).await;
 }
 
-/// A settle whose reply is lost (the proxy closes the connection after the server ran it):
-/// the worker repeats it, the repeat finds the job settled and no longer held, and the worker
-/// says so as a settle in doubt, not as a lease that was lost. It still counts it under
-/// `lost`, as documented: it cannot tell a try that landed from a lease that ran out between
-/// the tries.
-async fn a_settle_whose_reply_was_lost_is_in_doubt(flavor: Flavor) {
+/// How the reply of a settle that ran goes wrong on its way back.
+#[derive(Clone, Copy, Debug)]
+enum Reply {
+    /// The proxy closes the connection instead of passing it on.
+    Lost,
+    /// It arrives in a shape the script never gives (a job state it does not have).
+    Garbled,
+}
+
+/// A settle whose reply is lost (the proxy closes the connection after the server ran it) or
+/// garbled: the worker repeats it, the repeat finds the job settled and no longer held, and
+/// the worker says so as a settle in doubt, not as a lease that was lost. It still counts it
+/// under `lost`, as documented: it cannot tell a try that landed from a lease that ran out
+/// between the tries.
+async fn a_settle_whose_reply_went_wrong_is_in_doubt(flavor: Flavor, reply: Reply) {
     let server = Server::start(flavor);
     let proxy = Proxy::start(server.port).await;
     let q = Queue::redis(&proxy.url(), "doubt").await.expect("connect");
@@ -805,7 +814,11 @@ async fn a_settle_whose_reply_was_lost_is_in_doubt(flavor: Flavor) {
     warm.fail("warm").await.expect("fail");
     let id = q.enqueue(b"job").await.expect("enqueue");
     // fail.lua's reply, `{1, 'dead', now}`.
-    proxy.drop_replies(b"*3\r\n:1\r\n$4\r\ndead\r\n", 1);
+    let fail_reply = b"*3\r\n:1\r\n$4\r\ndead\r\n";
+    match reply {
+        Reply::Lost => proxy.drop_replies(fail_reply, 1),
+        Reply::Garbled => proxy.replace_replies(fail_reply, b"*3\r\n:1\r\n$4\r\nDEAD\r\n", 1),
+    }
     let (logs, _logging) = captured::capture(tracing::Level::WARN);
     let worker = Worker::new(q.clone())
         .ttl(ms(5_000))
@@ -825,7 +838,7 @@ async fn a_settle_whose_reply_was_lost_is_in_doubt(flavor: Flavor) {
     assert_eq!(
         proxy.dropped.load(std::sync::atomic::Ordering::SeqCst),
         1,
-        "the reply was lost"
+        "the reply was {reply:?}"
     );
     assert_eq!((report.failed, report.lost), (0, 1), "{report:?}");
     let job = q.job(id).await.expect("job");
@@ -1193,7 +1206,13 @@ macro_rules! faults {
             // One thread: the worker's tasks log to this thread's captured subscriber.
             #[tokio::test]
             async fn a_settle_whose_reply_was_lost_is_in_doubt() {
-                super::a_settle_whose_reply_was_lost_is_in_doubt($flavor).await
+                super::a_settle_whose_reply_went_wrong_is_in_doubt($flavor, super::Reply::Lost)
+                    .await
+            }
+            #[tokio::test]
+            async fn a_settle_whose_reply_was_garbled_is_in_doubt() {
+                super::a_settle_whose_reply_went_wrong_is_in_doubt($flavor, super::Reply::Garbled)
+                    .await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn shares_backend_with_locks() {

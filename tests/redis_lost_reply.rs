@@ -60,6 +60,35 @@ async fn lost_grant_reply_is_resolved(flavor: Flavor) {
     lease.release().await.expect("release");
 }
 
+/// The grant's reply comes back in a shape the script never gives (a faulty proxy, another
+/// version of the script): the script ran all the same, so this is treated as a lost reply.
+/// The locker asks again with the same token and the caller gets the one grant that happened,
+/// instead of an error while the grant holds the key with nobody to release it.
+async fn a_garbled_grant_reply_is_asked_again(flavor: Flavor) {
+    let (server, proxy, locker) = through_proxy(flavor).await;
+    // Status 9: none the script gives. Same length, so the stream stays in step.
+    proxy.replace_replies(GRANT, b"*2\r\n:9\r\n", 1);
+    let lease = locker
+        .try_acquire("garbled-reply", &opts())
+        .await
+        .expect("the retry resolves the outcome");
+    assert_eq!(
+        proxy.dropped.load(Ordering::SeqCst),
+        1,
+        "the reply was replaced"
+    );
+    let k = locker.lock_key("garbled-reply").expect("key");
+    let holder: String = server.cmd(&["GET", k.lock_key()]);
+    assert_eq!(holder, lease.token().as_str(), "the lock holds our token");
+    let stored: String = server.cmd(&["GET", k.fence_key()]);
+    assert_eq!(
+        stored.parse::<u64>().expect("fence"),
+        lease.fence().get(),
+        "one grant, one fence: the retry did not advance it again"
+    );
+    assert_eq!(lease.release().await.expect("release"), Release::Released);
+}
+
 /// The grant's reply is lost, and its fence key goes before the retry (evicted under an
 /// `allkeys-*` policy, deleted by an operator): the retry still hands out a real fence, from
 /// the clock, never 0, and stores it.
@@ -882,6 +911,10 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_malformed_extend_reply_is_no_verdict() {
                 super::a_malformed_extend_reply_is_no_verdict($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_garbled_grant_reply_is_asked_again() {
+                super::a_garbled_grant_reply_is_asked_again($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_grant_reply_is_resolved() {

@@ -219,6 +219,9 @@ pub enum Error {
         reason: &'static str,
     },
     /// The server could not be reached, or answered in a shape leasehold does not understand.
+    /// In the second case the script ran: an acquire is asked again with the same token, as
+    /// after a lost reply ([`Error::OutcomeUnknown`]), so the grant it may have made is not left
+    /// holding the key, and a worker counts a settle answered so as in doubt.
     #[error("backend unavailable: {0}")]
     Unavailable(#[source] redis::RedisError),
     /// The server was reached and answered the command with an error instead of running it:
@@ -294,6 +297,17 @@ impl Error {
                     | Error::OutcomeUnknown { .. }
                     | Error::NoQuorum { .. }
             ),
+        }
+    }
+
+    /// Whether the call may have taken effect although it failed: no reply came
+    /// ([`Error::OutcomeUnknown`]), or one came in a shape leasehold cannot read, which means
+    /// the script ran.
+    pub(crate) fn may_have_landed(&self) -> bool {
+        match self {
+            Error::OutcomeUnknown { .. } => true,
+            Error::Unavailable(e) => e.kind() == redis::ErrorKind::UnexpectedReturnType,
+            _ => false,
         }
     }
 }

@@ -917,7 +917,8 @@ impl<B: Backend + Clone> Locker<B> {
                 return Box::pin(self.attempt_replicated(key, token, opts)).await;
             }
             match self.grant(key, token, opts).await {
-                Err(Error::OutcomeUnknown { .. }) => {
+                // A reply lost, or one that came unreadable (the script ran all the same).
+                Err(e) if e.may_have_landed() => {
                     // The script is idempotent per token: asking again tells us whether the
                     // first one landed. If even that fails, free whatever we may have been
                     // granted. A caller that leaves meanwhile must free it too: the backend

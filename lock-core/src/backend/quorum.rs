@@ -1047,14 +1047,11 @@ fn pause(max: Duration) -> Duration {
     max / 2 + (max / 2).mul_f64(frac)
 }
 
-/// Whether a member call that failed may still run on the member: its reply was lost or late
-/// (the connection dropped after sending, or the quorum's own timeout cut it off).
+/// Whether a member call that failed may still run on the member, or ran: its reply was lost,
+/// late (the connection dropped after sending, or the quorum's own timeout cut it off) or
+/// unreadable.
 fn in_doubt(e: &Error) -> bool {
-    match e {
-        Error::OutcomeUnknown { .. } => true,
-        Error::Unavailable(e) => e.is_timeout(),
-        _ => false,
-    }
+    e.may_have_landed() || matches!(e, Error::Unavailable(e) if e.is_timeout())
 }
 
 fn member_error(what: &'static str) -> Error {

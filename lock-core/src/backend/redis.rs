@@ -261,7 +261,7 @@ impl Flush for Acquires {
         match answer {
             // Nothing was granted.
             Some(Ok(AcquireReply::Held { .. })) => return,
-            Some(Err(e)) if !matches!(e, Error::OutcomeUnknown { .. }) => return,
+            Some(Err(e)) if !e.may_have_landed() => return,
             _ => {}
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -1034,7 +1034,13 @@ impl Backend for RedisBackend {
                     answer.is_closed()
                 })
                 .await;
-            let unanswered = matches!(outcome, Err(Error::OutcomeUnknown { op: "acquire", .. }));
+            // Not a WAIT's lost reply: `replicated_on` gave that grant back already. An
+            // unreadable reply may be either's, and a second token-checked release is harmless.
+            let unanswered = match &outcome {
+                Err(Error::OutcomeUnknown { op, .. }) => *op == "acquire",
+                Err(e) => e.may_have_landed(),
+                Ok(_) => false,
+            };
             // Back in the pool before the caller hears the answer, so that its next acquire
             // finds it there.
             let conn = match outcome {

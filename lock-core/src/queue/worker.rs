@@ -133,10 +133,10 @@ pub struct WorkerReport {
     pub failed: u64,
     /// Jobs whose lease was lost: the handler was cancelled, or its result was refused as
     /// stale or could not be settled. The reaper returns them; another worker runs them again.
-    /// So does a settle (complete, retry or fail) whose reply was lost when its repeat is then
-    /// refused, though the first may have landed (a repeated retry or fail finds the job no
-    /// longer held; a repeated complete, on a queue with `keep_done` zero, finds no job); the
-    /// worker logs those as in doubt, not as lost.
+    /// So does a settle (complete, retry or fail) whose reply was lost or unreadable when its
+    /// repeat is then refused, though the first may have landed (a repeated retry or fail finds
+    /// the job no longer held; a repeated complete, on a queue with `keep_done` zero, finds no
+    /// job); the worker logs those as in doubt, not as lost.
     pub lost: u64,
     /// Handlers still running when the report was taken; after a shutdown, the ones cut off at
     /// the grace deadline (their jobs are left to the reaper).
@@ -637,12 +637,13 @@ where
             Err(e @ (Error::Stale { .. } | Error::LeaseLost { .. } | Error::UnknownJob { .. }))
                 if in_doubt =>
             {
-                // Most likely the lost reply's try landed and the repeat found the job settled;
+                // Most likely the unanswered try landed and the repeat found the job settled;
                 // the worker cannot tell that from a lease that ran out between the tries.
                 warn!(
                     error = %e,
-                    "settle in doubt: a try whose reply was lost may have landed, and the repeat \
-                     found the job no longer held; if it did not land, the reaper returns the job"
+                    "settle in doubt: a try whose reply was lost or unreadable may have landed, and \
+                     the repeat found the job no longer held; if it did not land, the reaper \
+                     returns the job"
                 );
                 bump(&stats.lost);
             }
@@ -673,8 +674,9 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
 /// kept; a repeated retry or fail is refused as no longer held, which the caller then reports),
 /// so transient failures are worth a few more tries before the reaper has to step in.
 ///
-/// Sets `in_doubt` when a try's outcome is unknown (its reply was lost): that try may have
-/// landed, so a refusal of a later one does not show that the lease was lost.
+/// Sets `in_doubt` when a try's outcome is unknown (its reply was lost, or came unreadable):
+/// that try may have landed, so a refusal of a later one does not show that the lease was
+/// lost.
 async fn with_retries<T, Fut>(in_doubt: &mut bool, mut op: impl FnMut() -> Fut) -> Result<T>
 where
     Fut: Future<Output = Result<T>>,
@@ -684,7 +686,7 @@ where
         match op().await {
             Err(e) if e.is_transient() => {
                 debug!(error = %e, "settle failed; trying again");
-                *in_doubt |= matches!(e, Error::OutcomeUnknown { .. });
+                *in_doubt |= e.may_have_landed();
                 sleep(pause).await;
                 pause *= 2;
             }
