@@ -244,17 +244,23 @@ fn impl_inferred(ty: &Type) -> Type {
     ty
 }
 
-/// `tokens` with every span set to `span`, so that errors in them point at the user's code.
+/// `tokens` with every span set to `span`, so that errors in them point at the user's code;
+/// but for `$crate`, which resolves by its span. A user's `macro_rules!` may pass
+/// `crate = $crate::reexport`: in the span of a token its caller wrote, in another crate,
+/// `$crate` would name that crate.
 fn respan(tokens: TokenStream2, span: Span) -> TokenStream2 {
     tokens
         .into_iter()
         .map(|mut tt| {
-            if let TokenTree::Group(g) = &tt {
-                let mut group = proc_macro2::Group::new(g.delimiter(), respan(g.stream(), span));
-                group.set_span(span);
-                tt = TokenTree::Group(group);
-            } else {
-                tt.set_span(span);
+            match &tt {
+                TokenTree::Group(g) => {
+                    let mut group =
+                        proc_macro2::Group::new(g.delimiter(), respan(g.stream(), span));
+                    group.set_span(span);
+                    tt = TokenTree::Group(group);
+                }
+                TokenTree::Ident(i) if i == "$crate" => {}
+                _ => tt.set_span(span),
             }
             tt
         })

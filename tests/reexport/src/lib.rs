@@ -1,0 +1,22 @@
+//! A crate that re-exports leasehold and writes `#[locked]` functions for its callers from a
+//! `macro_rules!`, naming the re-export with `crate = $crate::__lh`. `$crate` resolves by its
+//! span: this crate's, while the names the caller passes in carry the caller's. The test
+//! `tests/locked_reexport.rs` is such a caller, in another crate.
+
+#[doc(hidden)]
+pub use leasehold as __lh;
+pub use leasehold::{Error, Locker};
+
+/// Defines `async fn $name($locker: Locker) -> $ret`, run under the lease on `$key`, with
+/// the locker and the return type named by the caller, and returning `$value`.
+#[macro_export]
+macro_rules! guarded {
+    // The return type as loose tokens, not a `ty` fragment: they keep the caller's spans (a
+    // fragment is one group spanned here).
+    ($name:ident, $key:literal, $locker:ident, [$($ret:tt)*], $value:expr) => {
+        #[$crate::__lh::locked(key = $key, crate = $crate::__lh, locker = $locker)]
+        async fn $name($locker: $crate::Locker) -> $($ret)* {
+            $value
+        }
+    };
+}
