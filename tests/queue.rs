@@ -1251,6 +1251,80 @@ async fn bad_input(h: Harness) {
     ));
 }
 
+/// A settle repeated after it landed answers as `Claim`'s docs say: a complete again
+/// succeeds while the done marker is kept and finds no job with `keep_done` zero; a retry or
+/// fail again is refused as no longer held (`LeaseLost`), and as `Stale` once the retried job
+/// was claimed again.
+async fn repeated_settles_answer_as_documented(h: Harness) {
+    let q = h.open(Queue::builder("repeats")).await;
+    let id = q.enqueue(b"x").await.expect("enqueue");
+    let first = q.claim(ms(30_000)).await.expect("claim").expect("job");
+    assert_eq!(first.retry(ms(0)).await.expect("retry"), JobState::Pending);
+    let again = first.retry(ms(0)).await;
+    assert!(
+        matches!(again, Err(Error::LeaseLost { .. })),
+        "retry again: {again:?}"
+    );
+    let fail = first.fail("late").await;
+    assert!(
+        matches!(fail, Err(Error::LeaseLost { .. })),
+        "fail after retry: {fail:?}"
+    );
+
+    let second = q
+        .claim(ms(30_000))
+        .await
+        .expect("claim")
+        .expect("the retried job");
+    assert_eq!((second.id(), second.attempts()), (id, 2));
+    let stale = first.retry(ms(0)).await;
+    assert!(
+        matches!(stale, Err(Error::Stale { .. })),
+        "retry after re-claim: {stale:?}"
+    );
+    let stale = first.fail("late").await;
+    assert!(
+        matches!(stale, Err(Error::Stale { .. })),
+        "fail after re-claim: {stale:?}"
+    );
+    assert_eq!(
+        q.job(id).await.expect("job").state,
+        JobState::Active,
+        "the stale settles changed it"
+    );
+
+    second.complete().await.expect("complete");
+    second
+        .complete()
+        .await
+        .expect("complete again, while the done marker is kept");
+    assert_eq!(q.job(id).await.expect("job").state, JobState::Done);
+
+    let q = h
+        .open(Queue::builder("repeats-unkept").keep_done(Duration::ZERO))
+        .await;
+    let id = q.enqueue(b"y").await.expect("enqueue");
+    let c = q.claim(ms(30_000)).await.expect("claim").expect("job");
+    c.complete().await.expect("complete");
+    let again = c.complete().await;
+    assert!(
+        matches!(again, Err(Error::UnknownJob { id: gone, .. }) if gone == id.0),
+        "complete again with keep_done zero: {again:?}"
+    );
+    let c = {
+        q.enqueue(b"z").await.expect("enqueue");
+        q.claim(ms(30_000)).await.expect("claim").expect("job")
+    };
+    let dead = c.id();
+    c.fail("bad").await.expect("fail");
+    assert_eq!(q.job(dead).await.expect("job").state, JobState::Dead);
+    let again = c.fail("bad").await;
+    assert!(
+        matches!(again, Err(Error::LeaseLost { .. })),
+        "fail again: {again:?}"
+    );
+}
+
 /// A retry delay above `MAX_RETRY_DELAY` is refused before any round trip, with nothing
 /// changed; the maximum itself parks the job, and every store reports when it is due.
 async fn retry_delay_is_bounded(h: Harness) {
@@ -1841,6 +1915,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn retry_delay_is_bounded() {
                 super::retry_delay_is_bounded(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn repeated_settles_answer_as_documented() {
+                super::repeated_settles_answer_as_documented(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn unissued_attempt_is_refused() {
