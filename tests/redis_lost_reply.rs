@@ -228,6 +228,30 @@ async fn lost_release_reply(flavor: Flavor) {
     assert_eq!(server.cmd::<i64>(&["EXISTS", k.lock_key()]), 0);
 }
 
+/// A release answered with a number its script never gives: its delete ran, so the reply is
+/// no verdict, neither "released" nor "not held" (which would tell a holder whose release ran
+/// that it had lost the lease). The release is sent again, finds nothing, and answers
+/// `OutcomeUnknown`; the key is gone.
+async fn a_garbled_release_reply_is_no_verdict(flavor: Flavor) {
+    let (server, proxy, locker) = through_proxy(flavor).await;
+    let lease = locker
+        .try_acquire("garbled-rel", &opts())
+        .await
+        .expect("lease");
+    proxy.replace_replies(RELEASED, b"*1\r\n:7\r\n", 1);
+    match lease.release().await {
+        Err(Error::OutcomeUnknown { op, .. }) => assert_eq!(op, "release"),
+        other => panic!("expected OutcomeUnknown, got {other:?}"),
+    }
+    assert_eq!(
+        proxy.dropped.load(Ordering::SeqCst),
+        1,
+        "the reply was replaced"
+    );
+    let k = locker.lock_key("garbled-rel").expect("key");
+    assert_eq!(server.cmd::<i64>(&["EXISTS", k.lock_key()]), 0);
+}
+
 /// Scenario 4: replies slowed to a large part of the TTL. A lease handed out still has validity
 /// left, never more than the server's own TTL; a grant whose reply came after its validity is
 /// refused and released.
@@ -915,6 +939,10 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_garbled_grant_reply_is_asked_again() {
                 super::a_garbled_grant_reply_is_asked_again($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_garbled_release_reply_is_no_verdict() {
+                super::a_garbled_release_reply_is_no_verdict($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_grant_reply_is_resolved() {

@@ -1023,8 +1023,13 @@ async fn cluster_loading(flavor: Flavor) {
     let other = Locker::redis_cluster(&urls).await.expect("connect");
     let give_up = Instant::now() + Duration::from_secs(10);
     let free = loop {
-        // The node takes up its slots a moment after the load.
-        match other.try_acquire("free", &opts(5_000)).await {
+        // The node takes up its slots a moment after the load. A wait shorter than the 5 s TTL:
+        // an acquire of the loop above that landed as the load ended was dropped, and its
+        // background release frees the key at once; a grant left to its TTL would not be.
+        match other
+            .acquire("free", &opts(5_000).wait(Duration::from_secs(2)))
+            .await
+        {
             Ok(free) => break free,
             Err(e) if e.is_transient() && Instant::now() < give_up => {
                 sleep(Duration::from_millis(20)).await;

@@ -219,9 +219,10 @@ pub enum Error {
         reason: &'static str,
     },
     /// The server could not be reached, or answered in a shape leasehold does not understand.
-    /// In the second case the script ran: an acquire is asked again with the same token, as
-    /// after a lost reply ([`Error::OutcomeUnknown`]), so the grant it may have made is not left
-    /// holding the key, and a worker counts a settle answered so as in doubt.
+    /// In the second case the script may have run: an acquire is asked again with the same
+    /// token, as after a lost reply ([`Error::OutcomeUnknown`]), or given back when it waits for
+    /// replicas, so the grant it may have made is not left holding the key; a release is sent
+    /// again; a worker counts a settle answered so as in doubt.
     #[error("backend unavailable: {0}")]
     Unavailable(#[source] redis::RedisError),
     /// The server was reached and answered the command with an error instead of running it:
@@ -247,9 +248,7 @@ pub enum Error {
     /// client's failed slot-map refresh met (a node still `LOADING`, a connection or a login
     /// refused): redis-rs hands that error to every request in flight, including ones a node
     /// already ran.
-    #[error(
-        "outcome of {op} on `{key}` is unknown: no answer came (the connection failed or timed out)"
-    )]
+    #[error("outcome of {op} on `{key}` is unknown: no verdict came back ({source})")]
     OutcomeUnknown {
         /// The operation that was in flight.
         op: &'static str,
@@ -301,12 +300,15 @@ impl Error {
     }
 
     /// Whether the call may have taken effect although it failed: no reply came
-    /// ([`Error::OutcomeUnknown`]), or one came in a shape leasehold cannot read, which means
-    /// the script ran.
+    /// ([`Error::OutcomeUnknown`]), or one came that leasehold cannot read (a shape its script
+    /// never gives, or bytes that do not parse), so the script may well have run.
     pub(crate) fn may_have_landed(&self) -> bool {
         match self {
             Error::OutcomeUnknown { .. } => true,
-            Error::Unavailable(e) => e.kind() == redis::ErrorKind::UnexpectedReturnType,
+            Error::Unavailable(e) => matches!(
+                e.kind(),
+                redis::ErrorKind::UnexpectedReturnType | redis::ErrorKind::Parse
+            ),
             _ => false,
         }
     }
@@ -341,15 +343,23 @@ pub(crate) fn classify(op: &'static str, key: &str, err: redis::RedisError) -> E
 /// As [`classify`], for a request sent on a cluster. redis-rs hands the error of a failed
 /// slot-map refresh to every request in flight, including requests a node already ran (see
 /// `ClusterConn`), and the refusals a refresh meets say nothing of those requests: a node still
-/// `LOADING` (its `PING`), a connection refused, a login refused (reconnecting). Read as
-/// "wrote nothing", they would leave a grant that landed held by no one and a settle that
-/// landed not in doubt, so on a cluster they count as no verdict. A request refused this way
-/// directly was not run; taking it for unknown costs only a token-checked release or a
-/// repeat, which finds it so.
+/// `LOADING` or `BUSY` with a script (its `PING`), a connection refused, a login refused
+/// (reconnecting), a slot map that did not parse. Read as "wrote nothing", they would leave a
+/// grant that landed held by no one and a settle that landed not in doubt, so on a cluster
+/// they count as no verdict. A request refused this way directly was not run; taking it for
+/// unknown costs only a token-checked release or a repeat, which finds it so. Not covered:
+/// `NOPERM` for the refresh's own commands, after the ACL user lost them while connected, stays
+/// a refusal, since a script's own `NOPERM` (a command the user may not run inside it) is one.
 pub(crate) fn classify_cluster(op: &'static str, key: &str, err: redis::RedisError) -> Error {
     let refresh_may_give = err.is_connection_refusal()
-        || err.kind() == redis::ErrorKind::AuthenticationFailed
-        || matches!(err.code(), Some("LOADING" | "WRONGPASS" | "NOAUTH"));
+        || matches!(
+            err.kind(),
+            redis::ErrorKind::AuthenticationFailed | redis::ErrorKind::Parse
+        )
+        || matches!(
+            err.code(),
+            Some("LOADING" | "BUSY" | "WRONGPASS" | "NOAUTH")
+        );
     if refresh_may_give {
         Error::OutcomeUnknown {
             op,
@@ -399,7 +409,17 @@ mod tests {
         let login = || error_reply("WRONGPASS invalid username-password pair or user is disabled.");
         let anonymous = || error_reply("NOAUTH Authentication required.");
         let failed = || redis::RedisError::from((redis::ErrorKind::AuthenticationFailed, "failed"));
-        for e in [loading(), refused(), login(), anonymous(), failed()] {
+        let busy = || error_reply("BUSY Redis is busy running a script.");
+        let unparsed = || redis::RedisError::from((redis::ErrorKind::Parse, "bad slot map"));
+        for e in [
+            loading(),
+            refused(),
+            login(),
+            anonymous(),
+            failed(),
+            busy(),
+            unparsed(),
+        ] {
             let shown = e.to_string();
             assert!(
                 matches!(

@@ -387,7 +387,12 @@ impl<B: Backend + Clone> Lease<B> {
         let held = match first {
             Ok(held) => held,
             // A token-checked delete is safe to repeat; only the second answer can be ambiguous.
-            Err(Error::OutcomeUnknown { source, .. }) => {
+            // So after a reply lost or unreadable (the first delete may have run).
+            Err(e) if e.may_have_landed() => {
+                let source = match e {
+                    Error::OutcomeUnknown { source, .. } | Error::Unavailable(source) => source,
+                    other => return Err(other),
+                };
                 match self.core.backend.release(&self.key, &self.token).await {
                     Ok(true) => true,
                     // The lease is gone, but whether the first delete took it or it had

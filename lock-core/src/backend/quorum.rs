@@ -1047,11 +1047,15 @@ fn pause(max: Duration) -> Duration {
     max / 2 + (max / 2).mul_f64(frac)
 }
 
-/// Whether a member call that failed may still run on the member, or ran: its reply was lost,
-/// late (the connection dropped after sending, or the quorum's own timeout cut it off) or
-/// unreadable.
+/// Whether a member call that failed may still run on the member: its reply was lost or late
+/// (the connection dropped after sending, or the quorum's own timeout cut it off). One answered
+/// unreadable ran already: nothing of it is still to come.
 fn in_doubt(e: &Error) -> bool {
-    e.may_have_landed() || matches!(e, Error::Unavailable(e) if e.is_timeout())
+    match e {
+        Error::OutcomeUnknown { .. } => true,
+        Error::Unavailable(e) => e.is_timeout(),
+        _ => false,
+    }
 }
 
 fn member_error(what: &'static str) -> Error {

@@ -748,7 +748,10 @@ pub(super) mod ops {
             Ok(Value::Array(replies)) if replies.len() == items.len() => items
                 .zip(&replies)
                 .map(|((key, _), reply)| match reply {
-                    Value::Int(n) => Ok(*n == 1),
+                    // Any other number is no verdict: read as "not held", it would tell a
+                    // holder whose release ran that it had lost the lease.
+                    Value::Int(1) => Ok(true),
+                    Value::Int(0) => Ok(false),
                     // Text is the server's refusal of this item's command.
                     Value::BulkString(_) => Err(classify("release", key.key(), refusal(reply))),
                     _ => Err(unexpected("release", reply)),

@@ -1,11 +1,16 @@
-//! A crate that re-exports leasehold and writes `#[locked]` functions for its callers from a
-//! `macro_rules!`, naming the re-export with `crate = $crate::__lh`. `$crate` resolves by its
+//! A crate that re-exports leasehold's parts and writes `#[locked]` functions for its callers
+//! from a `macro_rules!`, naming the re-export with `crate = $crate::__lh`. `$crate` resolves by its
 //! span: this crate's, while the names the caller passes in carry the caller's. The test
 //! `tests/locked_reexport.rs` is such a caller, in another crate.
 
+/// What `#[locked]` reaches through `crate = $crate::__lh`: its own paths (`__private`) and the
+/// attribute itself, as the `leasehold` facade re-exports them.
 #[doc(hidden)]
-pub use leasehold as __lh;
-pub use leasehold::{Error, Locker};
+pub mod __lh {
+    pub use lock_core::*;
+    pub use lock_macros::locked;
+}
+pub use lock_core::{Error, Locker};
 
 /// Defines `async fn $name($locker: Locker) -> $ret`, run under the lease on `$key`, with
 /// the locker and the return type named by the caller, and returning `$value`.
