@@ -245,9 +245,9 @@ pub enum Error {
     /// took effect is unknown. On a cluster also when the client lost its connections while
     /// the command was in flight (redis-rs reports that as "no connection"), when a node did
     /// not answer an explicit extend within a quarter of its TTL, and when the error is one the
-    /// client's failed slot-map refresh met (a node still `LOADING`, a connection or a login
-    /// refused): redis-rs hands that error to every request in flight, including ones a node
-    /// already ran.
+    /// client's failed slot-map refresh may have met (a node still `LOADING` or `BUSY`, a
+    /// connection or a login refused, a reply that did not parse): redis-rs hands that error to
+    /// every request in flight, including ones a node already ran.
     #[error("outcome of {op} on `{key}` is unknown: no verdict came back ({source})")]
     OutcomeUnknown {
         /// The operation that was in flight.
