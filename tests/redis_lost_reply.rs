@@ -34,11 +34,26 @@ async fn through_proxy(flavor: Flavor) -> (Server, Proxy, Locker) {
     (server, proxy, locker)
 }
 
-/// The grant's reply is lost once: the locker asks again with the same token, the script
-/// recognises it, and the caller gets the one grant that happened, with its fence.
-async fn lost_grant_reply_is_resolved(flavor: Flavor) {
+/// How a grant's reply goes wrong on its way back, once.
+#[derive(Clone, Copy, Debug)]
+enum Reply {
+    /// The proxy closes the connection instead of passing it on.
+    Lost,
+    /// It arrives in a shape the script never gives (a faulty proxy, another version of the
+    /// script): the script ran all the same.
+    Garbled,
+}
+
+/// The grant's reply is lost, or comes back garbled, once: the locker asks again with the same
+/// token, the script recognises it, and the caller gets the one grant that happened, with its
+/// fence (not an error while the grant holds the key with nobody to release it).
+async fn a_grant_reply_gone_wrong_is_resolved(flavor: Flavor, reply: Reply) {
     let (server, proxy, locker) = through_proxy(flavor).await;
-    proxy.drop_replies(GRANT, 1);
+    match reply {
+        Reply::Lost => proxy.drop_replies(GRANT, 1),
+        // Status 9: none the script gives. Same length, so the stream stays in step.
+        Reply::Garbled => proxy.replace_replies(GRANT, b"*2\r\n:9\r\n", 1),
+    }
     let lease = locker
         .try_acquire("lost-reply", &opts())
         .await
@@ -46,38 +61,9 @@ async fn lost_grant_reply_is_resolved(flavor: Flavor) {
     assert_eq!(
         proxy.dropped.load(Ordering::SeqCst),
         1,
-        "the reply was lost"
+        "the reply was {reply:?}"
     );
     let k = locker.lock_key("lost-reply").expect("key");
-    let holder: String = server.cmd(&["GET", k.lock_key()]);
-    assert_eq!(holder, lease.token().as_str(), "the lock holds our token");
-    let stored: String = server.cmd(&["GET", k.fence_key()]);
-    assert_eq!(
-        stored.parse::<u64>().expect("fence"),
-        lease.fence().get(),
-        "one grant, one fence: the retry did not advance it again"
-    );
-    lease.release().await.expect("release");
-}
-
-/// The grant's reply comes back in a shape the script never gives (a faulty proxy, another
-/// version of the script): the script ran all the same, so this is treated as a lost reply.
-/// The locker asks again with the same token and the caller gets the one grant that happened,
-/// instead of an error while the grant holds the key with nobody to release it.
-async fn a_garbled_grant_reply_is_asked_again(flavor: Flavor) {
-    let (server, proxy, locker) = through_proxy(flavor).await;
-    // Status 9: none the script gives. Same length, so the stream stays in step.
-    proxy.replace_replies(GRANT, b"*2\r\n:9\r\n", 1);
-    let lease = locker
-        .try_acquire("garbled-reply", &opts())
-        .await
-        .expect("the retry resolves the outcome");
-    assert_eq!(
-        proxy.dropped.load(Ordering::SeqCst),
-        1,
-        "the reply was replaced"
-    );
-    let k = locker.lock_key("garbled-reply").expect("key");
     let holder: String = server.cmd(&["GET", k.lock_key()]);
     assert_eq!(holder, lease.token().as_str(), "the lock holds our token");
     let stored: String = server.cmd(&["GET", k.fence_key()]);
@@ -938,7 +924,7 @@ macro_rules! lost_replies {
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_garbled_grant_reply_is_asked_again() {
-                super::a_garbled_grant_reply_is_asked_again($flavor).await
+                super::a_grant_reply_gone_wrong_is_resolved($flavor, super::Reply::Garbled).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_garbled_release_reply_is_no_verdict() {
@@ -946,7 +932,7 @@ macro_rules! lost_replies {
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_grant_reply_is_resolved() {
-                super::lost_grant_reply_is_resolved($flavor).await
+                super::a_grant_reply_gone_wrong_is_resolved($flavor, super::Reply::Lost).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_retry_after_the_fence_key_went_gets_a_fence() {
