@@ -309,6 +309,43 @@ async fn a_silent_pool_costs_one_ping(flavor: Flavor) {
     );
 }
 
+/// A replicated acquire whose grant reply comes back garbled (a shape the script never gives:
+/// it ran all the same) fails, and its grant is given back at once on its own connection, not
+/// left holding the key until its TTL (10 s).
+async fn a_garbled_grant_reply_is_given_back(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = support::proxy::Proxy::start(server.port).await;
+    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    // The acquire script loaded first, so that the armed fault meets its reply.
+    let warm = locker
+        .try_acquire("warm", &LockOptions::new())
+        .await
+        .expect("warm");
+    warm.release().await.expect("release");
+    // `{1, fence}` with a status the script never gives; same length.
+    proxy.replace_replies(b"*2\r\n:1\r\n", b"*2\r\n:9\r\n", 1);
+    let r = locker.try_acquire("repl", &replicated(500)).await;
+    assert!(
+        matches!(r, Err(Error::Unavailable(_))),
+        "{:?}",
+        r.map(|l| l.fence())
+    );
+    assert_eq!(
+        proxy.dropped.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the reply was replaced"
+    );
+    let k = locker.lock_key("repl").expect("key");
+    let given_back = Instant::now();
+    while server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 1 {
+        assert!(
+            given_back.elapsed() < Duration::from_secs(3),
+            "the grant was left holding the key"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 macro_rules! replicated_suite {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -324,6 +361,10 @@ macro_rules! replicated_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn pooled_connections_are_made_again() {
                 super::pooled_connections_are_made_again($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_garbled_grant_reply_is_given_back() {
+                super::a_garbled_grant_reply_is_given_back($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_silent_pool_costs_one_ping() {
