@@ -1,7 +1,7 @@
 //! A crate that re-exports leasehold's parts and writes `#[locked]` functions for its callers
-//! from a `macro_rules!`, naming the re-export with `crate = $crate::__lh`. `$crate` resolves by its
-//! span: this crate's, while the names the caller passes in carry the caller's. The test
-//! `tests/locked_reexport.rs` is such a caller, in another crate.
+//! from a `macro_rules!`, naming the re-export with `crate = $crate::__lh`. `$crate` resolves
+//! by its span: this crate's, while the names the caller passes in carry the caller's. The
+//! test `tests/locked_reexport.rs` is such a caller, in another crate.
 
 /// What `#[locked]` reaches through `crate = $crate::__lh`: its own paths (`__private`) and the
 /// attribute itself, as the `leasehold` facade re-exports them.
