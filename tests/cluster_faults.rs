@@ -891,7 +891,9 @@ async fn a_renewing_lease_outlives_a_stalled_masters_failover(flavor: Flavor) {
 /// A queue's slot migrated (resharding) while a delayed job is due and a lease has expired: a
 /// queue script reaches job keys it does not declare, so once a job key has moved, a claim or a
 /// reap fails with the server's error. It fails before that job is changed: the job stays in
-/// its set, and is claimed (or reaped) once the move ends.
+/// its set, and is claimed (or reaped) once the move ends. A complete of a job whose key has not
+/// moved yet succeeds: its done marker is the job's key, kept, not deleted and written again (a
+/// key the old owner no longer holds, which the server would refuse mid-script).
 async fn queue_keeps_its_jobs_through_a_moving_slot(flavor: Flavor) {
     use leasehold::queue::Queue;
 
@@ -899,7 +901,7 @@ async fn queue_keeps_its_jobs_through_a_moving_slot(flavor: Flavor) {
     let urls = cluster.urls();
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     let q = Queue::builder("mq").cluster(&urls).await.expect("queue");
-    for payload in ["a", "b", "c", "d"] {
+    for payload in ["a", "b", "c", "d", "e"] {
         q.enqueue(payload).await.expect("enqueue");
     }
     let long = Duration::from_secs(30);
@@ -911,9 +913,10 @@ async fn queue_keeps_its_jobs_through_a_moving_slot(flavor: Flavor) {
         .expect("b");
     let c = q.claim(long).await.expect("claim").expect("c");
     c.fail("dead on purpose").await.expect("fail");
-    let (a_id, b_id) = (a.id(), b.id());
+    let d = q.claim(long).await.expect("claim").expect("d");
+    let (a_id, b_id, d_id) = (a.id(), b.id(), d.id());
     a.retry(Duration::from_millis(1)).await.expect("retry");
-    // Every queue key exists now (d pending, a delayed, b active, c dead): a script whose
+    // Every queue key exists now (e pending, a delayed, b and d active, c dead): a script whose
     // declared keys are all still on the old owner runs there.
     sleep(Duration::from_millis(100)).await;
 
@@ -944,6 +947,9 @@ async fn queue_keeps_its_jobs_through_a_moving_slot(flavor: Flavor) {
         member("active", b_id),
         "the expired job left the active set"
     );
+    // d's key is still on the old owner.
+    d.complete().await.expect("a complete on the old owner");
+    assert!(!member("active", d_id), "the completed job is still active");
 
     migrate_rest(&cluster, &slot, src, dst);
     end_slot_move(&cluster, &slot, dst);
@@ -951,6 +957,13 @@ async fn queue_keeps_its_jobs_through_a_moving_slot(flavor: Flavor) {
     assert_eq!((again.id(), again.payload()), (a_id, &b"a"[..]));
     let reaped = q.reap().await.expect("reap");
     assert_eq!(reaped.iter().map(|r| r.id).collect::<Vec<_>>(), [b_id]);
+    let done = q
+        .job(d_id)
+        .await
+        .expect("the done marker moved with the slot");
+    assert_eq!(done.state, leasehold::queue::JobState::Done);
+    // The claim's repeat still succeeds on its marker.
+    d.complete().await.expect("a repeated complete");
 }
 
 /// An explicit extend whose node does not answer in time may still have landed: it is of
