@@ -238,6 +238,48 @@ async fn a_garbled_release_reply_is_no_verdict(flavor: Flavor) {
     assert_eq!(server.cmd::<i64>(&["EXISTS", k.lock_key()]), 0);
 }
 
+/// A dropped guard's background release whose reply is lost or unreadable is sent again, as
+/// `Lease::release` sends its own: the first may never have reached the server (a connection
+/// dropped before it went out), and nobody else would free the key before its TTL. Both drop
+/// paths: a renewing lease's (the renewal driver releases it) and a plain one's (a task of its
+/// own). The first delete ran here, so the key is gone either way: the count of release calls
+/// tells whether it was sent again.
+async fn a_dropped_lease_release_gone_wrong_is_sent_again(
+    flavor: Flavor,
+    reply: Reply,
+    renew: bool,
+) {
+    let (server, proxy, locker) = through_proxy(flavor).await;
+    let lease = locker
+        .try_acquire("dropped-rel", &opts().renew(renew))
+        .await
+        .expect("lease");
+    let before = script_calls(&server);
+    match reply {
+        Reply::Lost => proxy.drop_replies(RELEASED, 1),
+        Reply::Garbled => proxy.replace_replies(RELEASED, b"*1\r\n:7\r\n", 1),
+    }
+    drop(lease);
+    let give_up = Instant::now() + Duration::from_secs(5);
+    while script_calls(&server) < before + 2 && Instant::now() < give_up {
+        sleep(Duration::from_millis(20)).await;
+    }
+    // Time for a third call, had there been one.
+    sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        proxy.dropped.load(Ordering::SeqCst),
+        1,
+        "the reply was {reply:?}"
+    );
+    assert_eq!(
+        script_calls(&server) - before,
+        2,
+        "the release was not sent again once"
+    );
+    let k = locker.lock_key("dropped-rel").expect("key");
+    assert_eq!(server.cmd::<i64>(&["EXISTS", k.lock_key()]), 0);
+}
+
 /// Scenario 4: replies slowed to a large part of the TTL. A lease handed out still has validity
 /// left, never more than the server's own TTL; a grant whose reply came after its validity is
 /// refused and released.
@@ -929,6 +971,24 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_garbled_release_reply_is_no_verdict() {
                 super::a_garbled_release_reply_is_no_verdict($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_dropped_renewing_lease_release_garbled_is_sent_again() {
+                super::a_dropped_lease_release_gone_wrong_is_sent_again(
+                    $flavor,
+                    super::Reply::Garbled,
+                    true,
+                )
+                .await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_dropped_lease_release_lost_is_sent_again() {
+                super::a_dropped_lease_release_gone_wrong_is_sent_again(
+                    $flavor,
+                    super::Reply::Lost,
+                    false,
+                )
+                .await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn lost_grant_reply_is_resolved() {

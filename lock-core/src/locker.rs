@@ -1021,7 +1021,8 @@ impl<B: Backend + Clone> Locker<B> {
         let backend = self.core.backend.clone();
         let (key, token) = (key.clone(), token.clone());
         runtime.spawn(async move {
-            let _ = backend.release(&key, &token).await;
+            let first = backend.release(&key, &token).await;
+            let _ = crate::renew::release_again_if_in_doubt(&backend, &key, &token, first).await;
         });
     }
 

@@ -489,7 +489,7 @@ impl Dropped {
             token,
             hand_on,
         } = self;
-        let released = match hand_on {
+        let first = match hand_on {
             Some(turn) => {
                 backend
                     .release_in_line(&key, &token, move || drop(turn))
@@ -497,12 +497,31 @@ impl Dropped {
             }
             None => backend.release(&key, &token).await,
         };
-        match released {
+        match release_again_if_in_doubt(backend, &key, &token, first).await {
             Ok(held) => debug!(key = key.key(), held, "dropped lease released"),
             Err(e) => {
                 warn!(key = key.key(), error = %e, "dropped lease not released; it expires with its TTL")
             }
         }
+    }
+}
+
+/// A background release's answer once more, when the first gave none: its delete may never
+/// have reached the server (a connection dropped before it went out), and nobody else will send
+/// it, so the key would stay held for its TTL. A token-checked delete is safe to repeat; the
+/// second answer is the one reported.
+pub(crate) async fn release_again_if_in_doubt<B: Backend>(
+    backend: &B,
+    key: &LockKey,
+    token: &Token,
+    first: crate::error::Result<bool>,
+) -> crate::error::Result<bool> {
+    match first {
+        Err(e) if e.may_have_landed() => {
+            debug!(key = key.key(), error = %e, "background release got no verdict; sending it again");
+            backend.release(key, token).await
+        }
+        other => other,
     }
 }
 
