@@ -542,6 +542,25 @@ async fn loss_cancels_the_body(h: Harness) {
         .expect("nothing left held");
 }
 
+#[locked(key = "blocker", locker = locker, ttl = "100ms", renew = false)]
+async fn blocks_its_thread(locker: &Locker, block: Duration) -> Result<(), Error> {
+    std::thread::sleep(block);
+    Ok(())
+}
+
+/// A body that blocks its thread past its lease's validity gives the loss's timer no chance
+/// to fire before it ends: it still ran past the validity, and the call answers `LeaseLost`,
+/// as for a body the loss cancelled. One that ends in time is its result.
+#[tokio::test(flavor = "current_thread")]
+async fn a_body_that_outlived_its_lease_is_answered_lost() {
+    let locker = Locker::memory();
+    let out = blocks_its_thread(&locker, Duration::from_millis(150)).await;
+    assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+    blocks_its_thread(&locker, Duration::ZERO)
+        .await
+        .expect("a body that ends in time");
+}
+
 /// Without renewal the lease runs out at its TTL, and that too cancels the body.
 async fn expiry_without_renewal_cancels(h: Harness) {
     let locker = h.locker().await;

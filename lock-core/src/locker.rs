@@ -1061,6 +1061,12 @@ impl<B: Backend + Clone> Locker<B> {
             biased;
             _ = lease.lost() => Err(Error::LeaseLost { key: lease.key().to_owned() }),
             out = fut => {
+                // Lost meanwhile, though its `lost()` had not woken yet (its timer fires when the
+                // runtime next reads the clock; a body that blocked its thread finishes first):
+                // the body ran past the lease's validity, and is answered as if cancelled.
+                if lease.is_lost() {
+                    return Err(Error::LeaseLost { key: lease.key().to_owned() });
+                }
                 // The body finished while the lease was, as far as we knew, held: its result
                 // stands, and what the release finds is only worth a warning.
                 match lease.release().await {
@@ -2096,6 +2102,29 @@ mod tests {
             .await
             .expect("still held after with_lock returned");
         assert!(started.elapsed() < ttl, "freed only by its TTL");
+    }
+
+    /// A body that finishes after its lease counted as lost, before the lease's `lost()` woke
+    /// (the body blocked its thread past the alarm, so the timer had no chance to fire), is
+    /// answered `LeaseLost`, as a body cancelled by the loss is: it ran past the validity.
+    #[tokio::test(flavor = "current_thread")]
+    async fn with_lock_answers_a_body_that_outlived_its_lease_lost() {
+        let locker = Locker::memory();
+        let opts = LockOptions::new()
+            .ttl(Duration::from_millis(100))
+            .renew(false);
+        let out = locker
+            .with_lock("k", &opts, |info| async move {
+                std::thread::sleep(info.remaining() + Duration::from_millis(1));
+                info.is_lost()
+            })
+            .await;
+        assert!(matches!(out, Err(Error::LeaseLost { .. })), "{out:?}");
+        // A body that ends in time is its result.
+        let out = locker
+            .with_lock("k", &opts, |info| async move { info.is_lost() })
+            .await;
+        assert!(matches!(out, Ok(false)), "{out:?}");
     }
 
     /// A guard dropped on a thread outside any runtime (a `Drop` in synchronous code) does

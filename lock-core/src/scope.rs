@@ -210,6 +210,10 @@ pub mod __private {
                 biased;
                 _ = lease.lost() => from_lock_error(Error::LeaseLost { key }),
                 out = body => {
+                    // Lost meanwhile, though its `lost()` had not woken yet: as `with_lock`.
+                    if lease.is_lost() {
+                        return from_lock_error(Error::LeaseLost { key });
+                    }
                     // The body finished while the lease was, as far as we knew, held: its result
                     // stands. A release that finds the lease gone is only worth a warning.
                     match lease.release().await {
