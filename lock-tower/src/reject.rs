@@ -466,7 +466,18 @@ impl Rejections {
         };
         tracing::debug!(reason = ?reason, status = rejection.status.as_u16(), detail = %rejection.detail, "rejected");
         match &self.responder {
-            Some(f) => f(&rejection),
+            Some(f) => {
+                let mut res = f(&rejection);
+                // Senders' retries and a `DedupeLayer` outside (which stores a 4xx without it as
+                // the request's final answer) count on it, whatever body the responder chose.
+                if let Some(after) = rejection.retry_after
+                    && !res.headers().contains_key(RETRY_AFTER)
+                {
+                    res.headers_mut()
+                        .insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(after)));
+                }
+                res
+            }
             None => rejection.problem_response(),
         }
     }
@@ -496,6 +507,33 @@ mod tests {
         assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(res.headers()[RETRY_AFTER], "2");
         assert_eq!(res.headers()[CONTENT_TYPE], "application/problem+json");
+    }
+
+    #[test]
+    fn a_responder_keeps_retry_after() {
+        let mut r = Rejections::default();
+        r.set_responder(|rej| {
+            let mut res = Response::new(Full::new(Bytes::from_static(b"{}")));
+            *res.status_mut() = rej.status();
+            res
+        });
+        let res = r.respond(Reason::Busy, Some(Duration::from_millis(2_500)), "x");
+        assert_eq!(res.headers()[RETRY_AFTER], "3");
+        assert!(
+            !r.respond(Reason::MissingKey, None, "x")
+                .headers()
+                .contains_key(RETRY_AFTER)
+        );
+        // One the responder sets is its own.
+        r.set_responder(|rej| {
+            let mut res = Response::new(Full::new(Bytes::new()));
+            *res.status_mut() = rej.status();
+            res.headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from_static("60"));
+            res
+        });
+        let res = r.respond(Reason::Busy, Some(Duration::from_secs(2)), "x");
+        assert_eq!(res.headers()[RETRY_AFTER], "60");
     }
 
     #[test]

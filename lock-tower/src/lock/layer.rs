@@ -395,6 +395,11 @@ impl LockLayer {
 
     /// Build rejection responses with `f` instead of the default problem+json body.
     ///
+    /// A rejection that says when to come back ([`Rejection::retry_after`]) gets its
+    /// `Retry-After` header even where `f` leaves it out: senders' retries count on it, and so
+    /// does a `DedupeLayer` outside, which would otherwise store the refusal as the request's
+    /// answer. A `Retry-After` that `f` sets is kept.
+    ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};
     /// use lock_tower::{KeyExtractor, LockLayer};
