@@ -1033,8 +1033,10 @@ impl<B: Backend + Clone> Locker<B> {
     /// process measures it. A lease taken away on the server (its key deleted from outside, a
     /// failover that lost it) is noticed at the next renewal, up to about a third of the TTL
     /// later, so writes the body makes elsewhere should carry the fence ([`FenceGate`]). A body
-    /// that finished is its result, whatever the release then finds; a release that finds the
-    /// lease gone, or fails, is logged at `warn`.
+    /// that ends after the lease counted as lost (one that blocked its thread past that point,
+    /// where nothing could cancel it) is answered `LeaseLost` too, its result dropped. A body
+    /// that finished in time is its result, whatever the release then finds; a release that
+    /// finds the lease gone, or fails, is logged at `warn`.
     ///
     /// ```
     /// use lock_core::{Locker, LockOptions};
