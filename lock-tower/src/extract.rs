@@ -18,6 +18,49 @@ pub(crate) struct Held {
     pub(crate) info: LeaseInfo,
 }
 
+/// The one extension both layers write, so that stacked layers agree on the lease a handler
+/// sees: a `LockLayer`'s decision (its lease, or none) stands over a `DedupeLayer`'s claim,
+/// whichever layer is outside. The claim guards a delivery id, not the resource the lock
+/// names; its fence, handed to that resource's gate, would outrank the lock holders' own.
+#[derive(Clone, Debug)]
+enum Slot {
+    /// A `LockLayer` holds a lease for the request.
+    Lock(Held),
+    /// A `LockLayer` let the request through without one (a method it skips, no key under
+    /// `pass_through_without_key`): the handler runs unlocked.
+    Unlocked,
+    /// A `DedupeLayer`'s claim, where no `LockLayer` decided.
+    Claim(Held),
+}
+
+/// A `LockLayer` holds `held` for the request: it is the handler's, over anything outside.
+pub(crate) fn lock_held(ext: &mut http::Extensions, held: Held) {
+    ext.insert(Slot::Lock(held));
+}
+
+/// A `LockLayer` let the request through without a lease. An outer `LockLayer`'s lease still
+/// holds and stays the handler's; an outer `DedupeLayer`'s claim is no lock, and goes.
+pub(crate) fn lock_passed(ext: &mut http::Extensions) {
+    if !matches!(ext.get::<Slot>(), Some(Slot::Lock(_))) {
+        ext.insert(Slot::Unlocked);
+    }
+}
+
+/// A `DedupeLayer` claimed the request's delivery: the handler's lease unless a `LockLayer`
+/// outside already decided.
+pub(crate) fn claim_held(ext: &mut http::Extensions, held: Held) {
+    if matches!(ext.get::<Slot>(), None | Some(Slot::Claim(_))) {
+        ext.insert(Slot::Claim(held));
+    }
+}
+
+fn held(ext: &http::Extensions) -> Option<&Held> {
+    match ext.get::<Slot>()? {
+        Slot::Lock(h) | Slot::Claim(h) => Some(h),
+        Slot::Unlocked => None,
+    }
+}
+
 /// The fence of the lease that [`LockLayer`](crate::LockLayer) or
 /// [`DedupeLayer`](crate::DedupeLayer) took for this request, as an axum extractor.
 ///
@@ -25,6 +68,12 @@ pub(crate) struct Held {
 /// grant (see [`lock_core::FenceGate`]). Use `Option<Fence>` on handlers that may run without a
 /// layer; a plain `Fence` on a route without one is answered with
 /// [`MissingLease`] (500), as axum's `Extension` does for a missing extension.
+///
+/// Where both layers run on a request, in either order, the `LockLayer` decides: its lease's
+/// fence, or none when it let the request through without one (a method it skips, no key
+/// under `pass_through_without_key`). A `DedupeLayer`'s claim guards a delivery id, not the
+/// resource the lock names, and never stands in for the lock. Of two `LockLayer`s the inner
+/// one's lease is the handler's, and an outer one's stays when the inner lets the request by.
 ///
 /// ```
 /// use axum::{Router, routing::post};
@@ -133,9 +182,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Fence {
     type Rejection = MissingLease;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts
-            .extensions
-            .get::<Held>()
+        held(&parts.extensions)
             .map(|h| Fence(h.fence))
             .ok_or(MissingLease { extractor: "Fence" })
     }
@@ -148,7 +195,7 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for Fence {
         parts: &mut Parts,
         _state: &S,
     ) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts.extensions.get::<Held>().map(|h| Fence(h.fence)))
+        Ok(held(&parts.extensions).map(|h| Fence(h.fence)))
     }
 }
 
@@ -156,9 +203,7 @@ impl<S: Send + Sync> FromRequestParts<S> for HeldLease {
     type Rejection = MissingLease;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts
-            .extensions
-            .get::<Held>()
+        held(&parts.extensions)
             .map(|h| HeldLease(h.info.clone()))
             .ok_or(MissingLease {
                 extractor: "HeldLease",
@@ -173,10 +218,7 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for HeldLease {
         parts: &mut Parts,
         _state: &S,
     ) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts
-            .extensions
-            .get::<Held>()
-            .map(|h| HeldLease(h.info.clone())))
+        Ok(held(&parts.extensions).map(|h| HeldLease(h.info.clone())))
     }
 }
 
@@ -210,6 +252,6 @@ impl Fence {
     /// # Ok(()) }
     /// ```
     pub fn from_extensions(ext: &http::Extensions) -> Option<Fence> {
-        ext.get::<Held>().map(|h| Fence(h.fence))
+        held(ext).map(|h| Fence(h.fence))
     }
 }

@@ -16,7 +16,7 @@ use axum::routing::{any, post};
 use bytes::Bytes;
 use common::{Drip, Harness, Reply, claim_name, eventually, send, serve};
 use http::{HeaderName, Method, Response, StatusCode};
-use lock_tower::{DedupeLayer, Fence, KeyExtractor, LockLayer, Reason};
+use lock_tower::{DedupeLayer, Fence, HeldLease, KeyExtractor, LockLayer, Reason};
 
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -62,6 +62,7 @@ on_every_backend!(
     an_unkeyed_request_is_answered_unread,
     a_body_that_lingers_past_its_length_is_stored,
     two_layers_on_one_locker_share_results,
+    stacked_layers_agree_on_the_lease,
 );
 
 /// A webhook endpoint that counts its runs and answers something unique per run.
@@ -467,6 +468,57 @@ async fn a_conflict_that_says_when_to_retry_is_not_stored(h: Harness) {
         (again.status, again.header("idempotent-replayed")),
         (StatusCode::CONFLICT, Some("true"))
     );
+}
+
+/// A `DedupeLayer` and a `LockLayer` on one route, in either order: the handler's lease is the
+/// `LockLayer`'s, or none where it let the request through without one. The delivery's claim
+/// never stands in for the lock: its fence, handed to the account's gate, would outrank the
+/// account's lock holders.
+async fn stacked_layers_agree_on_the_lease(h: Harness) {
+    let locker = h.locker().await;
+    let whose = |lease: Option<HeldLease>, fence: Option<Fence>| async move {
+        assert_eq!(lease.as_ref().map(|l| l.0.fence()), fence.map(|f| f.0));
+        lease.map_or_else(|| "none".to_owned(), |l| l.0.key().to_owned())
+    };
+    let dedupe = || DedupeLayer::new(locker.clone()).key(KeyExtractor::webhook_id());
+    let account = || {
+        LockLayer::new(
+            locker.clone(),
+            KeyExtractor::header(HeaderName::from_static("x-account")),
+        )
+        .pass_through_without_key()
+    };
+    // The lock outside, the dedupe inside.
+    let lock_outside = Router::new()
+        .route("/accounts/{id}/hooks", post(whose).layer(dedupe()))
+        .route_layer(LockLayer::new(
+            locker.clone(),
+            KeyExtractor::route_param("id"),
+        ))
+        .route("/unlocked", post(whose).layer(dedupe()))
+        .route_layer(account());
+    // The dedupe outside, the lock inside.
+    let dedupe_outside = Router::new()
+        .route("/hooks", post(whose))
+        .route_layer(account())
+        .layer(dedupe());
+    for (app, path, account, expected) in [
+        (lock_outside.clone(), "/accounts/7/hooks", None, "7"),
+        (lock_outside, "/unlocked", None, "none"),
+        (dedupe_outside.clone(), "/hooks", Some("9"), "9"),
+        (dedupe_outside, "/hooks", None, "none"),
+    ] {
+        let addr = serve(app).await;
+        let id = format!("msg_{path}_{account:?}");
+        let mut headers = vec![("webhook-id", id.as_str())];
+        headers.extend(account.map(|a| ("x-account", a)));
+        let res = send(addr, Method::POST, path, &headers, "{}").await;
+        assert_eq!(
+            (res.status, res.text().as_str()),
+            (StatusCode::OK, expected),
+            "{path}, account {account:?}"
+        );
+    }
 }
 
 /// A 408 (a timeout layer inside this one answering for a handler it cut off) asks the sender

@@ -14,7 +14,7 @@ use tracing::Instrument;
 use super::layer::DedupeConfig;
 use super::store::{Record, Store, StoreError};
 use crate::body::{BoxError, LeaseLostWhileStreaming, LockBody};
-use crate::extract::Held;
+use crate::extract::{Held, claim_held};
 use crate::future::ResponseFuture;
 use crate::key::KeyProblem;
 use crate::lock::service::{declared_len, refuse, release};
@@ -306,10 +306,13 @@ where
     }
     tracing::Span::current().record("fence", claim.fence().0);
     let info = claim.info();
-    parts.extensions.insert(Held {
-        fence: claim.fence(),
-        info: info.clone(),
-    });
+    claim_held(
+        &mut parts.extensions,
+        Held {
+            fence: claim.fence(),
+            info: info.clone(),
+        },
+    );
     let handler = inner.call(Request::from_parts(parts, Either::Right(Full::new(bytes))));
     let res = tokio::select! {
         biased;

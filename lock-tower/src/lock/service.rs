@@ -12,7 +12,7 @@ use tracing::Instrument;
 
 use super::layer::LockConfig;
 use crate::body::{BoxError, LockBody};
-use crate::extract::Held;
+use crate::extract::{Held, lock_held, lock_passed};
 use crate::future::ResponseFuture;
 use crate::key::{Key, KeyProblem};
 use crate::reject::Reason;
@@ -113,6 +113,7 @@ where
         match cfg.method_filter(&parts.method) {
             MethodFilter::Applies => {}
             MethodFilter::Skips => {
+                lock_passed(&mut parts.extensions);
                 let res = inner
                     .call(Request::from_parts(parts, Either::Left(body)))
                     .await?;
@@ -154,6 +155,7 @@ where
                     Ok(k) => (body, Key::Owned(format!("{}{}", cfg.prefix, k.as_str()))),
                     Err(p) if p.reason == Reason::MissingKey && cfg.pass_unkeyed => {
                         tracing::debug!(why = %p.detail, "no key; passing through unlocked");
+                        lock_passed(&mut parts.extensions);
                         let res = inner.call(Request::from_parts(parts, body)).await?;
                         return Ok(res.map(LockBody::pass));
                     }
@@ -183,10 +185,13 @@ where
             }
         };
         span.record("fence", lease.fence().0);
-        parts.extensions.insert(Held {
-            fence: lease.fence(),
-            info: lease.info(),
-        });
+        lock_held(
+            &mut parts.extensions,
+            Held {
+                fence: lease.fence(),
+                info: lease.info(),
+            },
+        );
         let res = {
             let mut handler = std::pin::pin!(inner.call(Request::from_parts(parts, body)));
             // Most handlers answer on their first poll. Waiting on the loss signal registers a
