@@ -1650,10 +1650,11 @@ async fn no_attempt_limit_with_zero(h: Harness) {
     }
 }
 
-/// Waiters wake when a retry or a reap returns a job to pending, not only on enqueue.
+/// Waiters wake when a retry or a reap returns a job to pending, not only on enqueue, and when
+/// a retry delays a job (to look again and sleep until it is due).
 async fn claim_wait_wakes_on_retry_and_reap(h: Harness) {
     let q = h.open(Queue::builder("rewake")).await;
-    for how in ["retry", "reap"] {
+    for how in ["retry", "delayed retry", "reap"] {
         let id = q.enqueue(how.as_bytes()).await.expect("enqueue");
         let held = q
             .claim(if how == "reap" { ms(100) } else { ms(5_000) })
@@ -1674,6 +1675,10 @@ async fn claim_wait_wakes_on_retry_and_reap(h: Harness) {
             q.retry(id, held.attempts(), Duration::ZERO)
                 .await
                 .expect("retry");
+        } else if how == "delayed retry" {
+            // The waiter last looked when nothing was delayed: woken now, it looks again and
+            // sleeps until the job is due.
+            q.retry(id, held.attempts(), ms(50)).await.expect("retry");
         } else {
             assert_eq!(q.reap().await.expect("reap").len(), 1);
         }

@@ -21,6 +21,9 @@ local delay = tonumber(ARGV[5])
 if delay > 0 then
   redis.call('HSET', jk, 'state', 'delayed')
   redis.call('ZADD', KEYS[3], now + delay, id)
+  -- Waiting claimers sleep until the next delayed job they saw is due: this one may be due
+  -- sooner.
+  wake('delayed')
   return {1, 'delayed', now + delay}
 end
 redis.call('HSET', jk, 'state', 'pending')

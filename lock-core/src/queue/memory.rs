@@ -355,6 +355,9 @@ impl MemoryQueue {
                         job.state = JobState::Delayed;
                         job.at_ms = Some(ready);
                         st.delayed.insert((ready, ByText(id)));
+                        // Waiting claimers sleep until the next delayed job they saw is due:
+                        // this one may be due sooner.
+                        woke = true;
                     } else {
                         job.state = JobState::Pending;
                         job.at_ms = None;

@@ -956,8 +956,9 @@ impl Queue {
     /// # Ok(()) }
     /// ```
     ///
-    /// Waiters wake on enqueue (and on retries and reaps that return jobs to pending), and
-    /// otherwise when the next delayed job is due or after [`CLAIM_POLL_FALLBACK`].
+    /// Waiters wake on enqueue (and on retries and reaps that return jobs to pending), on a
+    /// retry that delays a job (to look again), and otherwise when the next delayed job is due
+    /// or after [`CLAIM_POLL_FALLBACK`].
     pub async fn claim_wait(&self, ttl: Duration, wait: Duration) -> Result<Option<Claim>> {
         validate_ttl(ttl)?;
         let give_up = crate::types::deadline_after(Instant::now(), wait);
