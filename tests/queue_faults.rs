@@ -790,6 +790,46 @@ async fn slow_link_keeps_the_lease(flavor: Flavor) {
     worker.shutdown(Duration::from_secs(5)).await;
 }
 
+/// A claim whose reply arrives after its lease ran out (round trips slower than the TTL) is not
+/// handed out: the caller is told `LeaseLost`, and the job is back in pending at once, its
+/// attempt counted and the reason noted, not left active until a reaper finds it.
+async fn a_late_claim_is_given_back(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let q = Queue::redis(&proxy.url(), "late").await.expect("connect");
+    // The claim, retry and complete scripts loaded first, as in `slow_link_keeps_the_lease`.
+    q.enqueue(b"warm").await.expect("enqueue");
+    let warm = q.claim(ms(900)).await.expect("claim").expect("job");
+    warm.retry(Duration::ZERO).await.expect("retry");
+    let warm = q.claim(ms(900)).await.expect("claim").expect("job");
+    warm.complete().await.expect("complete");
+    let id = q.enqueue(b"job").await.expect("enqueue");
+    proxy.set_latency(ms(150));
+    let late = q.claim(ms(200)).await;
+    assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+    let give_up = Instant::now() + Duration::from_secs(5);
+    let info = loop {
+        let info = q.job(id).await.expect("job");
+        if info.state != JobState::Active || Instant::now() >= give_up {
+            break info;
+        }
+        sleep(ms(20)).await;
+    };
+    assert_eq!(
+        (info.state, info.attempts),
+        (JobState::Pending, 1),
+        "{info:?}"
+    );
+    assert_eq!(
+        info.error.as_deref(),
+        Some("the claim's reply arrived after its lease ran out")
+    );
+    proxy.set_latency(Duration::ZERO);
+    let again = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    assert_eq!((again.id(), again.attempts()), (id, 2));
+    again.complete().await.expect("complete");
+}
+
 /// How the reply of a settle that ran goes wrong on its way back.
 #[derive(Clone, Copy, Debug)]
 enum Reply {
@@ -1210,6 +1250,10 @@ macro_rules! faults {
                     .await
             }
             #[tokio::test]
+            async fn a_late_claim_is_given_back() {
+                super::a_late_claim_is_given_back($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_settle_whose_reply_was_garbled_is_in_doubt() {
                 super::a_settle_whose_reply_went_wrong_is_in_doubt($flavor, super::Reply::Garbled)
                     .await

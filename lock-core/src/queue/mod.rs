@@ -98,7 +98,7 @@ use tracing::{debug, instrument};
 use crate::backend::{ClusterBackend, RedisBackend};
 use crate::error::{Error, Result};
 use crate::locker::DEFAULT_PREFIX;
-use crate::types::{Fence, Token, drift, validate_key, validate_scope, validate_ttl};
+use crate::types::{Fence, Token, drift, validate_key, validate_scope, validate_ttl, warn_ahead};
 use crate::wake::Watch;
 
 pub use worker::{Job, JobError, MAX_CONCURRENCY, Worker, WorkerHandle, WorkerReport};
@@ -910,6 +910,10 @@ impl Queue {
     /// store's clock plus `ttl`. The lease is not renewed: call [`Claim::extend`] for long
     /// work, or run jobs through a [`Worker`], which does. A claim whose reply is lost in
     /// transit ([`Error::OutcomeUnknown`]) leaves the job active until the reaper returns it.
+    /// A claim whose reply arrives after its validity (ttl less drift, counted from before the
+    /// request), or so near its end that no work fits, is given back at once (to pending, or to
+    /// the dead set on its last attempt, its attempt counted, as the reaper would) and reported
+    /// as [`Error::LeaseLost`]: a claim is never handed out already expired.
     ///
     /// On Redis / Valkey, a job whose key was overwritten with another type (by someone else)
     /// is not claimed: its id is set aside in the dead set, its key left untouched, with a
@@ -984,8 +988,7 @@ impl Queue {
                     deadline_ms,
                     payload,
                 } => {
-                    debug!(id, attempts, "claimed");
-                    return Ok(Ok(Claim {
+                    let claim = Claim {
                         queue: self.clone(),
                         id: JobId(id),
                         holder,
@@ -993,7 +996,27 @@ impl Queue {
                         deadline_ms,
                         local_deadline: start + ttl - drift(ttl),
                         payload,
-                    }));
+                    };
+                    if claim.local_deadline <= Instant::now() + warn_ahead(ttl) {
+                        // The reply took the lease's validity, or nearly: the job may be reaped
+                        // and claimed again already, and run here it would run unprotected.
+                        // Given back now rather than when the reaper finds it, its attempt
+                        // counted, as the reaper counts a holder's that crashed.
+                        debug!(
+                            id,
+                            attempts, "claim arrived after its validity; giving it back"
+                        );
+                        let key = self.job_name(claim.id);
+                        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                            runtime.spawn(async move {
+                                let why = "the claim's reply arrived after its lease ran out";
+                                let _ = claim.retry_because(Duration::ZERO, why).await;
+                            });
+                        }
+                        return Err(Error::LeaseLost { key });
+                    }
+                    debug!(id, attempts, "claimed");
+                    return Ok(Ok(claim));
                 }
                 ClaimReply::Empty { next_due } => return Ok(Err(next_due)),
                 ClaimReply::SetAside => {}
