@@ -790,27 +790,29 @@ async fn slow_link_keeps_the_lease(flavor: Flavor) {
     worker.shutdown(Duration::from_secs(5)).await;
 }
 
-/// A claim whose reply arrives after its lease ran out (round trips slower than the TTL) is not
-/// handed out: the caller is told `LeaseLost`, and the job is back in pending at once, its
-/// attempt counted and the reason noted, not left active until a reaper finds it.
-async fn a_late_claim_is_given_back(flavor: Flavor) {
+/// A queue through a proxy, whose claim, retry and complete scripts are loaded (as in
+/// `slow_link_keeps_the_lease`), and one job enqueued.
+async fn warm_queue_through_proxy(flavor: Flavor, name: &str) -> (Server, Proxy, Queue, JobId) {
     let server = Server::start(flavor);
     let proxy = Proxy::start(server.port).await;
-    let q = Queue::redis(&proxy.url(), "late").await.expect("connect");
-    // The claim, retry and complete scripts loaded first, as in `slow_link_keeps_the_lease`.
+    let q = Queue::redis(&proxy.url(), name).await.expect("connect");
     q.enqueue(b"warm").await.expect("enqueue");
     let warm = q.claim(ms(900)).await.expect("claim").expect("job");
     warm.retry(Duration::ZERO).await.expect("retry");
     let warm = q.claim(ms(900)).await.expect("claim").expect("job");
     warm.complete().await.expect("complete");
     let id = q.enqueue(b"job").await.expect("enqueue");
-    proxy.set_latency(ms(150));
-    let late = q.claim(ms(200)).await;
-    assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+    (server, proxy, q, id)
+}
+
+/// Job `id`, claimed once for nobody, is back in pending within seconds (not left active
+/// until a reaper finds it), its attempt counted and `why` noted; the next claim gets it.
+async fn given_back(q: &Queue, proxy: &Proxy, id: JobId, why: &str) {
     let give_up = Instant::now() + Duration::from_secs(5);
     let info = loop {
         let info = q.job(id).await.expect("job");
-        if info.state != JobState::Active || Instant::now() >= give_up {
+        let settled = info.attempts >= 1 && info.state != JobState::Active;
+        if settled || Instant::now() >= give_up {
             break info;
         }
         sleep(ms(20)).await;
@@ -820,14 +822,33 @@ async fn a_late_claim_is_given_back(flavor: Flavor) {
         (JobState::Pending, 1),
         "{info:?}"
     );
-    assert_eq!(
-        info.error.as_deref(),
-        Some("the claim's reply arrived after its lease ran out")
-    );
+    assert_eq!(info.error.as_deref(), Some(why));
     proxy.set_latency(Duration::ZERO);
     let again = q.claim(ms(5_000)).await.expect("claim").expect("job");
     assert_eq!((again.id(), again.attempts()), (id, 2));
     again.complete().await.expect("complete");
+}
+
+/// A claim whose reply arrives after its lease ran out (round trips slower than the TTL) is not
+/// handed out: the caller is told `LeaseLost`, and the job is given back at once.
+async fn a_late_claim_is_given_back(flavor: Flavor) {
+    let (_server, proxy, q, id) = warm_queue_through_proxy(flavor, "late").await;
+    proxy.set_latency(ms(150));
+    let late = q.claim(ms(200)).await;
+    assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+    let why = "the claim's reply arrived after its lease ran out";
+    given_back(&q, &proxy, id, why).await;
+}
+
+/// A claim whose caller leaves before it is answered (a timeout around it): the job it was
+/// granted is given back at once, not left active for its 60 s lease.
+async fn an_abandoned_claim_is_given_back(flavor: Flavor) {
+    let (_server, proxy, q, id) = warm_queue_through_proxy(flavor, "abandoned").await;
+    proxy.set_latency(ms(100));
+    let cut = tokio::time::timeout(ms(50), q.claim(ms(60_000))).await;
+    assert!(cut.is_err(), "answered in 50 ms through 200 ms round trips");
+    let why = "its claimer left before the claim was answered";
+    given_back(&q, &proxy, id, why).await;
 }
 
 /// How the reply of a settle that ran goes wrong on its way back.
@@ -1252,6 +1273,10 @@ macro_rules! faults {
             #[tokio::test]
             async fn a_late_claim_is_given_back() {
                 super::a_late_claim_is_given_back($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_abandoned_claim_is_given_back() {
+                super::an_abandoned_claim_is_given_back($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_settle_whose_reply_was_garbled_is_in_doubt() {

@@ -93,7 +93,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, instrument};
+use tracing::{Instrument, debug, instrument, warn};
 
 use crate::backend::{ClusterBackend, RedisBackend};
 use crate::error::{Error, Result};
@@ -913,7 +913,9 @@ impl Queue {
     /// A claim whose reply arrives after its validity (ttl less drift, counted from before the
     /// request), or so near its end that no work fits, is given back at once (to pending, or to
     /// the dead set on its last attempt, its attempt counted, as the reaper would) and reported
-    /// as [`Error::LeaseLost`]: a claim is never handed out already expired.
+    /// as [`Error::LeaseLost`]: a claim is never handed out already expired. A claim whose
+    /// caller stops waiting for it (a timeout or a `select!` around the call) is given back
+    /// the same way once it is answered, not left active for its whole lease.
     ///
     /// On Redis / Valkey, a job whose key was overwritten with another type (by someone else)
     /// is not claimed: its id is set aside in the dead set, its key left untouched, with a
@@ -981,7 +983,7 @@ impl Queue {
         let holder = Token::generate();
         loop {
             let start = Instant::now();
-            match store!(self, s => s.claim(ms(ttl), holder.as_str()).await)? {
+            match self.claim_request(ttl, &holder).await? {
                 ClaimReply::Claimed {
                     id,
                     attempts,
@@ -1022,6 +1024,55 @@ impl Queue {
                 ClaimReply::SetAside => {}
             }
         }
+    }
+
+    /// One claim request. On Redis / Valkey it runs on a task of its own, which a caller who
+    /// leaves mid-way (a timeout or a `select!` around the claim) cannot cut short: a job
+    /// claimed for nobody goes back to pending at once (its attempt counted, as the reaper
+    /// would count it) instead of staying active for its whole lease. The memory store answers
+    /// on the first poll, so nothing is left in flight there.
+    async fn claim_request(&self, ttl: Duration, holder: &Token) -> Result<ClaimReply> {
+        let redis = match &self.inner.store {
+            Store::Memory(s) => return s.claim(ms(ttl), holder.as_str()).await,
+            Store::Redis(s) => s,
+        };
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let (queue, holder) = (self.clone(), holder.clone());
+        let exchange = async move {
+            if answer.is_closed() {
+                return;
+            }
+            let reply = store!(queue, s => s.claim(ms(ttl), holder.as_str()).await);
+            if let Err(Ok(ClaimReply::Claimed {
+                id,
+                attempts,
+                deadline_ms,
+                payload,
+            })) = answer.send(reply)
+            {
+                debug!(
+                    id,
+                    attempts, "claimed for a caller who left; giving it back"
+                );
+                let claim = Claim {
+                    queue,
+                    id: JobId(id),
+                    holder,
+                    attempts,
+                    deadline_ms,
+                    local_deadline: Instant::now(),
+                    payload,
+                };
+                let why = "its claimer left before the claim was answered";
+                if let Err(e) = claim.retry_because(Duration::ZERO, why).await {
+                    warn!(id, attempts, error = %e, "a job claimed for nobody was not given back; the reaper returns it");
+                }
+            }
+        };
+        tokio::spawn(exchange.instrument(tracing::Span::current()));
+        answered
+            .await
+            .unwrap_or_else(|_| Err(redis.unanswered("claim")))
     }
 
     /// The waiting claim shared by [`Queue::claim_wait`] and the worker. `stop` ends the wait

@@ -158,6 +158,18 @@ impl RedisQueue {
         }
     }
 
+    /// The error of a call whose task ended before it answered (its runtime shut down): it may
+    /// have run.
+    pub(crate) fn unanswered(&self, op: &'static str) -> Error {
+        Error::OutcomeUnknown {
+            op,
+            key: self.tag.clone(),
+            source: ::redis::RedisError::from(std::io::Error::other(
+                "the call was dropped unanswered",
+            )),
+        }
+    }
+
     async fn run(
         &self,
         op: &'static str,
