@@ -1995,6 +1995,80 @@ mod tests {
         forward_to_memory!();
     }
 
+    /// Renewals never answer (a batch still in flight when its runtime shuts down); explicit
+    /// extends do.
+    #[derive(Clone)]
+    struct Hanging {
+        inner: MemoryBackend,
+    }
+
+    impl Backend for Hanging {
+        fn acquire(
+            &self,
+            key: &LockKey,
+            token: &Token,
+            ttl: Duration,
+        ) -> impl Future<Output = Result<AcquireReply>> + Send {
+            self.inner.acquire(key, token, ttl)
+        }
+        fn release(
+            &self,
+            key: &LockKey,
+            token: &Token,
+        ) -> impl Future<Output = Result<bool>> + Send {
+            self.inner.release(key, token)
+        }
+        fn extend(
+            &self,
+            leases: &[(LockKey, Token)],
+            ttl: Duration,
+        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+            self.inner.extend(leases, ttl)
+        }
+        async fn extend_each(
+            &self,
+            _leases: &[(LockKey, Token)],
+            _ttl: Duration,
+        ) -> Result<Vec<Option<bool>>> {
+            std::future::pending().await
+        }
+        forward_to_memory!();
+    }
+
+    /// A renewal in flight when the driver's runtime shuts down is settled as of unknown
+    /// outcome, not left travelling for ever: an explicit extend on the next runtime then moves
+    /// the lease's deadline to its own TTL, where it was capped at the deadline the cut-off
+    /// renewal would have set.
+    #[test]
+    fn a_renewal_cut_off_with_its_runtime_does_not_cap_later_extends() {
+        let runtime = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+        };
+        let locker = Locker::new(Hanging {
+            inner: MemoryBackend::new(),
+        });
+        let first = runtime();
+        let lease = first.block_on(async {
+            let opts = LockOptions::new().ttl(Duration::from_millis(300));
+            let lease = locker.try_acquire("k", &opts).await.expect("grant");
+            // The first renewal goes out a third of the TTL in, and hangs.
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            lease
+        });
+        drop(first);
+        runtime().block_on(async {
+            lease.extend(Duration::from_secs(10)).await.expect("extend");
+            let left = lease.remaining();
+            assert!(
+                left > Duration::from_secs(5),
+                "{left:?} left after the extend"
+            );
+        });
+    }
+
     /// `with_lock` returns the body's result once it finished, whatever the release then
     /// finds, and says at `warn` when that was not a clean release: the key deleted from outside
     /// while the body ran (noticed by no renewal yet), or a release the backend refused.

@@ -682,7 +682,23 @@ fn batch_window(ttl: Duration) -> Duration {
 }
 
 /// The leases of one batch: their ids and what the backend needs to renew them.
-type Batch = (Vec<u64>, Vec<(LockKey, Token)>);
+type Batch = (Vec<u64>, Vec<(LockKey, Token)>, Vec<Arc<LeaseState>>);
+
+/// The leases of a renewal batch in flight, settled as of unknown outcome if the batch is
+/// dropped unanswered (the driver's runtime shut down): a renewal counted as travelling for
+/// ever would cap every later extend of its lease at the deadline it would have set.
+struct Unsettled {
+    states: Vec<Arc<LeaseState>>,
+    deadline: Instant,
+}
+
+impl Drop for Unsettled {
+    fn drop(&mut self) {
+        for state in &self.states {
+            state.renewal_unknown(self.deadline);
+        }
+    }
+}
 
 type BatchResult = (
     Instant,
@@ -878,6 +894,7 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
             let slot = due.entry(ttl).or_default();
             slot.0.push(id);
             slot.1.push((e.key.clone(), e.token.clone()));
+            slot.2.push(e.state.clone());
             Some(e.ttl)
         };
         // The leases due, and those due within the batch window of them.
@@ -922,11 +939,17 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
         for (id, ttl) in deferred.drain(..) {
             d.file_retry(id, now + (ttl / 10).min(Duration::from_millis(250)));
         }
-        for (ttl, (ids, items)) in due {
+        for (ttl, (ids, items, states)) in due {
             let backend = backend.clone();
             debug!(count = items.len(), ?ttl, "renewing leases");
             inflight.push(async move {
+                let mut unsettled = Unsettled {
+                    states,
+                    deadline: sent_at + ttl - drift(ttl),
+                };
                 let result = backend.extend_each(&items, ttl).await;
+                // Answered: `settle` takes the leases from here, in the same turn of the driver.
+                unsettled.states.clear();
                 (sent_at, ttl, ids, result)
             });
         }
