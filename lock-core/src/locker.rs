@@ -2255,8 +2255,11 @@ mod tests {
     #[test]
     fn a_guard_dropped_with_no_driver_to_take_it_hands_its_turn_on() {
         for parked in [false, true] {
-            let locker = Locker::memory();
-            let ttl = Duration::from_millis(1_000);
+            let memory = MemoryBackend::new();
+            let locker = Locker::new(memory.clone());
+            // Unparked, long enough that a turn handed on only when the lease runs out is
+            // told apart from one handed on at the drop.
+            let ttl = Duration::from_millis(if parked { 1_000 } else { 3_000 });
             let first = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
@@ -2287,10 +2290,21 @@ mod tests {
                 // Its driver stops with it.
                 drop(first);
                 assert!(tokio::runtime::Handle::try_current().is_err());
+                // Freed on the store as if its release had run: the waiter is granted as soon
+                // as the turn comes.
+                assert!(memory.force_delete(&locker.lock_key("k").expect("key")));
                 drop(lease);
             }
+            let dropped = std::time::Instant::now();
             let next = second.block_on(waiter).expect("waiter task");
             let next = next.unwrap_or_else(|e| panic!("parked {parked}: the turn never came: {e}"));
+            if !parked {
+                let took = dropped.elapsed();
+                assert!(
+                    took < Duration::from_millis(1_500),
+                    "the turn came {took:?} after the drop, not at once"
+                );
+            }
             second.block_on(next.release()).expect("release");
         }
     }
