@@ -1469,6 +1469,45 @@ async fn a_handoff_overlaps_the_release(flavor: Flavor) {
     h.alone.release().await.expect("release");
 }
 
+/// The fence write-back of a quorum grant, run on one member as the quorum sends it: it
+/// raises the member's fence key to the grant's fence only while the member's lock key holds
+/// the grant's token, never lowers it, and touches nothing where another holder (or a value
+/// of a foreign type) has the key.
+async fn fence_write_back_only_where_the_token_holds(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let script = ::redis::Script::new(include_str!("../lock-core/src/lua/quorum_fence.lua"));
+    let mut conn = server.conn();
+    let mut write_back = |token: &str, fence: &str| -> i64 {
+        script
+            .key("lock")
+            .key("fence")
+            .arg(token)
+            .arg(fence)
+            .invoke(&mut conn)
+            .expect("the script runs")
+    };
+    let stored = |server: &Server| -> Option<String> { server.cmd(&["GET", "fence"]) };
+
+    // Another holder's token: nothing written.
+    let _: () = server.cmd(&["SET", "lock", "rival"]);
+    assert_eq!(write_back("ours", "500"), 0);
+    assert_eq!(stored(&server), None);
+    // Our token: raised to the grant's fence...
+    let _: () = server.cmd(&["SET", "lock", "ours"]);
+    let _: () = server.cmd(&["SET", "fence", "90"]);
+    assert_eq!(write_back("ours", "500"), 1);
+    assert_eq!(stored(&server).as_deref(), Some("500"));
+    // ...never lowered (compared as numbers, not as text: "1000" > "999").
+    let _: () = server.cmd(&["SET", "fence", "1000"]);
+    assert_eq!(write_back("ours", "999"), 1);
+    assert_eq!(stored(&server).as_deref(), Some("1000"));
+    // A lock key of a foreign type: nothing written.
+    let _: () = server.cmd(&["DEL", "lock"]);
+    let _: () = server.cmd(&["HSET", "lock", "f", "v"]);
+    assert_eq!(write_back("ours", "5000"), 0);
+    assert_eq!(stored(&server).as_deref(), Some("1000"));
+}
+
 macro_rules! suite {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -1588,6 +1627,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn gate_on_a_quorum() {
                 super::gate_on_a_quorum($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fence_write_back_only_where_the_token_holds() {
+                super::fence_write_back_only_where_the_token_holds($flavor).await
             }
         }
     };
