@@ -1270,7 +1270,7 @@ macro_rules! faults {
                 super::a_settle_whose_reply_went_wrong_is_in_doubt($flavor, super::Reply::Lost)
                     .await
             }
-            #[tokio::test]
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_late_claim_is_given_back() {
                 super::a_late_claim_is_given_back($flavor).await
             }
@@ -1278,7 +1278,7 @@ macro_rules! faults {
             async fn an_abandoned_claim_is_given_back() {
                 super::an_abandoned_claim_is_given_back($flavor).await
             }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            #[tokio::test]
             async fn a_settle_whose_reply_was_garbled_is_in_doubt() {
                 super::a_settle_whose_reply_went_wrong_is_in_doubt($flavor, super::Reply::Garbled)
                     .await
