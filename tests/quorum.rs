@@ -1221,8 +1221,9 @@ async fn a_member_down_at_start_joins_later() {
 }
 
 /// A member that never connected cannot hold a lease granted since: an extend that one member
-/// renews and another finds not held is lost, not undecided (`NoQuorum`, transient) for the
-/// silent member's sake.
+/// renews and another finds not held is lost, and a release that one member answers deleted
+/// and another not held is `NotHeld`, neither undecided (`NoQuorum`, transient) for the silent
+/// member's sake.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_never_connected_holds_nothing() {
     let mut servers = start(Flavor::Redis, 3);
@@ -1239,6 +1240,8 @@ async fn a_member_never_connected_holds_nothing() {
         matches!(extended, Err(leasehold::Error::LeaseLost { .. })),
         "{extended:?}"
     );
+    // Nor does it leave a release undecided: one copy of two is no quorum.
+    assert_eq!(lease.release().await.expect("release"), Release::NotHeld);
 }
 
 /// A release missed while one member's subscription was down still wakes the waiter: when

@@ -874,8 +874,14 @@ impl Backend for QuorumBackend {
         // count is complete before the first can be in line.
         let left = Arc::new(AtomicUsize::new(0));
         let in_line = Arc::new(Mutex::new(Some(in_line)));
+        // Not a member that never connected: it was sent no grant, so it holds none, and
+        // counted as one that did not answer it would turn a `NotHeld` into `NoQuorum`.
+        let connected: Vec<usize> = (self.inner.members.iter().enumerate())
+            .filter(|(_, slot)| slot.get().is_some())
+            .map(|(i, _)| i)
+            .collect();
         let answers = self
-            .on_members(&self.all(), limit, |m| {
+            .on_members(&connected, limit, |m| {
                 left.fetch_add(1, Ordering::AcqRel);
                 let (left, in_line) = (left.clone(), in_line.clone());
                 m.release_in_line(key, token, move || {
