@@ -1511,6 +1511,44 @@ async fn fence_write_back_only_where_the_token_holds(flavor: Flavor) {
     assert_eq!(stored(&server).as_deref(), Some("1000"));
 }
 
+/// Script calls `server` has run so far (`EVALSHA`).
+fn script_calls(server: &Server) -> u64 {
+    let stats = server.info_field("commandstats", "cmdstat_evalsha");
+    stats
+        .split(',')
+        .find_map(|f| f.strip_prefix("calls="))
+        .map_or(0, |n| n.parse().expect("a count"))
+}
+
+/// A waiter of another process while the holder keeps the key on a bare majority (its copy on
+/// the third member gone, as after that member restarted empty). Each attempt wins the third
+/// member's vote, loses the round and gives the vote back, and the give-back publishes a
+/// release that wakes the waiter itself. It pauses, with backoff, before it waits again, so a
+/// one-second wait makes a dozen attempts or so, not one every round trip.
+async fn a_waiter_is_not_sent_back_by_its_own_give_back(flavor: Flavor) {
+    let servers = start(flavor, 3);
+    let holder = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let lease = holder
+        .try_acquire("bare", &opts(10_000).renew(false))
+        .await
+        .expect("holder");
+    let key = holder.lock_key("bare").expect("key");
+    let _: i64 = servers[2].cmd(&["DEL", key.lock_key()]);
+    let waiter = redlock(&urls(&servers), QuorumConfig::default()).await;
+    warm_up(&waiter).await;
+    let before = script_calls(&servers[0]);
+    let waited = waiter
+        .acquire("bare", &opts(1_000).wait(Duration::from_secs(1)))
+        .await;
+    assert!(
+        matches!(waited, Err(Error::WaitTimeout { .. })),
+        "{waited:?}"
+    );
+    let votes = script_calls(&servers[0]) - before;
+    assert!(votes < 50, "{votes} attempts in a one-second wait");
+    assert_eq!(lease.release().await.expect("release"), Release::Released);
+}
+
 macro_rules! suite {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -1630,6 +1668,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn gate_on_a_quorum() {
                 super::gate_on_a_quorum($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_waiter_is_not_sent_back_by_its_own_give_back() {
+                super::a_waiter_is_not_sent_back_by_its_own_give_back($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn fence_write_back_only_where_the_token_holds() {

@@ -800,6 +800,15 @@ impl<B: Backend + Clone> Locker<B> {
                     // be on their way, token-checked, and with the same token they would take
                     // back the votes the next attempt wins there.
                     token = self.core.backend.token();
+                    if watch.is_some() && self.core.backend.held_wakes_waiters() {
+                        // This attempt's give-backs publish on the key's channel and wake this
+                        // waiter at once: without a pause it would ask again every round trip
+                        // while a majority still holds the key. A release meanwhile is not
+                        // missed: its wake-up is still there when the wait below begins.
+                        let now = Instant::now();
+                        tokio::time::sleep_until((now + next_backoff(&mut backoff)).min(give_up))
+                            .await;
+                    }
                     remaining
                 }
                 // A grant whose reply came too late to be handed out is being given back:

@@ -182,6 +182,15 @@ pub trait Backend: Send + Sync + 'static {
         false
     }
 
+    /// Whether an acquire answered [`Held`](AcquireReply::Held) may have woken its own key's
+    /// waiters: a quorum gives back the votes it won in a round it lost, and each give-back
+    /// publishes a release like any other. A waiting locker then pauses (with backoff) before
+    /// it waits again, so that its own give-back does not send it straight back to a key a
+    /// majority still holds.
+    fn held_wakes_waiters(&self) -> bool {
+        false
+    }
+
     /// [`release`](Backend::release), calling `in_line` once the release is in line ahead of
     /// every request sent on its connection after the call, so that the server runs it before
     /// them. The locker then hands the key's turn to the next waiter in this process, whose
@@ -302,6 +311,9 @@ impl Backend for AnyBackend {
     }
     fn undoes_abandoned_grants(&self) -> bool {
         dispatch!(self, b => b.undoes_abandoned_grants())
+    }
+    fn held_wakes_waiters(&self) -> bool {
+        dispatch!(self, b => b.held_wakes_waiters())
     }
     fn token(&self) -> Token {
         dispatch!(self, b => b.token())

@@ -799,6 +799,10 @@ impl Backend for QuorumBackend {
     // which comes from the majority, so replicas are not waited for.
     const NAME: &'static str = "quorum";
 
+    fn held_wakes_waiters(&self) -> bool {
+        true
+    }
+
     async fn acquire(&self, key: &LockKey, token: &Token, ttl: Duration) -> Result<AcquireReply> {
         crate::types::validate_ttl(ttl)?;
         let span = debug_span!("quorum_acquire", key = key.key(), members = self.members());
