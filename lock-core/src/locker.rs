@@ -2012,21 +2012,7 @@ mod tests {
     }
 
     impl Backend for Hanging {
-        fn acquire(
-            &self,
-            key: &LockKey,
-            token: &Token,
-            ttl: Duration,
-        ) -> impl Future<Output = Result<AcquireReply>> + Send {
-            self.inner.acquire(key, token, ttl)
-        }
-        fn release(
-            &self,
-            key: &LockKey,
-            token: &Token,
-        ) -> impl Future<Output = Result<bool>> + Send {
-            self.inner.release(key, token)
-        }
+        forward_grants_to_memory!();
         fn extend(
             &self,
             leases: &[(LockKey, Token)],
