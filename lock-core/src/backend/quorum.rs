@@ -540,6 +540,15 @@ impl QuorumBackend {
         (0..self.inner.members.len()).collect()
     }
 
+    /// The members connected so far (a member's connection, once made, stays).
+    fn connected(&self) -> Vec<usize> {
+        let members = self.inner.members.iter().enumerate();
+        members
+            .filter(|(_, slot)| slot.get().is_some())
+            .map(|(i, _)| i)
+            .collect()
+    }
+
     async fn vote(
         &self,
         member: &RedisBackend,
@@ -880,12 +889,8 @@ impl Backend for QuorumBackend {
         let in_line = Arc::new(Mutex::new(Some(in_line)));
         // Not a member that never connected: it was sent no grant, so it holds none, and
         // counted as one that did not answer it would turn a `NotHeld` into `NoQuorum`.
-        let connected: Vec<usize> = (self.inner.members.iter().enumerate())
-            .filter(|(_, slot)| slot.get().is_some())
-            .map(|(i, _)| i)
-            .collect();
         let answers = self
-            .on_members(&connected, limit, |m| {
+            .on_members(&self.connected(), limit, |m| {
                 left.fetch_add(1, Ordering::AcqRel);
                 let (left, in_line) = (left.clone(), in_line.clone());
                 m.release_in_line(key, token, move || {
