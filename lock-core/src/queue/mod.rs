@@ -964,7 +964,9 @@ impl Queue {
     ///
     /// Waiters wake on enqueue (and on retries and reaps that return jobs to pending), on a
     /// retry that delays a job (to look again), and otherwise when the next delayed job is due
-    /// or after [`CLAIM_POLL_FALLBACK`].
+    /// or after [`CLAIM_POLL_FALLBACK`]. A claim that comes back after its validity ends the
+    /// wait with [`Error::LeaseLost`], its job given back, as in [`claim`](Self::claim) (a
+    /// [`Worker`] backs off and claims again).
     pub async fn claim_wait(&self, ttl: Duration, wait: Duration) -> Result<Option<Claim>> {
         validate_ttl(ttl)?;
         let give_up = crate::types::deadline_after(Instant::now(), wait);
