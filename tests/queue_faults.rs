@@ -840,6 +840,77 @@ async fn a_late_claim_is_given_back(flavor: Flavor) {
     given_back(&q, &proxy, id, why).await;
 }
 
+/// A waiting claim whose first claim comes back late (the link slowed for a moment) gives that
+/// job back and goes on waiting: once round trips are quick again it gets the job, within its
+/// wait, instead of ending with `LeaseLost`.
+async fn a_waiting_claim_outlasts_a_late_claim(flavor: Flavor) {
+    let (server, proxy, q, id) = warm_queue_through_proxy(flavor, "late_wait").await;
+    // Beside the proxy, so that watching the job neither waits out its latency nor adds to it.
+    let direct = Queue::redis(&server.url(), "late_wait")
+        .await
+        .expect("connect");
+    proxy.set_latency(ms(150));
+    let waiting = tokio::spawn({
+        let q = q.clone();
+        async move { q.claim_wait(ms(200), Duration::from_secs(20)).await }
+    });
+    // The first claim has landed (its reply, read at once, carries the 150 ms); the link
+    // recovers before that reply arrives.
+    let give_up = Instant::now() + Duration::from_secs(5);
+    while direct.job(id).await.expect("job").attempts < 1 {
+        assert!(Instant::now() < give_up, "the first claim never landed");
+        sleep(ms(5)).await;
+    }
+    proxy.set_latency(Duration::ZERO);
+    let claim = waiting
+        .await
+        .expect("join")
+        .expect("the wait goes on past a late claim")
+        .expect("a job within the wait");
+    assert_eq!(claim.id(), id);
+    assert_eq!(claim.attempts(), 2, "the late claim's attempt is counted");
+    claim.complete().await.expect("complete");
+}
+
+/// Round trips that stay slower than the TTL: every claim comes back late and is given back,
+/// and the third ends the wait with `LeaseLost` long before its 30 s are over, the job pending
+/// again with those three attempts counted.
+async fn a_waiting_claim_ends_after_three_late_claims(flavor: Flavor) {
+    let (server, proxy, q, id) = warm_queue_through_proxy(flavor, "late_thrice").await;
+    let direct = Queue::redis(&server.url(), "late_thrice")
+        .await
+        .expect("connect");
+    proxy.set_latency(ms(150));
+    let started = Instant::now();
+    let late = q.claim_wait(ms(200), Duration::from_secs(30)).await;
+    assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "ended after {:?}",
+        started.elapsed()
+    );
+    // The third give-back runs in the background; nothing claims the job after it.
+    let give_up = Instant::now() + Duration::from_secs(5);
+    let info = loop {
+        let info = direct.job(id).await.expect("job");
+        if info.state != JobState::Active || Instant::now() >= give_up {
+            break info;
+        }
+        sleep(ms(20)).await;
+    };
+    assert_eq!(
+        (info.state, info.attempts),
+        (JobState::Pending, 3),
+        "{info:?}"
+    );
+    sleep(ms(500)).await;
+    let later = direct.job(id).await.expect("job");
+    assert_eq!(
+        later.attempts, 3,
+        "claimed again after the wait ended: {later:?}"
+    );
+}
+
 /// A claim whose caller leaves before it is answered (a timeout around it): the job it was
 /// granted is given back at once, not left active for its 60 s lease.
 async fn an_abandoned_claim_is_given_back(flavor: Flavor) {
@@ -1277,6 +1348,14 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn an_abandoned_claim_is_given_back() {
                 super::an_abandoned_claim_is_given_back($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_waiting_claim_outlasts_a_late_claim() {
+                super::a_waiting_claim_outlasts_a_late_claim($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_waiting_claim_ends_after_three_late_claims() {
+                super::a_waiting_claim_ends_after_three_late_claims($flavor).await
             }
             #[tokio::test]
             async fn a_settle_whose_reply_was_garbled_is_in_doubt() {

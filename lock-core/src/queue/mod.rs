@@ -943,7 +943,11 @@ impl Queue {
     #[instrument(level = "debug", skip_all, fields(queue = %self.inner.name, ttl = ?ttl))]
     pub async fn claim(&self, ttl: Duration) -> Result<Option<Claim>> {
         validate_ttl(ttl)?;
-        Ok(self.claim_once(ttl).await?.ok())
+        match self.claim_once(ttl).await? {
+            Once::Claimed(claim) => Ok(Some(claim)),
+            Once::Empty(_) => Ok(None),
+            Once::Late(key) => Err(Error::LeaseLost { key }),
+        }
     }
 
     /// Claims the oldest pending job, waiting up to `wait` for one to arrive
@@ -964,20 +968,20 @@ impl Queue {
     ///
     /// Waiters wake on enqueue (and on retries and reaps that return jobs to pending), on a
     /// retry that delays a job (to look again), and otherwise when the next delayed job is due
-    /// or after [`CLAIM_POLL_FALLBACK`]. A claim that comes back after its validity ends the
-    /// wait with [`Error::LeaseLost`], its job given back, as in [`claim`](Self::claim) (a
-    /// [`Worker`] backs off and claims again).
+    /// or after [`CLAIM_POLL_FALLBACK`]. A claim that comes back after its validity is given
+    /// back, as in [`claim`](Self::claim), and the wait goes on (a stalled machine or a slow
+    /// link makes one a passing thing); the third such claim, or one at the end of the wait,
+    /// ends it with [`Error::LeaseLost`]: round trips slower than the TTL would otherwise take
+    /// the job and give it back for as long as the wait lasts. A [`Worker`] then backs off and
+    /// claims again.
     pub async fn claim_wait(&self, ttl: Duration, wait: Duration) -> Result<Option<Claim>> {
         validate_ttl(ttl)?;
         let give_up = crate::types::deadline_after(Instant::now(), wait);
         self.claim_until(ttl, give_up, None).await
     }
 
-    /// One claim round trip; `Err(next_due)` inside `Ok` means nothing was pending.
-    async fn claim_once(
-        &self,
-        ttl: Duration,
-    ) -> Result<std::result::Result<Claim, Option<Duration>>> {
+    /// One claim round trip.
+    async fn claim_once(&self, ttl: Duration) -> Result<Once> {
         // The local deadline counts from before the request leaves, so a slow reply can only
         // shorten it.
         // The claim's own token: a server that lost its writes can hand the same id out again,
@@ -1017,12 +1021,12 @@ impl Queue {
                                 let _ = claim.retry_because(Duration::ZERO, why).await;
                             });
                         }
-                        return Err(Error::LeaseLost { key });
+                        return Ok(Once::Late(key));
                     }
                     debug!(id, attempts, "claimed");
-                    return Ok(Ok(claim));
+                    return Ok(Once::Claimed(claim));
                 }
-                ClaimReply::Empty { next_due } => return Ok(Err(next_due)),
+                ClaimReply::Empty { next_due } => return Ok(Once::Empty(next_due)),
                 ClaimReply::SetAside => {}
             }
         }
@@ -1087,6 +1091,7 @@ impl Queue {
         stop: Option<&CancellationToken>,
     ) -> Result<Option<Claim>> {
         let mut watch: Option<Watch> = None;
+        let mut late = 0;
         loop {
             if let Some(w) = watch.as_mut() {
                 w.mark_seen();
@@ -1097,8 +1102,19 @@ impl Queue {
                 return Ok(None);
             }
             let next_due = match self.claim_once(ttl).await? {
-                Ok(claim) => return Ok(Some(claim)),
-                Err(next_due) => next_due,
+                Once::Claimed(claim) => return Ok(Some(claim)),
+                Once::Empty(next_due) => next_due,
+                // A late claim was given back: the wait goes on, as the locker's does after a
+                // late grant (a stalled machine or a slow link makes one a passing thing), until
+                // a few of them say the round trips are slower than the TTL.
+                Once::Late(key) => {
+                    late += 1;
+                    if late >= MAX_LATE_CLAIMS || Instant::now() >= give_up {
+                        return Err(Error::LeaseLost { key });
+                    }
+                    // Its give-back wakes this wait when the job is pending again.
+                    None
+                }
             };
             if watch.is_none() {
                 if Instant::now() >= give_up {
@@ -1792,6 +1808,19 @@ impl Claim {
             .fail_as(self.id, self.attempts, holder, reason)
             .await
     }
+}
+
+/// How many claims that came back after their validity end a waiting claim.
+const MAX_LATE_CLAIMS: u32 = 3;
+
+/// What one claim round trip came to.
+enum Once {
+    /// A job, claimed in time.
+    Claimed(Claim),
+    /// Nothing pending; the next delayed job's due time, if any.
+    Empty(Option<Duration>),
+    /// A job whose claim arrived after its validity, given back; its key.
+    Late(String),
 }
 
 #[cfg(test)]
