@@ -624,8 +624,16 @@ async fn worker_process_killed(flavor: Flavor) {
     assert_eq!(q.job(id).await.expect("job").state, JobState::Active);
     child.kill().expect("SIGKILL the worker");
     let _ = child.wait();
+    // How much of the dead worker's lease the server still counts (its deadline in the
+    // active set, against the server's clock).
+    let deadline_ms: u64 = server
+        .cmd::<String>(&["ZSCORE", "{leasehold:killed}:active", &id.get().to_string()])
+        .parse()
+        .expect("deadline");
+    let left = ms(deadline_ms.saturating_sub(server.time_micros() / 1_000));
     let killed = Instant::now();
-    let seen: Arc<Mutex<Vec<u64>>> = Arc::default();
+    // When the rescuer's handler started, and the attempt it was handed.
+    let seen: Arc<Mutex<Vec<(Instant, u64)>>> = Arc::default();
     let rec = seen.clone();
     let rescuer = Worker::new(q.clone())
         .ttl(ms(5_000))
@@ -633,7 +641,9 @@ async fn worker_process_killed(flavor: Flavor) {
         .start(move |job| {
             let rec = rec.clone();
             async move {
-                rec.lock().expect("seen").push(job.attempts());
+                rec.lock()
+                    .expect("seen")
+                    .push((Instant::now(), job.attempts()));
                 Ok(())
             }
         })
@@ -642,10 +652,21 @@ async fn worker_process_killed(flavor: Flavor) {
     while rescuer.report().completed == 0 && Instant::now() < give_up {
         sleep(ms(20)).await;
     }
-    let waited = killed.elapsed();
     assert_eq!(rescuer.report().completed, 1, "the job never came back");
-    assert!(waited <= ms(2_000 + 2_000), "reaped too late: {waited:?}");
-    assert_eq!(*seen.lock().expect("seen"), vec![2]);
+    let seen = seen.lock().expect("seen").clone();
+    assert_eq!(seen.iter().map(|s| s.1).collect::<Vec<_>>(), vec![2]);
+    // Handed out again only once the lease ran out on the server's clock, and soon after:
+    // within a reap interval (100 ms) and room for a loaded machine.
+    let waited = seen[0].0 - killed;
+    assert!(
+        waited + ms(5) >= left,
+        "handed out {:?} before the lease ran out",
+        left - waited
+    );
+    assert!(
+        waited <= left + ms(600),
+        "handed out {waited:?} after the kill, with {left:?} of the lease left"
+    );
     match q.complete(id, 1).await {
         Err(Error::Stale { fence, highest, .. }) => {
             assert_eq!((fence.get(), highest.get()), (1, 2))

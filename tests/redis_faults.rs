@@ -319,12 +319,17 @@ async fn server_goes_away(flavor: Flavor) {
         .try_acquire("gone", &opts(1_500))
         .await
         .expect("lease");
-    let granted = Instant::now();
+    let deadline = Instant::now() + lease.remaining();
     server.kill();
-    tokio::time::timeout(Duration::from_millis(1_500), lease.lost())
+    tokio::time::timeout(Duration::from_secs(5), lease.lost())
         .await
-        .expect("lost must fire before the local deadline");
-    assert!(granted.elapsed() < Duration::from_millis(1_500));
+        .expect("lost never fired");
+    let told = Instant::now();
+    assert!(
+        told < deadline,
+        "told {:?} after the local deadline",
+        told - deadline
+    );
     assert_eq!(lease.remaining(), Duration::ZERO);
     let t = Instant::now();
     let r = locker.try_acquire("other", &opts(1_000)).await;
@@ -1650,14 +1655,18 @@ async fn holder_process_killed(flavor: Flavor) {
     child.kill().expect("SIGKILL the holder");
     let killed = Instant::now();
     let _ = child.wait();
+    let key = locker.lock_key("killed").expect("key");
+    let left = Duration::from_millis(server.cmd::<u64>(&["PTTL", key.lock_key()]));
     let lease = locker
         .acquire("killed", &opts(1_000).wait(Duration::from_secs(5)))
         .await
         .expect("acquire after the holder died");
     let waited = killed.elapsed();
-    // The lease (1 s, renewed every third of it) runs out within 1 s of the kill, and the
-    // waiter's timer is set from its PTTL: taken near then, far from the 5 s wait's end, with
-    // room for a loaded machine.
-    assert!(waited <= Duration::from_millis(2_000), "{waited:?}");
+    // The waiter's timer is set from the holder's PTTL: taken soon after the key expires, far
+    // from the 5 s wait's end, with room for a loaded machine.
+    assert!(
+        waited <= left + Duration::from_millis(500),
+        "waited {waited:?} for a lease with {left:?} left"
+    );
     assert!(lease.fence().get() > child_fence);
 }
