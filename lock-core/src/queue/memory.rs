@@ -255,8 +255,8 @@ impl MemoryQueue {
     /// `_holder`, the claim's token, is not kept: this store never hands an id out twice, so
     /// (id, attempts) names one claim (a server that loses its writes can reuse ids).
     pub(crate) async fn claim(&self, lease_ms: u64, _holder: &str) -> Result<ClaimReply> {
-        let now = self.clock.now();
         let mut st = self.state();
+        let now = self.clock.now();
         st.promote_due(now);
         let Some(id) = st.pending.pop_first() else {
             let next_due = st
@@ -290,10 +290,10 @@ impl MemoryQueue {
         _holder: &str,
         op: &Op<'_>,
     ) -> Result<std::result::Result<Settled, Refusal>> {
-        let now = self.clock.now();
         let mut woke = false;
         let reply = {
             let mut st = self.state();
+            let now = self.clock.now();
             st.expire_done(now);
             let Some(job) = st.jobs.get(&id) else {
                 return Ok(Err(Refusal::Unknown));
@@ -400,10 +400,10 @@ impl MemoryQueue {
     }
 
     pub(crate) async fn reap(&self, limit: usize) -> Result<(Vec<Reaped>, usize)> {
-        let now = self.clock.now();
         let mut moved = Vec::new();
         {
             let mut st = self.state();
+            let now = self.clock.now();
             // Strictly before now, as the script's `(now` bound.
             while moved.len() < limit {
                 let Some(&(deadline, ByText(id))) = st.active.first() else {
@@ -442,8 +442,8 @@ impl MemoryQueue {
     }
 
     pub(crate) async fn purge_dead(&self, age_ms: u64, limit: usize) -> Result<u64> {
-        let now = self.clock.now();
         let mut st = self.state();
+        let now = self.clock.now();
         let mut removed = 0;
         while removed < limit {
             let Some(&(died, ByText(id))) = st.dead.first() else {
@@ -473,8 +473,8 @@ impl MemoryQueue {
     }
 
     pub(crate) async fn job(&self, id: u64) -> Result<Option<JobInfo>> {
-        let now = self.clock.now();
         let mut st = self.state();
+        let now = self.clock.now();
         st.expire_done(now);
         Ok(st.jobs.get(&id).map(|j| JobInfo {
             id: super::JobId(id),
@@ -500,7 +500,46 @@ impl MemoryQueue {
 
 #[cfg(test)]
 mod tests {
-    use super::ByText;
+    use super::{ByText, ClaimReply, JobState, MemoryQueue, Op};
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    use std::time::Duration;
+
+    fn at_once<F: Future>(f: F) -> F::Output {
+        match std::pin::pin!(f).poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(out) => out,
+            Poll::Pending => panic!("memory operations complete at once"),
+        }
+    }
+
+    /// A step that waits for the queue's lock reads the clock once it has it, as a script reads
+    /// `TIME` inside its atomic step: a complete kept waiting 150 ms still keeps its done marker
+    /// for the whole 100 ms from when it ran, not from when it was called.
+    #[test]
+    fn a_step_kept_waiting_for_the_lock_times_from_when_it_runs() {
+        let q = MemoryQueue::new("leasehold", "clock");
+        let id = at_once(q.enqueue(&[b"job"], 5)).expect("enqueue")[0];
+        let Ok(ClaimReply::Claimed { attempts, .. }) = at_once(q.claim(60_000, "")) else {
+            panic!("no claim");
+        };
+        std::thread::scope(|scope| {
+            let held = q.state();
+            let settle = scope.spawn(|| {
+                let op = Op::Complete { keep_done_ms: 100 };
+                at_once(q.settle(id, attempts, "", &op))
+            });
+            std::thread::sleep(Duration::from_millis(150));
+            drop(held);
+            let settled = settle.join().expect("settle").expect("settled");
+            assert!(settled.is_ok(), "complete refused");
+        });
+        let info = at_once(q.job(id)).expect("job");
+        assert_eq!(
+            info.map(|i| i.state),
+            Some(JobState::Done),
+            "the marker expired before the complete returned"
+        );
+    }
 
     /// Ids order as their decimal texts do, which is how Redis orders members of one score.
     #[test]
