@@ -95,6 +95,25 @@ async fn fence_ahead_of_the_clock_rises_by_one(flavor: Flavor) {
         let kept: String = server.cmd(&["GET", k.fence_key()]);
         assert_eq!(kept, last.to_string());
     }
+    // A grant of 2^64 - 1 itself, retried with its token (its reply lost), is handed back
+    // that fence, as the in-memory backend does: the fence is readable, only none above it is.
+    {
+        use leasehold::{AcquireReply, Backend, Token};
+        let _: () = server.cmd(&["SET", k.fence_key(), &(u64::MAX - 1).to_string()]);
+        let token = Token::generate();
+        for attempt in ["first", "retried"] {
+            let reply = locker
+                .backend()
+                .acquire(&k, &token, Duration::from_secs(5))
+                .await;
+            assert!(
+                matches!(reply, Ok(AcquireReply::Granted { fence: u64::MAX })),
+                "{attempt} grant: {reply:?}"
+            );
+            assert_eq!(server.cmd::<i64>(&["EXISTS", k.lock_key()]), 1);
+        }
+        let _: i64 = server.cmd(&["DEL", k.lock_key()]);
+    }
     // At 2^64 - 1 no higher fence exists: the acquire is refused, the lock taken back and the
     // stored fence kept, rather than a grant with a fence no client can read holding the key.
     let refused = locker.try_acquire("ahead", &opts(30_000)).await;

@@ -466,6 +466,25 @@ mod tests {
             "{refused:?}"
         );
         assert!(!memory.is_held(&spent));
+
+        // The grant of 2^64 - 1 itself, retried with its token, is handed back that fence, as
+        // acquire.lua does (`fence_ahead_of_the_clock_rises_by_one` on Redis and Valkey).
+        let last = crate::Locker::memory().lock_key("last").expect("key");
+        let before_last = Slot {
+            holder: None,
+            fence: u64::MAX - 1,
+            forget_at: None,
+        };
+        memory.state().keys.insert(last.clone(), before_last);
+        let token = Token::generate();
+        for attempt in ["first", "retried"] {
+            let reply = at_once(memory.acquire(&last, &token, Duration::from_secs(1)));
+            assert!(
+                matches!(reply, Ok(AcquireReply::Granted { fence: u64::MAX })),
+                "{attempt} grant: {reply:?}"
+            );
+            assert!(memory.is_held(&last));
+        }
     }
 
     /// An extend (or a grant) that waits for the store's lock judges the lease when it gets

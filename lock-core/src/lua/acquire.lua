@@ -51,6 +51,10 @@ local MAX_FENCE = '18446744073709551615'
 local function exhausted(d)
   return #d > #MAX_FENCE or (#d == #MAX_FENCE and d >= MAX_FENCE)
 end
+-- Above 2^64 - 1: a fence no client can read.
+local function unreadable(d)
+  return #d > #MAX_FENCE or (#d == #MAX_FENCE and d > MAX_FENCE)
+end
 
 local out = {}
 -- Read before anything is written: a TIME the ACL user may not run refuses every item with
@@ -119,7 +123,9 @@ for i = 1, #KEYS / 2 do
     local stored = redis.pcall('GET', fence_key)
     if type(stored) == 'table' then
       status, value = refusal(stored.err, fence_key, -2)
-    elseif stored and string.match(stored, '^[1-9]%d*$') and exhausted(stored) then
+    elseif stored and string.match(stored, '^[1-9]%d*$') and unreadable(stored) then
+      -- 2^64 - 1 itself is a fence this grant may have been given; only one set from outside,
+      -- wider than that, cannot be handed back.
       redis.pcall('DEL', lock)
       status, value = -4, stored
     else
