@@ -5,8 +5,9 @@
 use proc_macro::TokenStream;
 use proc_macro2::{Span, TokenStream as TokenStream2, TokenTree};
 use quote::{ToTokens, format_ident, quote, quote_spanned};
+use syn::parse::{Parse, ParseStream};
 use syn::spanned::Spanned;
-use syn::{Expr, ExprLit, ItemFn, Lit, LitStr, Path, ReturnType, Type};
+use syn::{Attribute, Expr, ExprLit, Lit, LitStr, Path, ReturnType, Signature, Type, Visibility};
 
 mod duration;
 mod ttl_bounds;
@@ -269,7 +270,7 @@ fn respan(tokens: TokenStream2, span: Span) -> TokenStream2 {
 
 fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
     let args = parse_args(args)?;
-    let mut func: ItemFn = syn::parse2(item).map_err(|e| {
+    let func: LockedFn = syn::parse2(item).map_err(|e| {
         syn::Error::new(
             e.span(),
             format_args!("`#[locked]` applies to an `async fn` with a body: {e}"),
@@ -373,9 +374,11 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
         quote!(#private::LockedOutput::from_lock_error),
         ret_ty.span(),
     );
-    let stmts = &func.block.stmts;
+    let stmts = &func.body;
+    let inner_attrs = &func.inner_attrs;
     let body = quote! {
         {
+            #(#inner_attrs)*
             // Each argument in a statement of its own, before the body: a temporary of its
             // expression (a `RefCell` borrow, a mutex guard) then ends before the body runs,
             // not with the call that runs it.
@@ -394,12 +397,48 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
                 #from_lock_error,
                 async move {
                     #pin_type
-                    #(#stmts)*
+                    #stmts
                 },
             )
             .await
         }
     };
-    func.block = Box::new(syn::parse2(body)?);
-    Ok(func.into_token_stream())
+    let LockedFn {
+        outer_attrs,
+        vis,
+        sig,
+        ..
+    } = &func;
+    Ok(quote!(#(#outer_attrs)* #vis #sig #body))
+}
+
+/// The function as written, its body kept as tokens (as tokio's and tracing's attributes
+/// keep it): the body is moved, never read, so one rustc accepts is never refused here,
+/// whether it uses syntax newer than this syn or is half typed in an editor, where rustc then
+/// reports the error once, itself.
+struct LockedFn {
+    outer_attrs: Vec<Attribute>,
+    vis: Visibility,
+    sig: Signature,
+    inner_attrs: Vec<Attribute>,
+    body: TokenStream2,
+}
+
+impl Parse for LockedFn {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let outer_attrs = input.call(Attribute::parse_outer)?;
+        let vis = input.parse()?;
+        let sig = input.parse()?;
+        let content;
+        syn::braced!(content in input);
+        let inner_attrs = content.call(Attribute::parse_inner)?;
+        let body = content.parse()?;
+        Ok(LockedFn {
+            outer_attrs,
+            vis,
+            sig,
+            inner_attrs,
+            body,
+        })
+    }
 }
