@@ -599,15 +599,27 @@ async fn waiter_wakes_on_release(h: Harness) {
         .await
         .expect("holder");
     let l2 = locker.clone();
-    let waiter = tokio::spawn(async move {
-        let t = Instant::now();
-        let lease = l2
-            .acquire("w", &opts(5_000).wait(Duration::from_secs(10)))
-            .await
-            .expect("waiter acquires");
-        (t.elapsed(), lease.fence())
+    let started = Arc::new(AtomicBool::new(false));
+    let waiter = tokio::spawn({
+        let started = started.clone();
+        async move {
+            let t = Instant::now();
+            started.store(true, Ordering::SeqCst);
+            let lease = l2
+                .acquire("w", &opts(5_000).wait(Duration::from_secs(10)))
+                .await
+                .expect("waiter acquires");
+            (t.elapsed(), lease.fence())
+        }
     });
+    // The waiter asked while the key was held: 100 ms into its acquire it is still waiting.
+    let give_up = Instant::now() + Duration::from_secs(5);
+    while !started.load(Ordering::SeqCst) {
+        assert!(Instant::now() < give_up, "the waiter never started");
+        sleep(Duration::from_millis(5)).await;
+    }
     sleep(Duration::from_millis(100)).await;
+    assert!(!waiter.is_finished(), "the waiter got a key that was held");
     let f = holder.fence();
     holder.release().await.expect("release");
     let (waited, fence) = waiter.await.expect("join");

@@ -637,6 +637,13 @@ async fn a_cancelled_acquire_leaves_nothing_held(flavor: Flavor) {
         );
         sleep(Duration::from_millis(20)).await;
     }
+    // The abandoned acquire was granted (it wrote its fence), so the key went because it was
+    // given back, not because it was never taken.
+    let fence: Option<String> = server.cmd(&["GET", k.fence_key()]);
+    assert!(
+        fence.is_some(),
+        "the abandoned acquire never reached the server"
+    );
     // The key is free for the next caller.
     let lease = locker
         .try_acquire("cancelled", &opts())
