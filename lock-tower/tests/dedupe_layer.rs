@@ -1795,10 +1795,19 @@ async fn results_expire_after_the_retention(h: Harness) {
     let runs = Arc::new(AtomicUsize::new(0));
     let layer = DedupeLayer::new(h.locker().await).retention(Duration::from_secs(2));
     let addr = serve(counting(layer, runs.clone(), Duration::ZERO)).await;
+    let sent = tokio::time::Instant::now();
     let first = deliver(addr, r#""short-lived""#, "{}").await;
     assert_eq!(first.status, StatusCode::CREATED);
     let replay = deliver(addr, r#""short-lived""#, "{}").await;
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    // Still kept three quarters into the retention.
+    tokio::time::sleep_until(sent + Duration::from_millis(1_500)).await;
+    let late = deliver(addr, r#""short-lived""#, "{}").await;
+    assert_eq!(
+        late.header("idempotent-replayed"),
+        Some("true"),
+        "forgotten before its 2 s retention"
+    );
     let mut again = None;
     let ran_again = eventually(Duration::from_secs(10), async || {
         let r = deliver(addr, r#""short-lived""#, "{}").await;
@@ -1809,6 +1818,12 @@ async fn results_expire_after_the_retention(h: Harness) {
     .await;
     let again = again.expect("delivered");
     assert!(ran_again, "still replayed 10 s after a 2 s retention");
+    // Forgotten soon after the retention, with room for a loaded machine.
+    let forgotten_after = sent.elapsed();
+    assert!(
+        forgotten_after < Duration::from_millis(3_500),
+        "replayed until {forgotten_after:?} after a 2 s retention"
+    );
     assert_eq!(again.status, StatusCode::CREATED);
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
