@@ -213,6 +213,15 @@ async fn a_refused_reconnect_is_tried_again(flavor: Flavor) {
     }
     // Past the manager's own reconnect attempts, which the changed password refuses.
     sleep(Duration::from_millis(1_500)).await;
+    // A reconnect was in fact refused at its AUTH (not only the killed connection's requests).
+    let log: Vec<std::collections::HashMap<String, String>> = server.cmd(&["ACL", "LOG"]);
+    assert!(
+        log.iter().any(|entry| {
+            entry.get("reason").map(String::as_str) == Some("auth")
+                && entry.get("username").map(String::as_str) == Some("leasehold")
+        }),
+        "no reconnect refused at AUTH: {log:?}"
+    );
     // The rule of docs/leasehold.acl again, with its password.
     server.acl_user_url();
     let give_up = Instant::now() + Duration::from_secs(5);
