@@ -959,6 +959,12 @@ async fn a_handoff_overtaking_its_release_is_still_prompt(flavor: Flavor) {
         handoff < Duration::from_millis(2_500),
         "the grant came {handoff:?} after the release started"
     );
+    // The release was refused for its script, as this case needs (not a plain handoff).
+    let stats: String = server.cmd(&["INFO", "errorstats"]);
+    assert!(
+        stats.contains("errorstat_NOSCRIPT:count="),
+        "no release refused NOSCRIPT: {stats}"
+    );
     proxy.set_latency(Duration::ZERO);
     second.release().await.expect("release");
 }
