@@ -81,6 +81,46 @@ for demo in race locked_fn claim_worker; do
   }
   tail -1 "$tools/$demo.out"
 done
+# The same demos with the README's `--redis URL`, against a Redis and a Valkey server of their
+# own on a free loopback port: the same stories, told by a server.
+demo_server() {
+  local server=$1 port dir pid
+  dir=$(mktemp -d)
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    port=$(( 20000 + RANDOM % 20000 ))
+    "$server" --port "$port" --bind 127.0.0.1 --save '' --appendonly no --dir "$dir" \
+      > "$dir/server.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 50); do
+      redis-cli -p "$port" ping 2>/dev/null | grep -q PONG && break
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    if redis-cli -p "$port" ping 2>/dev/null | grep -q PONG; then
+      break
+    fi
+    kill "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    pid=""
+  done
+  [ -n "$pid" ] || { cat "$dir/server.log"; echo "error: $server did not start for the demos" >&2; exit 1; }
+  for demo in race locked_fn claim_worker; do
+    echo "example $demo --redis ($server)"
+    cargo run -q --all-features --example "$demo" -- --redis "redis://127.0.0.1:$port/" \
+      > "$tools/$demo.$server.out" 2>&1 || {
+      cat "$tools/$demo.$server.out"
+      kill "$pid" 2>/dev/null || true
+      echo "error: the example '$demo' failed against $server" >&2
+      exit 1
+    }
+    tail -1 "$tools/$demo.$server.out"
+  done
+  kill "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+  rm -rf "$dir"
+}
+demo_server redis-server
+demo_server valkey-server
 # The torture harness (examples/torture.rs): short seeded runs, reusing the dev-profile build
 # above: every fault on one server; server restarts with persistence on; a Redlock quorum; a
 # Redis Cluster with master kills and failovers; and master kills with the replica held back,
