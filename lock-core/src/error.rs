@@ -284,11 +284,16 @@ impl Error {
     /// let bad = Locker::memory().try_acquire("", &LockOptions::new()).await;
     /// let Err(bad) = bad else { panic!("an empty key was accepted") };
     /// assert!(!bad.is_transient()); // bad input stays bad
+    /// let Err(typo) = Locker::redis("redis//127.0.0.1:6379").await else { panic!("connected") };
+    /// assert!(!typo.is_transient()); // so does a URL that does not parse
     /// # }
     /// ```
     pub fn is_transient(&self) -> bool {
         match self {
             Error::PartlyEnqueued { source, .. } => source.is_transient(),
+            // A URL that does not parse, a scheme or TLS setting this build cannot use: the
+            // same input fails the same way however long one waits.
+            Error::Unavailable(e) if e.kind() == redis::ErrorKind::InvalidClientConfig => false,
             _ => matches!(
                 self,
                 Error::Refused { .. }
