@@ -229,8 +229,10 @@ pub enum Error {
     /// out of memory (`OOM`), writes stopped after a failed save (`MISCONF`), a command the
     /// client's ACL user may not run (`NOPERM`), a read-only replica (`READONLY`), data still
     /// loading (`LOADING`, on one server; on a cluster see [`Error::OutcomeUnknown`]). Under
-    /// these the server refuses a script at its first write, so the call wrote nothing; it may
-    /// succeed once the condition clears.
+    /// OOM, MISCONF and READONLY the server refuses a script at its first write, so the call
+    /// wrote nothing; an ACL rule that denies a later command of a queue script is refused
+    /// there, after the script's earlier writes (see the README's section on restricted users).
+    /// It may succeed once the condition clears.
     #[error("the server refused {op} on `{key}`: {source}")]
     Refused {
         /// The operation that was refused.

@@ -185,7 +185,7 @@ impl SlotMap {
 ///
 /// ```no_run
 /// use lock_core::ClusterBackend;
-/// use redis::AsyncCommands;
+/// use lock_core::redis::AsyncCommands;
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let backend = ClusterBackend::connect(&["redis://127.0.0.1:7000/"]).await?;
 /// let mut conn = backend.connection();
@@ -306,7 +306,7 @@ impl ClusterConn {
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
     /// let backend = lock_core::ClusterBackend::connect(&["redis://127.0.0.1:7000/"]).await?;
     /// let conn = backend.connection();
-    /// let raw: redis::cluster_async::ClusterConnection = conn.inner().await?;
+    /// let raw: lock_core::redis::cluster_async::ClusterConnection = conn.inner().await?;
     /// # let _ = raw;
     /// # Ok(()) }
     /// ```
@@ -676,7 +676,7 @@ impl ClusterBackend {
     ///
     /// ```no_run
     /// use lock_core::ClusterBackend;
-    /// use redis::AsyncCommands;
+    /// use lock_core::redis::AsyncCommands;
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let backend = ClusterBackend::connect(&["redis://127.0.0.1:7000/"]).await?;
     /// let mut conn = backend.connection();

@@ -384,7 +384,7 @@ impl RedisBackend {
     ///
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use redis::AsyncCommands;
+    /// use lock_core::redis::AsyncCommands;
     /// let backend = lock_core::RedisBackend::connect("redis://127.0.0.1:6379/").await?;
     /// let mut conn = backend.connection();
     /// let _: () = conn.set("report:last-run", "2026-12-04").await?;
@@ -410,7 +410,7 @@ impl RedisBackend {
 ///
 /// ```no_run
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use redis::AsyncCommands;
+/// use lock_core::redis::AsyncCommands;
 /// let backend = lock_core::RedisBackend::connect("redis://127.0.0.1:6379/").await?;
 /// let mut conn: lock_core::backend::redis::RedisConn = backend.connection();
 /// let n: i64 = conn.incr("visits", 1).await?;
