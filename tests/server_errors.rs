@@ -193,34 +193,6 @@ fn refused<T: std::fmt::Debug>(
     );
 }
 
-/// An operation that the server may run or refuse (under OOM, a script whose first write needs
-/// no memory runs to the end): a full success, or a typed refusal with every key as it was.
-/// Returns whether it ran.
-#[track_caller]
-fn ran_or_refused<T: std::fmt::Debug>(
-    server: &Server,
-    before: &BTreeMap<String, String>,
-    what: &str,
-    r: leasehold::Result<T>,
-) -> bool {
-    match r {
-        Ok(_) => {
-            eprintln!("{what}: ran");
-            true
-        }
-        Err(e) if is_refusal(&e) => {
-            eprintln!("{what}: refused ({e})");
-            assert_eq!(
-                &snapshot(server),
-                before,
-                "{what} changed keys while refused"
-            );
-            false
-        }
-        Err(e) => panic!("{what}: want success or the server's refusal, got {e:?}"),
-    }
-}
-
 /// A queue settle or reap, whose first write frees memory (`ZREM`, `HDEL`): under OOM it runs in
 /// full (Redis lets a script that has written once write on); under any other condition it is
 /// refused with every key as it was. Returns whether it ran.
