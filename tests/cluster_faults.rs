@@ -1178,6 +1178,7 @@ on_each_flavor!(
     a_stuck_slot_costs_only_its_own_leases,
     an_unanswered_extend_is_of_unknown_outcome,
     a_waiter_follows_its_channel_to_a_moved_slot,
+    an_unsubscribe_lost_to_an_outage_is_sent_again,
     a_moving_watched_slot_confuses_no_reply,
     renewal_is_batched_per_master_of_three,
     renewal_is_batched_per_master_out_of_memory,
@@ -1253,6 +1254,75 @@ async fn subscribed_on(cluster: &Cluster, i: usize, channel: &str) -> bool {
         sleep(Duration::from_millis(20)).await;
     }
     false
+}
+
+/// A waiter leaves while the node of its channel is down: the unsubscribe fails, and the client,
+/// which forgets a subscription only when a server confirms its unsubscribe, subscribes the
+/// channel again once the node is back. Nobody waits on it, so it is unsubscribed again, not
+/// left on the server for the connection's life (one per key whose last waiter left in an
+/// outage).
+async fn an_unsubscribe_lost_to_an_outage_is_sent_again(flavor: Flavor) {
+    let mut cluster = Cluster::start(flavor, 3, 0);
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let holder_side = Locker::redis_cluster(&urls).await.expect("connect");
+    let locker = Locker::redis_cluster(&urls).await.expect("connect");
+    let k = locker.lock_key("outage").expect("key");
+    let held = holder_side
+        .try_acquire(
+            "outage",
+            &LockOptions::new().ttl(Duration::from_secs(30)).renew(false),
+        )
+        .await
+        .expect("holder");
+    let waiter = tokio::spawn({
+        let locker = locker.clone();
+        async move {
+            let o = LockOptions::new().wait(Duration::from_secs(60));
+            locker.acquire("outage", &o).await
+        }
+    });
+    let give_up = Instant::now() + Duration::from_secs(5);
+    let node = loop {
+        if let Some(i) = (0..3).find(|&i| subscribers(&cluster, i, k.channel()) == 1) {
+            break i;
+        }
+        assert!(Instant::now() < give_up, "the waiter never subscribed");
+        sleep(Duration::from_millis(20)).await;
+    };
+    cluster.nodes[node].kill();
+    waiter.abort();
+    let _ = waiter.await;
+    drop(held);
+    // Long enough for the unsubscribe to be tried on the dead node and given up.
+    sleep(Duration::from_secs(6)).await;
+    cluster.nodes[node].restart();
+    // A request to the node's slots reconnects the client there, which subscribes again what
+    // it still counts as subscribed.
+    let give_up = Instant::now() + Duration::from_secs(20);
+    loop {
+        match locker.try_acquire("outage", &LockOptions::new()).await {
+            Ok(lease) => {
+                lease.release().await.expect("release");
+                break;
+            }
+            Err(e) => {
+                assert!(Instant::now() < give_up, "the node never came back: {e}");
+                sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    // Whatever was subscribed again is gone within a few seconds and stays gone.
+    let give_up = Instant::now() + Duration::from_secs(5);
+    while subscribers(&cluster, node, k.channel()) != 0 {
+        assert!(
+            Instant::now() < give_up,
+            "a channel nobody waits on is still subscribed on node {node}"
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+    sleep(Duration::from_secs(2)).await;
+    assert_eq!(subscribers(&cluster, node, k.channel()), 0);
 }
 
 /// A slot moves away while a waiter is subscribed to a channel in it: the old node drops the

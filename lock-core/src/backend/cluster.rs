@@ -1027,7 +1027,15 @@ async fn subscriber(
                     (PushKind::SMessage, Some(ch)) => wakeups.wake(&ch),
                     // A (re)subscription confirmed: after a reconnect the client resubscribes,
                     // and releases in the gap went unseen, so that channel's waiters retry.
-                    (PushKind::SSubscribe, Some(ch)) => wakeups.wake(&ch),
+                    (PushKind::SSubscribe, Some(ch)) if wakeups.is_watched(&ch) => {
+                        wakeups.wake(&ch)
+                    }
+                    // One nobody waits on: its unsubscribe failed (its node was down), and the
+                    // client, which forgets a channel only when a server confirms that, took it
+                    // back with the node. Left alone it would stay for the connection's life.
+                    (PushKind::SSubscribe, Some(ch)) => {
+                        let _ = conn.sunsubscribe(&ch).await;
+                    }
                     // The node dropped the subscription of a channel still waited on: its slot
                     // moved away (the client forgets such a channel and would not subscribe it
                     // again). Subscribed again, on the slot's new node, and its waiters retry.
