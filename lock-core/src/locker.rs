@@ -720,7 +720,12 @@ impl<B: Backend + Clone> Locker<B> {
     /// out: that one is answered first. On a slow or unreachable server an attempt can take the
     /// backend's response timeout, twice when its reply is lost and it is sent again to learn
     /// whether it landed (and, with [`replicas`](LockOptions::replicas), the replica timeout
-    /// on top), so a short wait on a failing server ends with its error that much later.
+    /// on top), so a short wait on a failing server ends with its error that much later. On a
+    /// Redlock quorum one attempt is up to [`QuorumConfig::retries`](crate::QuorumConfig::retries)
+    /// more rounds after a split vote (no one with a majority), each after a pause of up to
+    /// [`retry_delay`](crate::QuorumConfig::retry_delay) (about 0.5 s in all with the
+    /// defaults), so a wait shorter than that (or [`try_acquire`](Self::try_acquire)) can end
+    /// that much after its deadline.
     ///
     /// A grant whose reply comes too late to be handed out (see
     /// [`try_acquire`](Self::try_acquire)) is given back and the wait goes on after a pause,
