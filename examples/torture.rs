@@ -1694,6 +1694,33 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
         m
     };
     let pauses = faults.iter().filter(|f| f.kind == "pause").count();
+    // Writes made after a higher fence of their key was accepted (by the writes' reply times):
+    // the ones the fence must refuse. A run with none never put the fence to the test.
+    let stale_attempts = {
+        let mut writes: BTreeMap<&str, Vec<(u64, u64, bool)>> = BTreeMap::new();
+        for e in events.iter().filter(|e| e["ev"].as_str() == Some("write")) {
+            writes
+                .entry(e["key"].as_str().unwrap_or(""))
+                .or_default()
+                .push((
+                    e["t"].as_u64().unwrap_or(0),
+                    e["fence"].as_u64().unwrap_or(0),
+                    e["ok"].as_bool() == Some(true),
+                ));
+        }
+        let mut n = 0u64;
+        for list in writes.values_mut() {
+            list.sort();
+            let mut high = 0;
+            for &(_, fence, ok) in list.iter() {
+                n += u64::from(fence < high);
+                if ok {
+                    high = high.max(fence);
+                }
+            }
+        }
+        n
+    };
     let pauses_on_holder = faults
         .iter()
         .filter(|f| f.kind == "pause" && f.on_holder)
@@ -1998,8 +2025,11 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
         pauses == 0 || lost_updates > 0,
         "negative control: pauses were injected but no unfenced update was lost".into(),
     );
+    // On a cluster the fault mix leaves few pauses (four or five a run), and whether one of
+    // them ends in a stale write depends on the order of two holders' writes: a run there is
+    // held to this only when a stale write was made. The other deployments always are.
     require(
-        pauses == 0 || refused > 0,
+        pauses == 0 || refused > 0 || (opts.deploy == Deploy::Cluster && stale_attempts == 0),
         "pauses were injected but no stale write was refused".into(),
     );
 
@@ -2039,6 +2069,10 @@ fn check(opts: &Opts, events: &[Value], run: &Run) -> bool {
     row(
         "stale writes accepted (must be 0)",
         stale_accepted.to_string(),
+    );
+    row(
+        "writes made after a higher fence was accepted",
+        stale_attempts.to_string(),
     );
     row(
         "accepted fences never granted (must be 0)",
