@@ -382,7 +382,7 @@ impl Backend for MemoryBackend {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::future::Future;
     use std::task::{Context, Poll, Waker};
@@ -417,7 +417,7 @@ mod tests {
     }
 
     /// Runs a memory operation, which completes on its first poll.
-    fn at_once<F: Future>(f: F) -> F::Output {
+    pub(crate) fn at_once<F: Future>(f: F) -> F::Output {
         match std::pin::pin!(f).poll(&mut Context::from_waker(Waker::noop())) {
             Poll::Ready(out) => out,
             Poll::Pending => panic!("memory operations complete at once"),

@@ -501,16 +501,8 @@ impl MemoryQueue {
 #[cfg(test)]
 mod tests {
     use super::{ByText, ClaimReply, JobState, MemoryQueue, Op};
-    use std::future::Future;
-    use std::task::{Context, Poll, Waker};
+    use crate::backend::memory::tests::at_once;
     use std::time::Duration;
-
-    fn at_once<F: Future>(f: F) -> F::Output {
-        match std::pin::pin!(f).poll(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready(out) => out,
-            Poll::Pending => panic!("memory operations complete at once"),
-        }
-    }
 
     /// A step that waits for the queue's lock reads the clock once it has it, as a script reads
     /// `TIME` inside its atomic step: a complete kept waiting 150 ms still keeps its done marker
