@@ -505,8 +505,8 @@ mod tests {
     use std::time::Duration;
 
     /// A step that waits for the queue's lock reads the clock once it has it, as a script reads
-    /// `TIME` inside its atomic step: a complete kept waiting 150 ms still keeps its done marker
-    /// for the whole 100 ms from when it ran, not from when it was called.
+    /// `TIME` inside its atomic step: a complete kept waiting 1.5 s still keeps its done marker
+    /// for the whole second from when it ran, not from when it was called.
     #[test]
     fn a_step_kept_waiting_for_the_lock_times_from_when_it_runs() {
         let q = MemoryQueue::new("leasehold", "clock");
@@ -517,10 +517,12 @@ mod tests {
         std::thread::scope(|scope| {
             let held = q.state();
             let settle = scope.spawn(|| {
-                let op = Op::Complete { keep_done_ms: 100 };
+                let op = Op::Complete {
+                    keep_done_ms: 1_000,
+                };
                 at_once(q.settle(id, attempts, "", &op))
             });
-            std::thread::sleep(Duration::from_millis(150));
+            std::thread::sleep(Duration::from_millis(1_500));
             drop(held);
             let settled = settle.join().expect("settle").expect("settled");
             assert!(settled.is_ok(), "complete refused");
