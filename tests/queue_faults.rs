@@ -830,18 +830,24 @@ async fn warm_queue_through_proxy(flavor: Flavor, name: &str) -> (Server, Proxy,
     (server, proxy, q, id)
 }
 
+/// Job `id` once it has had `attempts` claims and is active no more (given back in the
+/// background), or as it stands after 5 s.
+async fn once_settled(q: &Queue, id: JobId, attempts: u64) -> leasehold::queue::JobInfo {
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        let info = q.job(id).await.expect("job");
+        let settled = info.attempts >= attempts && info.state != JobState::Active;
+        if settled || Instant::now() >= give_up {
+            return info;
+        }
+        sleep(ms(20)).await;
+    }
+}
+
 /// Job `id`, claimed once for nobody, is back in pending within seconds (not left active
 /// until a reaper finds it), its attempt counted and `why` noted; the next claim gets it.
 async fn given_back(q: &Queue, proxy: &Proxy, id: JobId, why: &str) {
-    let give_up = Instant::now() + Duration::from_secs(5);
-    let info = loop {
-        let info = q.job(id).await.expect("job");
-        let settled = info.attempts >= 1 && info.state != JobState::Active;
-        if settled || Instant::now() >= give_up {
-            break info;
-        }
-        sleep(ms(20)).await;
-    };
+    let info = once_settled(q, id, 1).await;
     assert_eq!(
         (info.state, info.attempts),
         (JobState::Pending, 1),
@@ -915,14 +921,7 @@ async fn a_waiting_claim_ends_after_three_late_claims(flavor: Flavor) {
         started.elapsed()
     );
     // The third give-back runs in the background; nothing claims the job after it.
-    let give_up = Instant::now() + Duration::from_secs(5);
-    let info = loop {
-        let info = direct.job(id).await.expect("job");
-        if info.state != JobState::Active || Instant::now() >= give_up {
-            break info;
-        }
-        sleep(ms(20)).await;
-    };
+    let info = once_settled(&direct, id, 3).await;
     assert_eq!(
         (info.state, info.attempts),
         (JobState::Pending, 3),
