@@ -1134,6 +1134,129 @@ async fn a_refused_type_fails_only_its_own_item(flavor: Flavor) {
     assert_eq!(kept, vec!["precious".to_owned()]);
 }
 
+/// Whether `e` is the server's ACL refusal (`NOPERM`).
+fn is_noperm(e: &Error) -> bool {
+    matches!(e, Error::Refused { source, .. } if source.code() == Some("NOPERM"))
+}
+
+/// A key the ACL user may not touch refuses the whole script call that names it (the server
+/// checks every key a call declares before the script runs): its own item fails, and the
+/// others of that call are sent again one a call and answered, acquires and releases alike.
+async fn a_key_the_user_may_not_touch_fails_only_its_own_item(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let user = |keys: &[&str]| {
+        let mut rule = vec!["ACL", "SETUSER", "some-keys", "on", ">pw", "&*", "+@all"];
+        rule.push("resetkeys");
+        rule.extend_from_slice(keys);
+        let _: () = server.cmd(&rule);
+    };
+    user(&["~*"]);
+    let url = server.url().replacen("://", "://some-keys:pw@", 1);
+    let locker = Locker::redis(&url).await.expect("connect");
+    let mut keys: Vec<String> = (0..32).map(|i| format!("ok:{i}")).collect();
+    keys[5] = "denied:5".to_owned();
+    let only_ok = ["~*ok:*", "~*warm*"];
+
+    // Acquires: the shared call is refused, then each of its items goes alone.
+    user(&only_ok);
+    start_counting(&server, &locker).await;
+    let o = opts(30_000).renew(false);
+    let results =
+        futures_util::future::join_all(keys.iter().map(|k| locker.try_acquire(k, &o))).await;
+    assert_eq!(
+        (calls(&server, "evalsha"), rejected(&server, "evalsha")),
+        (31, 2),
+        "want: the first acquire alone, the other 31 refused together, then each alone"
+    );
+    let mut leases = Vec::new();
+    for (i, r) in results.into_iter().enumerate() {
+        match (i, r) {
+            (5, Err(e)) => assert!(is_noperm(&e), "item 5: {e}"),
+            (5, Ok(_)) => panic!("the key outside the user's patterns was granted"),
+            (_, Ok(lease)) => leases.push(lease),
+            (_, Err(e)) => panic!("item {i} failed beside the refused key: {e}"),
+        }
+    }
+    for lease in leases {
+        assert_eq!(lease.release().await.expect("release"), Release::Released);
+    }
+
+    // Releases: all 32 taken while every key was allowed, then released under the narrower rule.
+    user(&["~*"]);
+    let leases: Vec<_> =
+        futures_util::future::join_all(keys.iter().map(|k| locker.try_acquire(k, &o)))
+            .await
+            .into_iter()
+            .map(|r| r.expect("acquire with every key allowed"))
+            .collect();
+    user(&only_ok);
+    let _: () = server.cmd(&["CONFIG", "RESETSTAT"]);
+    let released = futures_util::future::join_all(leases.into_iter().map(|l| l.release())).await;
+    assert_eq!(
+        (calls(&server, "evalsha"), rejected(&server, "evalsha")),
+        (31, 2),
+        "want: the first release alone, the other 31 refused together, then each alone"
+    );
+    for (i, r) in released.into_iter().enumerate() {
+        let lock = locker.lock_key(&keys[i]).expect("key");
+        let held: i64 = server.cmd(&["EXISTS", lock.lock_key()]);
+        match (i, r) {
+            (5, Err(e)) => {
+                assert!(is_noperm(&e), "item 5: {e}");
+                assert_eq!(held, 1, "the refused release deleted its key");
+            }
+            (5, Ok(r)) => panic!("the key outside the user's patterns was released: {r:?}"),
+            (_, Ok(r)) => {
+                assert_eq!(r, Release::Released, "item {i}");
+                assert_eq!(held, 0, "item {i} still held after its release");
+            }
+            (_, Err(e)) => panic!("item {i} failed beside the refused key: {e}"),
+        }
+    }
+}
+
+/// A renewal call shared by a lease whose key the ACL user may no longer touch: that lease is
+/// told it is lost, and the lease beside it keeps being renewed (with the whole call refused
+/// for both, it would be lost too).
+async fn a_key_the_user_may_no_longer_touch_loses_only_its_own_lease(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let user = |keys: &[&str]| {
+        let mut rule = vec!["ACL", "SETUSER", "some-keys", "on", ">pw", "&*", "+@all"];
+        rule.push("resetkeys");
+        rule.extend_from_slice(keys);
+        let _: () = server.cmd(&rule);
+    };
+    user(&["~*"]);
+    let url = server.url().replacen("://", "://some-keys:pw@", 1);
+    let locker = Locker::redis(&url).await.expect("connect");
+    let o = opts(1_500);
+    let (kept, revoked) = tokio::join!(
+        locker.try_acquire("ok:kept", &o),
+        locker.try_acquire("denied:revoked", &o)
+    );
+    let (kept, revoked) = (kept.expect("acquire"), revoked.expect("acquire"));
+    user(&["~*ok:*"]);
+    let _: () = server.cmd(&["CONFIG", "RESETSTAT"]);
+    tokio::time::timeout(Duration::from_secs(3), revoked.lost())
+        .await
+        .expect("the lease the user may no longer touch was not told it is lost");
+    // Two TTLs more: the other lease must have been renewed all along.
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    assert!(!kept.is_lost(), "the lease beside the refused key was lost");
+    let lock = locker.lock_key("ok:kept").expect("key");
+    let pttl: i64 = server.cmd(&["PTTL", lock.lock_key()]);
+    assert!(
+        pttl > 0,
+        "the kept lease's key is gone from the server ({pttl})"
+    );
+    assert_eq!(
+        rejected(&server, "evalsha"),
+        2,
+        "want: the shared renewal refused, then the revoked lease's own"
+    );
+    assert_eq!(kept.release().await.expect("release"), Release::Released);
+}
+
 /// One item of a shared call that meets a foreign type fails alone: the others are granted,
 /// and nothing is written for it.
 async fn one_foreign_key_in_a_batch(flavor: Flavor) {
@@ -1546,6 +1669,14 @@ macro_rules! faults {
             #[tokio::test(flavor = "current_thread")]
             async fn a_refused_type_fails_only_its_own_item() {
                 super::a_refused_type_fails_only_its_own_item($flavor).await
+            }
+            #[tokio::test(flavor = "current_thread")]
+            async fn a_key_the_user_may_not_touch_fails_only_its_own_item() {
+                super::a_key_the_user_may_not_touch_fails_only_its_own_item($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_key_the_user_may_no_longer_touch_loses_only_its_own_lease() {
+                super::a_key_the_user_may_no_longer_touch_loses_only_its_own_lease($flavor).await
             }
             #[tokio::test(flavor = "current_thread")]
             async fn one_foreign_key_in_a_batch() {

@@ -632,8 +632,9 @@ pub(super) mod ops {
         ttl: Duration,
         keep: Option<Duration>,
     ) -> Result<AcquireReply> {
-        let items = [(key, token, ttl, keep)].into_iter();
-        let mut answers = acquire_many(conn, scripts, items).await;
+        let items = std::iter::once((key, token, ttl, keep));
+        let answer = acquire_call(conn, scripts, items.clone()).await;
+        let mut answers = acquire_answers(scripts, items, answer);
         answers
             .pop()
             .unwrap_or_else(|| Err(unexpected("acquire", &Value::Nil)))
@@ -648,11 +649,40 @@ pub(super) mod ops {
         items: I,
     ) -> Vec<Result<AcquireReply>>
     where
-        C: ConnectionLike,
+        C: ConnectionLike + Clone,
         I: ExactSizeIterator<Item = (&'a LockKey, &'a Token, Duration, Option<Duration>)> + Clone,
     {
+        match acquire_call(conn, scripts, items.clone()).await {
+            Err(e) if items.len() > 1 && refused_for_a_key(&e) => {
+                let alone = items.map(|item| {
+                    let mut conn = conn.clone();
+                    async move {
+                        let one = std::iter::once(item);
+                        acquire_answers(
+                            scripts,
+                            one.clone(),
+                            acquire_call(&mut conn, scripts, one).await,
+                        )
+                    }
+                });
+                let answers = futures_util::future::join_all(alone).await;
+                answers.into_iter().flatten().collect()
+            }
+            answer => acquire_answers(scripts, items, answer),
+        }
+    }
+
+    async fn acquire_call<'a, C, I>(
+        conn: &mut C,
+        scripts: &Scripts,
+        items: I,
+    ) -> redis::RedisResult<Value>
+    where
+        C: ConnectionLike,
+        I: Iterator<Item = (&'a LockKey, &'a Token, Duration, Option<Duration>)>,
+    {
         let mut inv = scripts.acquire.prepare_invoke();
-        for (key, token, ttl, keep) in items.clone() {
+        for (key, token, ttl, keep) in items {
             // 0: kept for ever. Bounded here too (the trait method is public; `LockOptions`
             // refuses more than a year before any round trip), so no overflow.
             let keep = keep.map_or(0, |keep| {
@@ -664,7 +694,18 @@ pub(super) mod ops {
                 .arg(ttl.as_millis() as u64)
                 .arg(keep);
         }
-        match inv.invoke_async::<Value>(conn).await {
+        inv.invoke_async::<Value>(conn).await
+    }
+
+    fn acquire_answers<'a, I>(
+        scripts: &Scripts,
+        items: I,
+        answer: redis::RedisResult<Value>,
+    ) -> Vec<Result<AcquireReply>>
+    where
+        I: ExactSizeIterator<Item = (&'a LockKey, &'a Token, Duration, Option<Duration>)>,
+    {
+        match answer {
             Ok(Value::Array(replies)) if replies.len() == 2 * items.len() => items
                 .zip(replies.chunks_exact(2))
                 .map(|((key, ..), reply)| acquire_reply(key, &reply[0], &reply[1]))
@@ -674,6 +715,15 @@ pub(super) mod ops {
                 .map(|(key, ..)| Err(scripts.classify("acquire", key.key(), e.clone())))
                 .collect(),
         }
+    }
+
+    /// Whether the server refused a whole call for one of the keys it names: an ACL rule checks
+    /// every key a script call declares before the script runs, so one item's key outside the
+    /// user's key patterns refuses the call for every item in it. Sent again one item a call,
+    /// the others get their own answers rather than a refusal that is not theirs (a `Locker`
+    /// with a prefix the user may not touch, beside one it may, on one shared connection).
+    fn refused_for_a_key(e: &redis::RedisError) -> bool {
+        e.code() == Some("NOPERM") && e.to_string().to_ascii_lowercase().contains("key")
     }
 
     /// One item's answer: its status and value (see `acquire.lua`).
@@ -719,7 +769,9 @@ pub(super) mod ops {
         token: &Token,
         publish: &str,
     ) -> Result<bool> {
-        let mut answers = release_many(conn, scripts, [(key, token)].into_iter(), publish).await;
+        let items = std::iter::once((key, token));
+        let answer = release_call(conn, scripts, items.clone(), publish).await;
+        let mut answers = release_answers(scripts, items, answer);
         answers
             .pop()
             .unwrap_or_else(|| Err(unexpected("release", &Value::Nil)))
@@ -734,17 +786,55 @@ pub(super) mod ops {
         publish: &str,
     ) -> Vec<Result<bool>>
     where
-        C: ConnectionLike,
+        C: ConnectionLike + Clone,
         I: ExactSizeIterator<Item = (&'a LockKey, &'a Token)> + Clone,
+    {
+        match release_call(conn, scripts, items.clone(), publish).await {
+            Err(e) if items.len() > 1 && refused_for_a_key(&e) => {
+                let alone = items.map(|item| {
+                    let mut conn = conn.clone();
+                    async move {
+                        let one = std::iter::once(item);
+                        let answer = release_call(&mut conn, scripts, one.clone(), publish).await;
+                        release_answers(scripts, one, answer)
+                    }
+                });
+                let answers = futures_util::future::join_all(alone).await;
+                answers.into_iter().flatten().collect()
+            }
+            answer => release_answers(scripts, items, answer),
+        }
+    }
+
+    async fn release_call<'a, C, I>(
+        conn: &mut C,
+        scripts: &Scripts,
+        items: I,
+        publish: &str,
+    ) -> redis::RedisResult<Value>
+    where
+        C: ConnectionLike,
+        I: Iterator<Item = (&'a LockKey, &'a Token)>,
     {
         let mut inv = scripts.release.prepare_invoke();
         inv.arg(publish);
-        for (key, token) in items.clone() {
+        for (key, token) in items {
             inv.key(key.lock_key())
                 .arg(token.as_str())
                 .arg(key.channel());
         }
-        match inv.invoke_async::<Value>(conn).await {
+        inv.invoke_async::<Value>(conn).await
+    }
+
+    fn release_answers<'a, I>(
+        scripts: &Scripts,
+        items: I,
+        answer: redis::RedisResult<Value>,
+    ) -> Vec<Result<bool>>
+    where
+        I: ExactSizeIterator<Item = (&'a LockKey, &'a Token)>,
+    {
+        match answer {
             Ok(Value::Array(replies)) if replies.len() == items.len() => items
                 .zip(&replies)
                 .map(|((key, _), reply)| match reply {
@@ -771,26 +861,37 @@ pub(super) mod ops {
     }
 
     /// One script call for `items`, which must all sit in one slot on a cluster.
-    pub(crate) async fn extend<C: ConnectionLike>(
-        mut conn: C,
+    pub(crate) async fn extend<C: ConnectionLike + Clone>(
+        conn: C,
         scripts: &Scripts,
         items: &[(LockKey, Token)],
         ttl: Duration,
     ) -> Result<Vec<bool>> {
-        let mut inv = scripts.extend.prepare_invoke();
-        inv.arg(ttl.as_millis() as u64);
-        for (key, token) in items {
-            inv.key(key.lock_key()).arg(token.as_str());
-        }
         // A lone lease (an explicit extend) is named in the error; a batch has no one key.
         let named = match items {
             [(key, _)] => key.key(),
             _ => "(batch)",
         };
-        let answers = inv
-            .invoke_async::<Vec<i64>>(&mut conn)
-            .await
-            .map_err(|e| scripts.classify("extend", named, e))?;
+        let answers = match extend_call(conn.clone(), scripts, items, ttl).await {
+            Err(e) if items.len() > 1 && refused_for_a_key(&e) => {
+                let alone = items.iter().map(|item| {
+                    extend_call(conn.clone(), scripts, std::slice::from_ref(item), ttl)
+                });
+                let mut answers = Vec::with_capacity(items.len());
+                for answer in futures_util::future::join_all(alone).await {
+                    match answer {
+                        Ok(one) => answers.extend(one),
+                        // The user may no longer touch this lease's key (its rule changed):
+                        // no renewal can keep it, so its holder is told it is lost now rather
+                        // than the renewals of the leases beside it failing with it.
+                        Err(e) if refused_for_a_key(&e) => answers.push(0),
+                        Err(e) => return Err(scripts.classify("extend", named, e)),
+                    }
+                }
+                answers
+            }
+            answer => answer.map_err(|e| scripts.classify("extend", named, e))?,
+        };
         // Answers are matched to leases by position: a reply of another length (or with a
         // value the script never gives) would tell one lease another's fate, so it fails the
         // whole call instead, as an unreadable reply.
@@ -799,6 +900,20 @@ pub(super) mod ops {
             return Err(unexpected("extend", &reply));
         }
         Ok(answers.into_iter().map(|n| n == 1).collect())
+    }
+
+    async fn extend_call<C: ConnectionLike>(
+        mut conn: C,
+        scripts: &Scripts,
+        items: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> redis::RedisResult<Vec<i64>> {
+        let mut inv = scripts.extend.prepare_invoke();
+        inv.arg(ttl.as_millis() as u64);
+        for (key, token) in items {
+            inv.key(key.lock_key()).arg(token.as_str());
+        }
+        inv.invoke_async::<Vec<i64>>(&mut conn).await
     }
 
     pub(crate) async fn admit<C: ConnectionLike>(
