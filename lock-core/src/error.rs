@@ -232,7 +232,9 @@ pub enum Error {
     /// OOM, MISCONF and READONLY the server refuses a script at its first write, so the call
     /// wrote nothing; an ACL rule that denies a later command of a queue script is refused
     /// there, after the script's earlier writes (see the README's section on restricted users).
-    /// It may succeed once the condition clears.
+    /// It may succeed once the condition clears, except a plain `ERR` (a command or syntax the
+    /// server does not have, such as the `SET ... NX GET` of Redis 7 on an older server), which
+    /// [`is_transient`](Error::is_transient) does not count as passing.
     #[error("the server refused {op} on `{key}`: {source}")]
     Refused {
         /// The operation that was refused.
@@ -296,6 +298,10 @@ impl Error {
             // A URL that does not parse, a scheme or TLS setting this build cannot use: the
             // same input fails the same way however long one waits.
             Error::Unavailable(e) if e.kind() == redis::ErrorKind::InvalidClientConfig => false,
+            // A plain `ERR` is the server refusing the command itself (a syntax its version
+            // lacks, such as `SET ... NX GET` before Redis 7, or a script that cannot run),
+            // not its condition (`OOM`, `READONLY`, `BUSY`, `LOADING`... have codes of their own).
+            Error::Refused { source, .. } if source.code() == Some("ERR") => false,
             _ => matches!(
                 self,
                 Error::Refused { .. }
@@ -407,6 +413,31 @@ mod tests {
             "No connections found",
         ));
         assert!(matches!(sort(none), Error::OutcomeUnknown { .. }));
+    }
+
+    /// A server that cannot run the command at all refuses it the same way on every retry; one
+    /// in a passing condition may not.
+    #[test]
+    fn a_plain_err_refusal_is_not_transient() {
+        let refusal = |line: &str| classify("acquire", "k", error_reply(line));
+        let old_server = refusal("ERR syntax error");
+        assert!(
+            matches!(old_server, Error::Refused { .. }),
+            "{old_server:?}"
+        );
+        assert!(!old_server.is_transient());
+        for passing in [
+            "OOM command not allowed when used memory > 'maxmemory'.",
+            "READONLY You can't write against a read only replica.",
+            "BUSY Redis is busy running a script.",
+            "MISCONF Errors writing to the AOF file",
+        ] {
+            let e = refusal(passing);
+            assert!(
+                matches!(e, Error::Refused { .. }) && e.is_transient(),
+                "{passing}: {e:?}"
+            );
+        }
     }
 
     #[test]
