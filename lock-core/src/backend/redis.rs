@@ -727,7 +727,11 @@ pub(super) mod ops {
     }
 
     /// One item's answer: its status and value (see `acquire.lua`).
-    fn acquire_reply(key: &LockKey, status: &Value, value: &Value) -> Result<AcquireReply> {
+    pub(super) fn acquire_reply(
+        key: &LockKey,
+        status: &Value,
+        value: &Value,
+    ) -> Result<AcquireReply> {
         let unexpected = || {
             unexpected(
                 "acquire",
@@ -738,11 +742,20 @@ pub(super) mod ops {
             Some(1) => Ok(AcquireReply::Granted {
                 fence: fence_value(value).ok_or_else(unexpected)?,
             }),
+            // Held: the holder's PTTL, -1 when it has no expiry. Anything but an integer is
+            // no PTTL: read as "held for ever", it would hide a reply the script never gives.
             Some(0) => {
-                let pttl = int(value).unwrap_or(-1);
+                let pttl = int(value).ok_or_else(unexpected)?;
                 Ok(AcquireReply::Held {
                     remaining: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
                 })
+            }
+            // The type (-1, -2) and the refusal (-3) are text; a status with anything else is
+            // as unreadable as an unknown status.
+            _ if !matches!(value, Value::BulkString(_) | Value::SimpleString(_))
+                && matches!(int(status), Some(-3..=-1)) =>
+            {
+                Err(unexpected())
             }
             // The item's lock (-1) or fence (-2) key holds a foreign type; name the key.
             Some(-1) => Err(Error::WrongType {
@@ -1484,6 +1497,52 @@ pub(super) async fn drain_while_down(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each status of `acquire.lua` with the value it comes with is read; with any other value
+    /// it is an unreadable reply (which the locker asks again about), never a verdict.
+    #[test]
+    fn acquire_replies_are_read_strictly() {
+        let key = LockKey::new("", "k");
+        let read =
+            |status: i64, value: Value| ops::acquire_reply(&key, &Value::Int(status), &value);
+        let text = |s: &str| Value::BulkString(s.as_bytes().to_vec());
+        assert!(matches!(
+            read(1, Value::Int(7)),
+            Ok(AcquireReply::Granted { fence: 7 })
+        ));
+        let held = read(0, Value::Int(1500));
+        assert!(
+            matches!(held, Ok(AcquireReply::Held { remaining: Some(d) }) if d.as_millis() == 1500),
+            "{held:?}"
+        );
+        assert!(matches!(
+            read(0, Value::Int(-1)),
+            Ok(AcquireReply::Held { remaining: None })
+        ));
+        assert!(matches!(
+            read(-1, text("list")),
+            Err(Error::WrongType { .. })
+        ));
+        assert!(matches!(
+            read(-3, text("OOM command not allowed")),
+            Err(Error::Refused { .. })
+        ));
+        for (status, value) in [
+            (0, Value::Nil),
+            (0, text("1500")),
+            (-1, Value::Nil),
+            (-2, Value::Int(3)),
+            (-3, Value::Nil),
+            (-3, Value::Array(vec![])),
+            (2, Value::Int(1)),
+        ] {
+            let r = read(status, value.clone());
+            assert!(
+                matches!(&r, Err(e) if e.may_have_landed()),
+                "{status}, {value:?}: {r:?}"
+            );
+        }
+    }
 
     /// A CA given without the `tls` feature is refused before any connection, not ignored (the
     /// connection would then trust the platform's roots instead of the CA asked for).
