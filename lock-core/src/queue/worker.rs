@@ -19,6 +19,26 @@ use crate::types::{Fence, Token, drift, validate_ttl, warn_ahead};
 
 /// A claimed job as a handler sees it. The worker owns the lease; the handler only does the
 /// work.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::{Queue, Worker};
+/// use std::time::Duration;
+/// let queue = Queue::memory("greetings")?;
+/// queue.enqueue(b"hello").await?;
+/// let (out, mut done) = tokio::sync::mpsc::unbounded_channel();
+/// let worker = Worker::new(queue).start(move |job| {
+///     let out = out.clone();
+///     async move {
+///         let text = std::str::from_utf8(job.payload())?; // not UTF-8: retried
+///         out.send(format!("{text}, attempt {}", job.attempts()))?;
+///         Ok(())
+///     }
+/// })?;
+/// assert_eq!(done.recv().await.as_deref(), Some("hello, attempt 1"));
+/// worker.shutdown(Duration::from_secs(1)).await;
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Job {
     id: JobId,
@@ -29,11 +49,53 @@ pub struct Job {
 
 impl Job {
     /// The job.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::{Queue, Worker};
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// let id = queue.enqueue(b"welcome").await?;
+    /// let (seen, mut jobs) = tokio::sync::mpsc::unbounded_channel();
+    /// let worker = Worker::new(queue).start(move |job| {
+    ///     let _ = seen.send(job); // a copy out, to look at
+    ///     async { Ok(()) }
+    /// })?;
+    /// let job = jobs.recv().await.expect("the worker ran the job");
+    /// assert_eq!(job.id(), id);
+    /// worker.shutdown(Duration::from_secs(1)).await;
+    /// # Ok(()) }
+    /// ```
     pub fn id(&self) -> JobId {
         self.id
     }
 
     /// This run's attempt number (1 on the first run).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::{JobError, Queue, Worker};
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"welcome").await?;
+    /// let (seen, mut attempts) = tokio::sync::mpsc::unbounded_channel();
+    /// let worker = Worker::new(queue)
+    ///     .backoff(Duration::ZERO, Duration::ZERO) // retry at once
+    ///     .start(move |job| {
+    ///         let _ = seen.send(job.attempts());
+    ///         async move {
+    ///             match job.attempts() {
+    ///                 1 => Err(JobError::retry("flaky upstream")),
+    ///                 _ => Ok(()),
+    ///             }
+    ///         }
+    ///     })?;
+    /// assert_eq!(attempts.recv().await, Some(1));
+    /// assert_eq!(attempts.recv().await, Some(2)); // the same job, run again
+    /// let report = worker.shutdown(Duration::from_secs(1)).await;
+    /// assert_eq!((report.retried, report.completed), (1, 1));
+    /// # Ok(()) }
+    /// ```
     pub fn attempts(&self) -> u64 {
         self.attempts
     }
@@ -43,21 +105,110 @@ impl Job {
     /// key its check by the job id too (a [`FenceGate`](crate::FenceGate) named after the
     /// resource *and* the job): one keyed by the resource alone would refuse job B's attempt 1
     /// after admitting job A's attempt 3. See [`Claim::fence`](super::Claim::fence).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::Fence;
+    /// use lock_core::queue::{JobError, Queue, Worker};
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("invoices")?;
+    /// queue.enqueue(b"invoice 17").await?;
+    /// let (seen, mut jobs) = tokio::sync::mpsc::unbounded_channel();
+    /// let worker = Worker::new(queue)
+    ///     .backoff(Duration::ZERO, Duration::ZERO)
+    ///     .start(move |job| {
+    ///         let first = job.attempts() == 1;
+    ///         let _ = seen.send(job);
+    ///         async move {
+    ///             if first {
+    ///                 return Err(JobError::retry("lost the race"));
+    ///             }
+    ///             Ok(())
+    ///         }
+    ///     })?;
+    /// let first = jobs.recv().await.expect("the first run");
+    /// let second = jobs.recv().await.expect("the second run");
+    /// assert_eq!((first.fence(), second.fence()), (Fence(1), Fence(2)));
+    /// assert_eq!(first.id(), second.id()); // compare fences of one job only
+    /// worker.shutdown(Duration::from_secs(1)).await;
+    /// # Ok(()) }
+    /// ```
     pub fn fence(&self) -> Fence {
         Fence(self.attempts)
     }
 
     /// The payload as enqueued.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::{Queue, Worker};
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("resize")?;
+    /// queue.enqueue(b"cat.png").await?;
+    /// let (seen, mut payloads) = tokio::sync::mpsc::unbounded_channel();
+    /// let worker = Worker::new(queue).start(move |job| {
+    ///     let _ = seen.send(job.payload().to_vec());
+    ///     async { Ok(()) }
+    /// })?;
+    /// assert_eq!(payloads.recv().await.as_deref(), Some(&b"cat.png"[..]));
+    /// worker.shutdown(Duration::from_secs(1)).await;
+    /// # Ok(()) }
+    /// ```
     pub fn payload(&self) -> &[u8] {
         &self.payload
     }
 
     /// The lease deadline at claim time, in ms since the Unix epoch on the store's clock.
+    ///
+    /// It is not moved by the worker's extends: the job keeps the deadline of its claim.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::{Queue, Worker};
+    /// use std::time::{Duration, SystemTime, UNIX_EPOCH};
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"welcome").await?;
+    /// let (seen, mut jobs) = tokio::sync::mpsc::unbounded_channel();
+    /// let worker = Worker::new(queue)
+    ///     .ttl(Duration::from_secs(10))
+    ///     .start(move |job| {
+    ///         let _ = seen.send(job);
+    ///         async { Ok(()) }
+    ///     })?;
+    /// let job = jobs.recv().await.expect("the worker ran the job");
+    /// let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).expect("after 1970");
+    /// let now_ms = since_epoch.as_millis() as u64;
+    /// // Claimed a moment ago for 10 s (give or take a clock tick).
+    /// let left_ms = job.deadline_ms().saturating_sub(now_ms);
+    /// assert!(left_ms > 9_000 && left_ms <= 10_010, "{left_ms} ms left");
+    /// worker.shutdown(Duration::from_secs(1)).await;
+    /// # Ok(()) }
+    /// ```
     pub fn deadline_ms(&self) -> u64 {
         self.deadline_ms
     }
 
-    /// Decodes a JSON payload (see [`Queue::enqueue_json`]).
+    /// Decodes a JSON payload (see [`Queue::enqueue_json`]); [`Error::Codec`] when it is not
+    /// JSON of that shape.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::{Queue, Worker};
+    /// use serde_json::{Value, json};
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("thumbnails")?;
+    /// queue.enqueue_json(&json!({ "path": "cat.png", "width": 128 })).await?;
+    /// let (seen, mut jobs) = tokio::sync::mpsc::unbounded_channel();
+    /// let worker = Worker::new(queue).start(move |job| {
+    ///     let _ = seen.send(job);
+    ///     async { Ok(()) }
+    /// })?;
+    /// let job = jobs.recv().await.expect("the worker ran the job");
+    /// assert_eq!(job.json::<Value>()?["width"], 128);
+    /// assert!(job.json::<Vec<u32>>().is_err()); // an object, not a list
+    /// worker.shutdown(Duration::from_secs(1)).await;
+    /// # Ok(()) }
+    /// ```
     #[cfg(feature = "serde")]
     pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T> {
         serde_json::from_slice(&self.payload).map_err(|e| Error::Codec(Box::new(e)))
@@ -86,7 +237,30 @@ pub struct JobError {
 
 impl JobError {
     /// A failure worth another attempt: the job is retried after the worker's backoff, or goes
-    /// to the dead set when it has no attempts left.
+    /// to the dead set when it has no attempts left. The message is stored as the job's error.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::{JobError, JobState, Queue, Worker};
+    /// use std::time::Duration;
+    /// let err = JobError::retry("smtp timeout");
+    /// assert!(!err.is_permanent());
+    /// assert_eq!(err.to_string(), "smtp timeout");
+    ///
+    /// let queue = Queue::memory("mail")?;
+    /// let id = queue.enqueue(b"welcome").await?;
+    /// let worker = Worker::new(queue.clone())
+    ///     .backoff(Duration::from_secs(60), Duration::from_secs(60))
+    ///     .start(|_job| async { Err(JobError::retry("smtp timeout")) })?;
+    /// while worker.report().retried == 0 {
+    ///     tokio::time::sleep(Duration::from_millis(5)).await;
+    /// }
+    /// let info = queue.job(id).await?;
+    /// assert_eq!(info.state, JobState::Delayed); // back in 60 s, for attempt 2
+    /// assert_eq!(info.error.as_deref(), Some("smtp timeout"));
+    /// worker.shutdown(Duration::from_secs(1)).await;
+    /// # Ok(()) }
+    /// ```
     pub fn retry(message: impl fmt::Display) -> JobError {
         JobError {
             message: message.to_string(),
@@ -94,7 +268,28 @@ impl JobError {
         }
     }
 
-    /// A failure no retry will fix: the job goes to the dead set now.
+    /// A failure no retry will fix: the job goes to the dead set now, whatever attempts it has
+    /// left. The message is stored as the job's error.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::{JobError, JobState, Queue, Worker};
+    /// use std::time::Duration;
+    /// assert!(JobError::permanent("mailbox gone").is_permanent());
+    ///
+    /// let queue = Queue::memory("mail")?; // 5 attempts a job by default
+    /// let id = queue.enqueue(b"bounce").await?;
+    /// let worker = Worker::new(queue.clone())
+    ///     .start(|_job| async { Err(JobError::permanent("mailbox gone")) })?;
+    /// while worker.report().failed == 0 {
+    ///     tokio::time::sleep(Duration::from_millis(5)).await;
+    /// }
+    /// let info = queue.job(id).await?;
+    /// assert_eq!((info.state, info.attempts), (JobState::Dead, 1)); // no second attempt
+    /// assert_eq!(info.error.as_deref(), Some("mailbox gone"));
+    /// worker.shutdown(Duration::from_secs(1)).await;
+    /// # Ok(()) }
+    /// ```
     pub fn permanent(message: impl fmt::Display) -> JobError {
         JobError {
             message: message.to_string(),
@@ -103,6 +298,14 @@ impl JobError {
     }
 
     /// Whether the job should go straight to the dead set.
+    ///
+    /// ```
+    /// use lock_core::queue::JobError;
+    /// assert!(JobError::permanent("bad payload").is_permanent());
+    /// assert!(!JobError::retry("timeout").is_permanent());
+    /// // Errors converted by `?` are retries.
+    /// assert!(!JobError::from(std::fmt::Error).is_permanent());
+    /// ```
     pub fn is_permanent(&self) -> bool {
         self.permanent
     }
@@ -121,6 +324,21 @@ impl<E: std::error::Error> From<E> for JobError {
 }
 
 /// What a worker did, as counts (see [`WorkerHandle::report`]).
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::{Queue, Worker, WorkerReport};
+/// use std::time::Duration;
+/// let queue = Queue::memory("mail")?;
+/// queue.enqueue(b"welcome").await?;
+/// let worker = Worker::new(queue).start(|_job| async { Ok(()) })?;
+/// while worker.report().completed == 0 {
+///     tokio::time::sleep(Duration::from_millis(5)).await;
+/// }
+/// let report = worker.shutdown(Duration::from_secs(1)).await;
+/// assert_eq!(report, WorkerReport { claimed: 1, completed: 1, ..WorkerReport::default() });
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkerReport {
     /// Jobs claimed.
@@ -172,6 +390,10 @@ fn bump(c: &AtomicU64) {
 
 /// The most handlers one [`Worker`] runs at once: each is a task waiting on the queue, and a
 /// worker is meant for a process's share of the work, not for a task per job.
+///
+/// ```
+/// assert_eq!(lock_core::queue::MAX_CONCURRENCY, 10_000);
+/// ```
 pub const MAX_CONCURRENCY: usize = 10_000;
 
 /// Runs a handler over a [`Queue`] with `concurrency` jobs at a time.
@@ -224,6 +446,24 @@ pub struct Worker {
 impl Worker {
     /// A worker on `queue` with the defaults: one job at a time, 30 s leases, a reap every
     /// second, retries after 1 s doubling up to 5 min.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::{Queue, Worker};
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// let first = queue.enqueue(b"first").await?;
+    /// let second = queue.enqueue(b"second").await?;
+    /// let (seen, mut ids) = tokio::sync::mpsc::unbounded_channel();
+    /// let worker = Worker::new(queue).start(move |job| {
+    ///     let _ = seen.send(job.id());
+    ///     async { Ok(()) }
+    /// })?;
+    /// // One job at a time, oldest first.
+    /// assert_eq!((ids.recv().await, ids.recv().await), (Some(first), Some(second)));
+    /// worker.shutdown(Duration::from_secs(1)).await;
+    /// # Ok(()) }
+    /// ```
     pub fn new(queue: Queue) -> Worker {
         Worker {
             queue,
@@ -344,6 +584,27 @@ impl Worker {
     /// [`Error::InvalidTtl`] if the lease is out of range, [`Error::InvalidDuration`] if the
     /// reap interval is under a millisecond or the backoff cap is above [`MAX_RETRY_DELAY`], or
     /// [`Error::InvalidCount`] if the concurrency is above [`MAX_CONCURRENCY`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::Error;
+    /// use lock_core::queue::{Queue, Worker};
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// queue.enqueue(b"welcome").await?;
+    /// let handler = |_job| async { Ok(()) };
+    /// let refused = Worker::new(queue.clone()).ttl(Duration::ZERO).start(handler);
+    /// assert!(matches!(refused, Err(Error::InvalidTtl { .. })));
+    /// assert_eq!(queue.counts().await?.pending, 1); // nothing was claimed
+    ///
+    /// let worker = Worker::new(queue.clone()).start(handler)?;
+    /// while worker.report().completed == 0 {
+    ///     tokio::time::sleep(Duration::from_millis(5)).await;
+    /// }
+    /// assert_eq!(queue.counts().await?.pending, 0);
+    /// worker.shutdown(Duration::from_secs(1)).await;
+    /// # Ok(()) }
+    /// ```
     pub fn start<F, Fut>(self, handler: F) -> Result<WorkerHandle>
     where
         F: Fn(Job) -> Fut + Send + Sync + 'static,
@@ -388,6 +649,20 @@ impl Worker {
 /// A running [`Worker`]. Dropping the handle leaves the worker running; call
 /// [`shutdown`](WorkerHandle::shutdown) to stop it gracefully or [`abort`](WorkerHandle::abort)
 /// to stop it at once.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+/// use lock_core::queue::{JobState, Queue, Worker};
+/// use std::time::Duration;
+/// let queue = Queue::memory("mail")?;
+/// let handle = Worker::new(queue.clone()).start(|_job| async { Ok(()) })?;
+/// drop(handle); // the worker runs on, with no way left to stop it
+/// let id = queue.enqueue(b"welcome").await?;
+/// while queue.job(id).await?.state != JobState::Done {
+///     tokio::time::sleep(Duration::from_millis(5)).await;
+/// }
+/// # Ok(()) }
+/// ```
 pub struct WorkerHandle {
     stop: CancellationToken,
     stats: Arc<Stats>,
@@ -442,6 +717,38 @@ impl WorkerHandle {
     ///
     /// Cutting off drops each handler at its next `.await`: one that blocks its thread at that
     /// moment runs on until it yields, after this returns.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::{Job, JobState, Queue, Worker};
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// let handler = |job: Job| async move {
+    ///     let quick = job.payload() == b"quick";
+    ///     let work = if quick { Duration::from_millis(20) } else { Duration::from_secs(3600) };
+    ///     tokio::time::sleep(work).await;
+    ///     Ok(())
+    /// };
+    /// queue.enqueue(b"quick").await?;
+    /// let worker = Worker::new(queue.clone()).start(handler)?;
+    /// while worker.report().in_flight == 0 {
+    ///     tokio::time::sleep(Duration::from_millis(1)).await;
+    /// }
+    /// // A handler that ends within the grace finishes, and its job is completed.
+    /// let report = worker.shutdown(Duration::from_secs(5)).await;
+    /// assert_eq!((report.completed, report.in_flight), (1, 0));
+    ///
+    /// let id = queue.enqueue(b"slow").await?;
+    /// let worker = Worker::new(queue.clone()).start(handler)?;
+    /// while worker.report().in_flight == 0 {
+    ///     tokio::time::sleep(Duration::from_millis(1)).await;
+    /// }
+    /// // One that does not is cut off; its job stays active until the reaper returns it.
+    /// let report = worker.shutdown(Duration::from_millis(50)).await;
+    /// assert_eq!((report.completed, report.in_flight), (0, 1));
+    /// assert_eq!(queue.job(id).await?.state, JobState::Active);
+    /// # Ok(()) }
+    /// ```
     pub fn shutdown(self, grace: Duration) -> impl Future<Output = WorkerReport> + Send + 'static {
         // Here, not in the future: one dropped unpolled must still stop the worker.
         self.stop.cancel();
@@ -459,6 +766,31 @@ impl WorkerHandle {
 
     /// Stops everything at once, as a crash would: running handlers are dropped mid-job and
     /// their jobs stay active until the reaper returns them.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
+    /// use lock_core::queue::{JobState, Queue, Worker};
+    /// use std::time::Duration;
+    /// let queue = Queue::memory("mail")?;
+    /// let id = queue.enqueue(b"welcome").await?;
+    /// let worker = Worker::new(queue.clone())
+    ///     .ttl(Duration::from_millis(100))
+    ///     .start(|_job| async {
+    ///         tokio::time::sleep(Duration::from_secs(3600)).await;
+    ///         Ok(())
+    ///     })?;
+    /// while worker.report().in_flight == 0 {
+    ///     tokio::time::sleep(Duration::from_millis(1)).await;
+    /// }
+    /// worker.abort();
+    /// assert_eq!(queue.job(id).await?.state, JobState::Active); // not given back
+    /// tokio::time::sleep(Duration::from_millis(300)).await; // no one extends the lease now
+    /// let reaped = queue.reap().await?;
+    /// let back = reaped.first().map(|r| (r.id, r.attempts, r.to));
+    /// assert_eq!(back, Some((id, 1, JobState::Pending)));
+    /// assert_eq!(worker.report().completed, 0);
+    /// # Ok(()) }
+    /// ```
     pub fn abort(&self) {
         self.task.abort();
     }
