@@ -2234,6 +2234,55 @@ async fn runs_as_its_acl_user(s: support::Server) {
     let locker = lock_core::Locker::redis(&url)
         .await
         .expect("connect as the ACL user");
+    let (lock_key, result_key) = dedupes_once(&locker).await;
+    assert_eq!(
+        s.cmd::<i64>(&["EXISTS", &result_key]),
+        1,
+        "no stored result"
+    );
+    assert_eq!(
+        s.cmd::<i64>(&["EXISTS", &lock_key]),
+        0,
+        "the claim was left held"
+    );
+    nothing_denied(s.cmd(&["ACL", "LOG"]));
+}
+
+/// The same on a 3-master cluster, as `leasehold-dedupe-cluster` on every node (the plain rule
+/// lacks the sharded publish and `CLUSTER SLOTS`).
+async fn runs_as_its_acl_user_on_a_cluster(flavor: support::Flavor) {
+    let c = support::Cluster::start(flavor, 3, 0);
+    let urls: Vec<String> = c
+        .nodes
+        .iter()
+        .map(|n| {
+            let _: () = n.cmd(&["ACL", "LOG", "RESET"]);
+            n.acl_user_url_for("leasehold-dedupe-cluster")
+        })
+        .collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = lock_core::Locker::redis_cluster(&urls)
+        .await
+        .expect("connect as the cluster ACL user");
+    let (lock_key, result_key) = dedupes_once(&locker).await;
+    assert_eq!(
+        c.cmd::<i64>(&["EXISTS", &result_key]),
+        1,
+        "no stored result"
+    );
+    assert_eq!(
+        c.cmd::<i64>(&["EXISTS", &lock_key]),
+        0,
+        "the claim was left held"
+    );
+    for n in &c.nodes {
+        nothing_denied(n.cmd(&["ACL", "LOG"]));
+    }
+}
+
+/// Five waiting duplicates and a later one through the layer on `locker`: the handler runs
+/// once, every caller gets its result. Returns the claim's lock and result keys.
+async fn dedupes_once(locker: &lock_core::Locker) -> (String, String) {
     let runs = Arc::new(AtomicUsize::new(0));
     // A claim of 1 s renews at a third of it, while the handler still runs.
     let layer = DedupeLayer::new(locker.clone())
@@ -2262,19 +2311,11 @@ async fn runs_as_its_acl_user(s: support::Server) {
     assert_eq!(later.header("idempotent-replayed"), Some("true"));
     assert_eq!(later.body, bodies[0]);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+    claim_keys(locker, "", "acl-1")
+}
 
-    let (lock_key, result_key) = claim_keys(&locker, "", "acl-1");
-    assert_eq!(
-        s.cmd::<i64>(&["EXISTS", &result_key]),
-        1,
-        "no stored result"
-    );
-    assert_eq!(
-        s.cmd::<i64>(&["EXISTS", &lock_key]),
-        0,
-        "the claim was left held"
-    );
-    let log: Vec<std::collections::HashMap<String, String>> = s.cmd(&["ACL", "LOG"]);
+/// A server's `ACL LOG` holds no denial but the client library's optional `CLIENT SETINFO`.
+fn nothing_denied(log: Vec<std::collections::HashMap<String, String>>) {
     let denied: Vec<_> = log
         .iter()
         // The client library names itself on connect (`CLIENT SETINFO`, Valkey and Redis 7.2+)
@@ -2690,6 +2731,16 @@ mod acl_user {
             support::Flavor::Valkey,
         )))
         .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn runs_as_its_acl_user_on_a_redis_cluster() {
+        common::bounded(runs_as_its_acl_user_on_a_cluster(support::Flavor::Redis)).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn runs_as_its_acl_user_on_a_valkey_cluster() {
+        common::bounded(runs_as_its_acl_user_on_a_cluster(support::Flavor::Valkey)).await
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
