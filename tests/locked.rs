@@ -1059,3 +1059,310 @@ async fn the_fence_is_not_written_on_a_callers_span() {
     assert!(text.contains("after"), "{text}");
     assert!(!text.contains("fence="), "{text}");
 }
+
+/// Whether `key` is held on `locker`: a fail-fast taker finds it busy. Asked from inside a body,
+/// it says whether the body runs under that key.
+async fn is_held(locker: &Locker, key: &str) -> bool {
+    match locker.try_acquire(key, &LockOptions::default()).await {
+        Err(Error::Busy { .. }) => true,
+        Ok(lease) => {
+            lease.release().await.expect("release");
+            false
+        }
+        Err(e) => panic!("try_acquire({key:?}): {e:?}"),
+    }
+}
+
+/// The key a body runs under, as its lease names it.
+fn lease_key() -> String {
+    current_lease().expect("a lease").key().to_owned()
+}
+
+/// Keys written without captures are taken as written, escapes read (`\u{41}` is `A`, not a
+/// capture) and a raw literal's backslash kept.
+#[locked(key = "plain-key", locker = locker)]
+async fn plain_key(locker: &Locker) -> Result<(String, bool), Error> {
+    Ok((lease_key(), is_held(locker, "plain-key").await))
+}
+
+#[locked(key = "esc\u{41}:\x42", locker = locker)]
+async fn escaped_key(locker: &Locker) -> Result<(String, bool), Error> {
+    Ok((lease_key(), is_held(locker, "escA:B").await))
+}
+
+#[locked(key = r"raw\key", locker = locker)]
+async fn raw_key(locker: &Locker) -> Result<(String, bool), Error> {
+    Ok((lease_key(), is_held(locker, "raw\\key").await))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_without_captures_are_taken_as_written() {
+    let locker = Locker::memory();
+    assert_eq!(
+        plain_key(&locker).await.expect("ran"),
+        ("plain-key".to_owned(), true)
+    );
+    assert_eq!(
+        escaped_key(&locker).await.expect("ran"),
+        ("escA:B".to_owned(), true)
+    );
+    assert_eq!(
+        raw_key(&locker).await.expect("ran"),
+        ("raw\\key".to_owned(), true)
+    );
+    assert!(
+        !is_held(&locker, "plain-key").await,
+        "released after the call"
+    );
+}
+
+struct Point {
+    x: u32,
+    y: u32,
+}
+
+struct OrderId(u64);
+
+/// Parameters bound by patterns: the key captures the names they bind, and the body sees them.
+#[locked(key = "pair:{a}-{b}", locker = locker)]
+async fn pair(locker: &Locker, (a, b): (u32, u32)) -> Result<(u32, bool), Error> {
+    Ok((a + b, is_held(locker, "pair:1-2").await))
+}
+
+#[locked(key = "point:{x}", locker = locker)]
+async fn point(locker: &Locker, Point { x, .. }: Point) -> Result<(u32, bool), Error> {
+    Ok((x, is_held(locker, "point:3").await))
+}
+
+#[locked(key = "order:{id}", locker = locker)]
+async fn order(
+    locker: &Locker,
+    OrderId(id): OrderId,
+    &(first, _): &(u8, u8),
+) -> Result<(u64, u8, bool), Error> {
+    Ok((id, first, is_held(locker, "order:9").await))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn argument_patterns() {
+    let locker = Locker::memory();
+    assert_eq!(pair(&locker, (1, 2)).await.expect("ran"), (3, true));
+    let p = Point { x: 3, y: 4 };
+    assert_eq!(p.y, 4);
+    assert_eq!(point(&locker, p).await.expect("ran"), (3, true));
+    assert_eq!(
+        order(&locker, OrderId(9), &(5, 6)).await.expect("ran"),
+        (9, 5, true)
+    );
+    // From outside: the pattern's key is the one taken.
+    let held = locker
+        .try_acquire("pair:1-2", &LockOptions::default())
+        .await
+        .expect("free");
+    assert!(matches!(
+        pair(&locker, (1, 2)).await,
+        Err(Error::Busy { .. })
+    ));
+    held.release().await.expect("release");
+}
+
+/// `mut` parameters (and a pattern binding one): the key is read from the values passed in,
+/// before the body changes them, and the body may change them.
+#[locked(key = "countdown:{n}", locker = locker)]
+async fn countdown(
+    locker: &Locker,
+    mut n: u32,
+    (mut log, step): (Vec<u32>, u32),
+) -> Result<(Vec<u32>, bool), Error> {
+    while n > 0 {
+        log.push(n);
+        n = n.saturating_sub(step);
+    }
+    Ok((log, is_held(locker, "countdown:3").await))
+}
+
+struct Drain {
+    locker: Locker,
+    id: u64,
+    items: Vec<u32>,
+}
+
+impl Drain {
+    #[locked(key = format!("drain:{}", self.id), locker = self.locker.clone())]
+    async fn drain(mut self) -> Result<(Vec<u32>, bool), Error> {
+        self.items.reverse();
+        let held = is_held(&self.locker, "drain:4").await;
+        Ok((std::mem::take(&mut self.items), held))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mut_arguments() {
+    let locker = Locker::memory();
+    assert_eq!(
+        countdown(&locker, 3, (vec![9], 1)).await.expect("ran"),
+        (vec![9, 3, 2, 1], true)
+    );
+    let drain = Drain {
+        locker: locker.clone(),
+        id: 4,
+        items: vec![1, 2, 3],
+    };
+    assert_eq!(drain.drain().await.expect("ran"), (vec![3, 2, 1], true));
+}
+
+/// `self` captured by a key template, through `Display`.
+struct Tenant {
+    locker: Locker,
+    name: &'static str,
+}
+
+impl std::fmt::Display for Tenant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "tenant-{}", self.name)
+    }
+}
+
+impl Tenant {
+    #[locked(key = "audit:{self}", locker = self.locker)]
+    async fn audit(&self) -> Result<(String, bool), Error> {
+        Ok((
+            lease_key(),
+            is_held(&self.locker, "audit:tenant-acme").await,
+        ))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_method_captures_self_in_its_key() {
+    let tenant = Tenant {
+        locker: Locker::memory(),
+        name: "acme",
+    };
+    assert_eq!(
+        tenant.audit().await.expect("ran"),
+        ("audit:tenant-acme".to_owned(), true)
+    );
+    let held = tenant
+        .locker
+        .try_acquire("audit:tenant-acme", &LockOptions::default())
+        .await
+        .expect("free");
+    assert!(matches!(tenant.audit().await, Err(Error::Busy { .. })));
+    held.release().await.expect("release");
+}
+
+/// `#[locked]` on a trait's default method body: implementors that keep it run it under the
+/// key, those that override it do not.
+trait Audited {
+    fn locker(&self) -> &Locker;
+    fn id(&self) -> u64;
+
+    #[locked(key = format!("audited:{}", self.id()), locker = self.locker())]
+    async fn audit(&self) -> Result<(String, bool), Error> {
+        let key = format!("audited:{}", self.id());
+        Ok((lease_key(), is_held(self.locker(), &key).await))
+    }
+}
+
+struct Store {
+    locker: Locker,
+    id: u64,
+}
+
+impl Audited for Store {
+    fn locker(&self) -> &Locker {
+        &self.locker
+    }
+    fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+struct Unlocked {
+    locker: Locker,
+}
+
+impl Audited for Unlocked {
+    fn locker(&self) -> &Locker {
+        &self.locker
+    }
+    fn id(&self) -> u64 {
+        0
+    }
+    async fn audit(&self) -> Result<(String, bool), Error> {
+        Ok((String::new(), current_lease().is_some()))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trait_default_method() {
+    let locker = Locker::memory();
+    let store = Store {
+        locker: locker.clone(),
+        id: 7,
+    };
+    assert_eq!(
+        store.audit().await.expect("ran"),
+        ("audited:7".to_owned(), true)
+    );
+    let held = locker
+        .try_acquire("audited:7", &LockOptions::default())
+        .await
+        .expect("free");
+    assert!(matches!(store.audit().await, Err(Error::Busy { .. })));
+    held.release().await.expect("release");
+    let unlocked = Unlocked { locker };
+    assert_eq!(
+        unlocked.audit().await.expect("ran"),
+        (String::new(), false),
+        "an override runs as written"
+    );
+}
+
+/// Visibility is kept: functions declared `pub(crate)`, `pub(super)` and `pub(in path)` in one
+/// module (and a `pub(crate)` method) are called from a sibling module, which would not
+/// compile if they were private.
+mod visibility {
+    mod jobs {
+        use super::super::*;
+
+        #[locked(key = "visible:crate", locker = locker)]
+        pub(crate) async fn crate_wide(locker: &Locker) -> Result<bool, Error> {
+            Ok(is_held(locker, "visible:crate").await)
+        }
+
+        #[locked(key = "visible:super", locker = locker)]
+        pub(super) async fn parent_wide(locker: &Locker) -> Result<bool, Error> {
+            Ok(is_held(locker, "visible:super").await)
+        }
+
+        #[locked(key = "visible:in", locker = locker)]
+        pub(in crate::visibility) async fn in_path(locker: &Locker) -> Result<bool, Error> {
+            Ok(is_held(locker, "visible:in").await)
+        }
+
+        pub(crate) struct Worker(pub(crate) Locker);
+
+        impl Worker {
+            #[locked(key = "visible:method", locker = self.0)]
+            pub(crate) async fn work(&self) -> Result<bool, Error> {
+                Ok(is_held(&self.0, "visible:method").await)
+            }
+        }
+    }
+
+    mod callers {
+        use super::super::*;
+        use super::jobs;
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn called_from_a_sibling_module() {
+            let locker = Locker::memory();
+            assert!(jobs::crate_wide(&locker).await.expect("ran"));
+            assert!(jobs::parent_wide(&locker).await.expect("ran"));
+            assert!(jobs::in_path(&locker).await.expect("ran"));
+            assert!(jobs::Worker(locker).work().await.expect("ran"));
+        }
+    }
+}

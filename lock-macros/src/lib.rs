@@ -333,6 +333,12 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
         None => quote!(#private::default_locker()),
     };
     let key = match &key {
+        // Without captures (its text, escapes read, holds no brace) the literal is the key as
+        // written: nothing to format, so no `format!` spanned at the user's code for a lint on
+        // `format!` to take for theirs.
+        Key::Format(lit) if !lit.value().contains(['{', '}']) => {
+            quote!(::std::string::String::from(#lit))
+        }
         // The literal keeps the user's span, so `{name}` resolves to the parameters and rustc
         // reports an unknown name where it is written.
         Key::Format(lit) => quote_spanned!(lit.span()=> ::std::format!(#lit)),
@@ -440,5 +446,38 @@ impl Parse for LockedFn {
             inner_attrs,
             body,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The expansion for `args` on a function with one parameter, `id`, without whitespace.
+    fn expanded(args: TokenStream2) -> String {
+        let item = quote!(
+            async fn f(id: u64) -> Result<(), E> {
+                Ok(())
+            }
+        );
+        let out = expand(args, item).expect("expands").to_string();
+        out.split_whitespace().collect()
+    }
+
+    /// A key literal without captures is the key as written; one with captures is formatted.
+    #[test]
+    fn only_a_key_with_captures_is_formatted() {
+        for (lit, want) in [
+            (quote!("plain:key"), r#"String::from("plain:key")"#),
+            (quote!(r"raw\key"), r#"String::from(r"raw\key")"#),
+            // Escapes are read first: `\u{41}` is `A`, not a capture.
+            (quote!("esc\u{41}"), r#"String::from("esc\u{41}")"#),
+        ] {
+            let out = expanded(quote!(key = #lit));
+            assert!(out.contains(want), "{out}");
+            assert!(!out.contains("format"), "{out}");
+        }
+        let out = expanded(quote!(key = "order:{id}"));
+        assert!(out.contains(r#"::std::format!("order:{id}")"#), "{out}");
     }
 }
