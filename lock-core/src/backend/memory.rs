@@ -93,8 +93,25 @@ impl Slot {
     /// The holder and its expiry, unless the lease has expired by `now`: an expired holder is
     /// as good as gone, as on a server that has expired the key.
     fn live(&mut self, now: Instant) -> Option<&mut (Token, Instant)> {
-        self.holder.as_mut().filter(|(_, expires)| *expires > now)
+        self.holder
+            .as_mut()
+            .filter(|(_, expires)| lives(*expires, now))
     }
+}
+
+/// How long past its expiry a lease is still held: the millisecond of its expiry.
+const LAST_MILLISECOND: Duration = Duration::from_millis(1);
+
+/// Whether a lease that expires at `expires` is still held at `now`, as a key on Redis is:
+/// there a key's expiry is a whole millisecond (the command's, plus the TTL) and the key is
+/// expired only once the clock is past it (`now > when`), so it lives through the millisecond
+/// of its expiry, from the TTL to 1 ms longer after the command, with a `PTTL` of 0 in that
+/// last millisecond. Here a grant counts as made at the start of its millisecond: held until
+/// 1 ms past `expires`, the longest a server keeps it, with 0 left meanwhile. Ended at the
+/// exact instant, a lease was free here (on a paused clock, always) when a server still held
+/// its key.
+fn lives(expires: Instant, now: Instant) -> bool {
+    now.saturating_duration_since(expires) < LAST_MILLISECOND
 }
 
 impl MemoryBackend {
@@ -224,7 +241,7 @@ impl MemoryBackend {
         st.keys
             .get_mut(key)
             .and_then(|slot| slot.holder.take())
-            .is_some_and(|(_, expires)| expires > now)
+            .is_some_and(|(_, expires)| lives(expires, now))
     }
 }
 
@@ -246,13 +263,28 @@ impl MemoryBackend {
         st.sweep(now);
         let slot = st.keys.entry(key.clone()).or_default();
         let fence = slot.fence;
+        // As a fence key on a server: gone once its keep ran out, the clock past it.
+        let forgotten = slot.forget_at.is_some_and(|f| !lives(f, now));
         if let Some((holder, expires)) = slot.live(now) {
             if holder == token {
                 *expires = now + ttl;
+                if forgotten {
+                    // A retry after the keep ran out while the lease, extended, still held
+                    // (an extend renews the lock, not the fence's keep): as acquire.lua, which
+                    // finds no fence key then, the grant takes one from the clock and keeps it
+                    // anew; above the one forgotten (the clock has passed it by then, as its
+                    // keep covered its lead; the rise by one holds within a microsecond).
+                    slot.fence = now_micros().max(fence.saturating_add(1));
+                    slot.forget_at = keep
+                        .map(|keep| keep.min(crate::types::MAX_KEEP_FENCE).max(ttl))
+                        .and_then(|keep| now.checked_add(keep));
+                    return Ok(AcquireReply::Granted { fence: slot.fence });
+                }
                 return Ok(AcquireReply::Granted { fence });
             }
+            // 0 in the lease's last millisecond, as `PTTL` answers then.
             return Ok(AcquireReply::Held {
-                remaining: Some(*expires - now),
+                remaining: Some(expires.saturating_duration_since(now)),
             });
         }
         let clock = now_micros();
@@ -522,6 +554,94 @@ pub(crate) mod tests {
         drop(held);
         assert_eq!(extend.join().expect("the extend's thread"), [false]);
         assert!(!memory.is_held(&key));
+    }
+
+    /// A lease lives through the millisecond of its expiry, as a key on Redis does (its expiry
+    /// is a whole millisecond, and it is expired only once the clock is past it): exactly its
+    /// TTL after the grant it is still held, with 0 left (`PTTL` 0), and can be released or
+    /// extended by its holder; 1 ms later it is gone. On the paused clock, as tests of code
+    /// over this backend run: ending it at the exact instant freed a key that Redis still held.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_lease_is_held_through_the_millisecond_of_its_expiry() {
+        let memory = MemoryBackend::new();
+        let locker = crate::Locker::memory();
+        let (extended, released) = (
+            locker.lock_key("extended").expect("key"),
+            locker.lock_key("released").expect("key"),
+        );
+        let (holder, other) = (Token::generate(), Token::generate());
+        let ttl = Duration::from_millis(100);
+        for key in [&extended, &released] {
+            let granted = at_once(memory.acquire(key, &holder, ttl)).expect("acquire");
+            assert!(
+                matches!(granted, AcquireReply::Granted { .. }),
+                "{granted:?}"
+            );
+        }
+        tokio::time::advance(ttl).await;
+        for key in [&extended, &released] {
+            assert!(
+                memory.is_held(key),
+                "{}: gone at its expiry instant",
+                key.key()
+            );
+            let reply = at_once(memory.acquire(key, &other, ttl)).expect("acquire");
+            assert_eq!(
+                reply,
+                AcquireReply::Held {
+                    remaining: Some(Duration::ZERO)
+                },
+                "{}",
+                key.key()
+            );
+        }
+        let items = [(extended.clone(), holder.clone())];
+        assert_eq!(at_once(memory.extend(&items, ttl)).expect("extend"), [true]);
+        assert!(at_once(memory.release(&released, &holder)).expect("release"));
+
+        // The extended lease: still held 999 µs past its new expiry, gone 1 ms past it.
+        tokio::time::advance(ttl + Duration::from_micros(999)).await;
+        assert!(memory.is_held(&extended));
+        tokio::time::advance(Duration::from_micros(1)).await;
+        assert!(!memory.is_held(&extended));
+        let reply = at_once(memory.acquire(&extended, &other, ttl)).expect("acquire");
+        assert!(matches!(reply, AcquireReply::Granted { .. }), "{reply:?}");
+    }
+
+    /// The holder's repeated acquire (a lost reply's retry) once a keep-fence grant's keep ran
+    /// out while its lease, extended, still held: as on Redis, whose fence key has expired by
+    /// then, it gets a fence higher than the grant's, kept anew; within the keep, the grant's own.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_retry_past_the_keep_takes_a_new_fence() {
+        let memory = MemoryBackend::new();
+        let key = crate::Locker::memory().lock_key("kept").expect("key");
+        let token = Token::generate();
+        let ms = Duration::from_millis;
+        let fence = |reply| match reply {
+            AcquireReply::Granted { fence } => fence,
+            other => panic!("{other:?}"),
+        };
+        let first = fence(
+            at_once(memory.acquire_keeping_fence(&key, &token, ms(20), ms(0))).expect("acquire"),
+        );
+        let items = [(key.clone(), token.clone())];
+        assert_eq!(
+            at_once(memory.extend(&items, ms(1_000))).expect("extend"),
+            [true]
+        );
+        tokio::time::advance(ms(15)).await;
+        let within = fence(at_once(memory.acquire(&key, &token, ms(1_000))).expect("acquire"));
+        assert_eq!(within, first, "a retry within the keep");
+        tokio::time::advance(ms(45)).await;
+        let past = fence(at_once(memory.acquire(&key, &token, ms(1_000))).expect("acquire"));
+        assert!(
+            past > first,
+            "a retry past the keep answered {past}, the grant had {first}"
+        );
+        // Kept anew (for ever: the retry named no keep), so the next retry answers it again.
+        tokio::time::advance(ms(100)).await;
+        let again = fence(at_once(memory.acquire(&key, &token, ms(1_000))).expect("acquire"));
+        assert_eq!(again, past);
     }
 
     /// A fence ahead of the clock is kept the keep past the moment the clock reaches it, as
