@@ -15,7 +15,9 @@ use crate::wake::{Wakeups, Watch};
 /// Leases kept in this process. Clones share the same state.
 ///
 /// Expiry, fences, token-checked release and extend, and wake-ups behave as on Redis, so code
-/// tested here behaves the same against a server. It only excludes holders within one process.
+/// tested here behaves the same against a server (`tests/memory_parity.rs` drives both with the
+/// same random sequences), down to a lease living through the millisecond of its expiry, as a
+/// Redis key does. It only excludes holders within one process.
 /// Its operations never wait (a mutex, no I/O): `try_acquire` and `release` on it complete on
 /// their first poll, which callers such as lock-tower's `LockLayer` may rely on.
 ///
