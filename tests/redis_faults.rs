@@ -1215,9 +1215,9 @@ async fn a_key_the_user_may_not_touch_fails_only_its_own_item(flavor: Flavor) {
     }
 }
 
-/// A renewal call shared by a lease whose key the ACL user may no longer touch: that lease is
-/// told it is lost, and the lease beside it keeps being renewed (with the whole call refused
-/// for both, it would be lost too).
+/// A renewal call shared by a lease whose key the ACL user may no longer touch: that lease,
+/// retried alone until its deadline, is told it is lost before it, and the lease beside it
+/// keeps being renewed (with the whole call refused for both, it was lost too).
 async fn a_key_the_user_may_no_longer_touch_loses_only_its_own_lease(flavor: Flavor) {
     let server = Server::start(flavor);
     let user = |keys: &[&str]| {
@@ -1249,10 +1249,9 @@ async fn a_key_the_user_may_no_longer_touch_loses_only_its_own_lease(flavor: Fla
         pttl > 0,
         "the kept lease's key is gone from the server ({pttl})"
     );
-    assert_eq!(
-        rejected(&server, "evalsha"),
-        2,
-        "want: the shared renewal refused, then the revoked lease's own"
+    assert!(
+        rejected(&server, "evalsha") >= 2,
+        "want: the shared renewal refused, then the revoked lease's own (and its retries)"
     );
     assert_eq!(kept.release().await.expect("release"), Release::Released);
 }

@@ -794,7 +794,7 @@ impl ClusterBackend {
         // type in it) must not cost the node's other slots their renewal.
         let groups = group_by(chunk, |item| slot(item.0.lock_key()));
         let calls = groups.values().map(|g| async move {
-            let renewed = ops::extend(self.conn.clone(), &self.scripts, &g.items, ttl);
+            let renewed = ops::extend_each(self.conn.clone(), &self.scripts, &g.items, ttl);
             (&g.places, tokio::time::timeout_at(deadline, renewed).await)
         });
         let mut out = vec![None; chunk.len()];
@@ -803,7 +803,14 @@ impl ClusterBackend {
             match answer {
                 Ok(Ok(held)) => {
                     for (&i, held) in places.iter().zip(held) {
-                        out[i] = Some(held);
+                        match held {
+                            Ok(held) => out[i] = Some(held),
+                            // Refused for this lease's key alone: retried, as a failed slot.
+                            Err(e) => {
+                                debug!(error = %e, "renewal refused for one lease's key; it is retried");
+                                first_error.get_or_insert(e);
+                            }
+                        }
                     }
                 }
                 Ok(Err(e)) => {

@@ -722,8 +722,13 @@ pub(super) mod ops {
     /// user's key patterns refuses the call for every item in it. Sent again one item a call,
     /// the others get their own answers rather than a refusal that is not theirs (a `Locker`
     /// with a prefix the user may not touch, beside one it may, on one shared connection).
-    fn refused_for_a_key(e: &redis::RedisError) -> bool {
-        e.code() == Some("NOPERM") && e.to_string().to_ascii_lowercase().contains("key")
+    pub(super) fn refused_for_a_key(e: &redis::RedisError) -> bool {
+        // Redis 7.0: "...access one of the keys used as arguments"; Redis 7.2+ and Valkey:
+        // "No permissions to access a key". Not the bare word: a command refusal names the
+        // user ("User monkey has no permissions to run..."), whose name may hold it.
+        let text = e.to_string();
+        e.code() == Some("NOPERM")
+            && (text.contains("one of the keys") || text.contains("access a key"))
     }
 
     /// One item's answer: its status and value (see `acquire.lua`).
@@ -874,7 +879,7 @@ pub(super) mod ops {
     }
 
     /// One script call for `items`, which must all sit in one slot on a cluster.
-    pub(crate) async fn extend<C: ConnectionLike + Clone>(
+    pub(crate) async fn extend<C: ConnectionLike>(
         conn: C,
         scripts: &Scripts,
         items: &[(LockKey, Token)],
@@ -885,29 +890,55 @@ pub(super) mod ops {
             [(key, _)] => key.key(),
             _ => "(batch)",
         };
-        let answers = match extend_call(conn.clone(), scripts, items, ttl).await {
+        let answers = extend_call(conn, scripts, items, ttl)
+            .await
+            .map_err(|e| scripts.classify("extend", named, e))?;
+        extend_answers(items, answers)
+    }
+
+    /// As [`extend`], for the renewal driver, with an answer per lease: when the server refuses
+    /// the whole call for a key the ACL user may not touch (its rule changed while the lease
+    /// was held), each lease is sent again alone, and those refused get the refusal as their
+    /// own answer (the driver retries them until their deadline: the rule may be put back
+    /// meanwhile), rather than failing the renewal of every lease in the call.
+    pub(crate) async fn extend_each<C: ConnectionLike + Clone>(
+        conn: C,
+        scripts: &Scripts,
+        items: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> Result<Vec<Result<bool>>> {
+        match extend_call(conn.clone(), scripts, items, ttl).await {
             Err(e) if items.len() > 1 && refused_for_a_key(&e) => {
                 let alone = items.iter().map(|item| {
-                    extend_call(conn.clone(), scripts, std::slice::from_ref(item), ttl)
+                    let one = std::slice::from_ref(item);
+                    let call = extend_call(conn.clone(), scripts, one, ttl);
+                    async move { (one, call.await) }
                 });
-                let mut answers = Vec::with_capacity(items.len());
-                for answer in futures_util::future::join_all(alone).await {
+                let mut out = Vec::with_capacity(items.len());
+                for (one, answer) in futures_util::future::join_all(alone).await {
+                    let key = one[0].0.key();
                     match answer {
-                        Ok(one) => answers.extend(one),
-                        // The user may no longer touch this lease's key (its rule changed):
-                        // no renewal can keep it, so its holder is told it is lost now rather
-                        // than the renewals of the leases beside it failing with it.
-                        Err(e) if refused_for_a_key(&e) => answers.push(0),
-                        Err(e) => return Err(scripts.classify("extend", named, e)),
+                        Ok(answer) => out.extend(extend_answers(one, answer)?.into_iter().map(Ok)),
+                        Err(e) if refused_for_a_key(&e) => {
+                            out.push(Err(scripts.classify("extend", key, e)));
+                        }
+                        Err(e) => return Err(scripts.classify("extend", "(batch)", e)),
                     }
                 }
-                answers
+                Ok(out)
             }
-            answer => answer.map_err(|e| scripts.classify("extend", named, e))?,
-        };
-        // Answers are matched to leases by position: a reply of another length (or with a
-        // value the script never gives) would tell one lease another's fate, so it fails the
-        // whole call instead, as an unreadable reply.
+            Err(e) => Err(scripts.classify("extend", "(batch)", e)),
+            Ok(answers) => Ok(extend_answers(items, answers)?
+                .into_iter()
+                .map(Ok)
+                .collect()),
+        }
+    }
+
+    /// Answers are matched to leases by position: a reply of another length (or with a value
+    /// the script never gives) would tell one lease another's fate, so it fails the whole call
+    /// instead, as an unreadable reply.
+    fn extend_answers(items: &[(LockKey, Token)], answers: Vec<i64>) -> Result<Vec<bool>> {
         if answers.len() != items.len() || answers.iter().any(|&n| n != 0 && n != 1) {
             let reply = Value::Array(answers.into_iter().map(Value::Int).collect());
             return Err(unexpected("extend", &reply));
@@ -1237,6 +1268,26 @@ impl Backend for RedisBackend {
         Ok(answers.into_iter().flatten().collect())
     }
 
+    async fn extend_each(
+        &self,
+        items: &[(LockKey, Token)],
+        ttl: Duration,
+    ) -> Result<Vec<Option<bool>>> {
+        crate::types::validate_ttl(ttl)?;
+        let calls = items
+            .chunks(EXTEND_CHUNK)
+            .map(|chunk| ops::extend_each(self.conn.clone(), &self.scripts, chunk, ttl));
+        let answers = futures_util::future::try_join_all(calls).await?;
+        let answer = |a: Result<bool>| match a {
+            Ok(held) => Some(held),
+            Err(e) => {
+                debug!(error = %e, "renewal refused for this lease's key alone; retried");
+                None
+            }
+        };
+        Ok(answers.into_iter().flatten().map(answer).collect())
+    }
+
     async fn admit(&self, gate_key: &str, fence: u64) -> Result<Option<u64>> {
         ops::admit(&mut self.conn.clone(), &self.scripts, gate_key, fence).await
     }
@@ -1497,6 +1548,24 @@ pub(super) async fn drain_while_down(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A call refused for a key, as Redis 7.0 and Redis 7.2+/Valkey word it, is told from a
+    /// command refused to a user whose name holds "key", and from other refusals.
+    #[test]
+    fn a_refusal_for_a_key_is_told_by_its_words() {
+        let refused = |line: &str| ops::refused_for_a_key(&crate::error::error_reply(line));
+        assert!(refused(
+            "NOPERM this user has no permissions to access one of the keys used as arguments"
+        ));
+        assert!(refused("NOPERM No permissions to access a key"));
+        assert!(!refused(
+            "NOPERM User monkey has no permissions to run the 'evalsha' command"
+        ));
+        assert!(!refused("NOPERM No permissions to access a channel"));
+        assert!(!refused(
+            "ERR ACL failure in script: No permissions to access a key"
+        ));
+    }
 
     /// Each status of `acquire.lua` with the value it comes with is read; with any other value
     /// it is an unreadable reply (which the locker asks again about), never a verdict.
