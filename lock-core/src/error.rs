@@ -232,9 +232,10 @@ pub enum Error {
     /// OOM, MISCONF and READONLY the server refuses a script at its first write, so the call
     /// wrote nothing; an ACL rule that denies a later command of a queue script is refused
     /// there, after the script's earlier writes (see the README's section on restricted users).
-    /// It may succeed once the condition clears, except a plain `ERR` (a command or syntax the
-    /// server does not have, such as the `SET ... NX GET` of Redis 7 on an older server), which
-    /// [`is_transient`](Error::is_transient) does not count as passing.
+    /// It may succeed once the condition clears, except where the server lacks the command or
+    /// its syntax (an older server than leasehold needs: `ERR syntax error` for the
+    /// `SET ... NX GET` of Redis 7), which [`is_transient`](Error::is_transient) does not
+    /// count as passing.
     #[error("the server refused {op} on `{key}`: {source}")]
     Refused {
         /// The operation that was refused.
@@ -298,10 +299,10 @@ impl Error {
             // A URL that does not parse, a scheme or TLS setting this build cannot use: the
             // same input fails the same way however long one waits.
             Error::Unavailable(e) if e.kind() == redis::ErrorKind::InvalidClientConfig => false,
-            // A plain `ERR` is the server refusing the command itself (a syntax its version
-            // lacks, such as `SET ... NX GET` before Redis 7, or a script that cannot run),
-            // not its condition (`OOM`, `READONLY`, `BUSY`, `LOADING`... have codes of their own).
-            Error::Refused { source, .. } if source.code() == Some("ERR") => false,
+            // The server does not have the command or its syntax (`SET ... NX GET` before
+            // Redis 7): refused the same way on every retry. Other `ERR` refusals may pass
+            // (an ACL denial inside a script is an `ERR`, as is a script killed).
+            Error::Refused { source, .. } if lacks_the_command(source) => false,
             _ => matches!(
                 self,
                 Error::Refused { .. }
@@ -325,6 +326,21 @@ impl Error {
             _ => false,
         }
     }
+}
+
+/// Whether the server refused a command it does not have, or a syntax it does not know: a
+/// server older than leasehold needs.
+fn lacks_the_command(e: &redis::RedisError) -> bool {
+    let text = e.to_string();
+    e.code() == Some("ERR")
+        && [
+            "syntax error",
+            "unknown command",
+            "unknown subcommand",
+            "wrong number of arguments",
+        ]
+        .iter()
+        .any(|lacking| text.contains(lacking))
 }
 
 /// Sorts a redis error into "maybe applied", "refused by the server" and "not reached".
@@ -416,17 +432,26 @@ mod tests {
     }
 
     /// A server that cannot run the command at all refuses it the same way on every retry; one
-    /// in a passing condition may not.
+    /// in a passing condition may not, including the `ERR` refusals that are conditions (ACL
+    /// denials inside a script, as Redis 7.0 and Valkey word them; a killed script).
     #[test]
-    fn a_plain_err_refusal_is_not_transient() {
+    fn a_missing_command_is_not_transient() {
         let refusal = |line: &str| classify("acquire", "k", error_reply(line));
-        let old_server = refusal("ERR syntax error");
-        assert!(
-            matches!(old_server, Error::Refused { .. }),
-            "{old_server:?}"
-        );
-        assert!(!old_server.is_transient());
+        for lacking in [
+            "ERR syntax error",
+            "ERR unknown command 'hpexpire', with args beginning with: ",
+            "ERR wrong number of arguments for 'set' command",
+        ] {
+            let e = refusal(lacking);
+            assert!(
+                matches!(e, Error::Refused { .. }) && !e.is_transient(),
+                "{lacking}: {e:?}"
+            );
+        }
         for passing in [
+            "ERR The user executing the script can't run this command or subcommand",
+            "ERR ACL failure in script: No permissions to access a key",
+            "ERR Script killed by user with SCRIPT KILL...",
             "OOM command not allowed when used memory > 'maxmemory'.",
             "READONLY You can't write against a read only replica.",
             "BUSY Redis is busy running a script.",
