@@ -2,8 +2,9 @@
 //! `Backend` trait with the same random sequences of acquires (plain and keeping the fence),
 //! releases, extends and sleeps, over a few keys and holders, with TTLs short enough to expire
 //! mid-sequence. Each backend is checked step by step against a model of the lease semantics
-//! (its own copy, kept in sync with what that backend answered), and the two backends' answers
-//! against each other wherever neither can be racing an expiry.
+//! (its own copy, kept in sync with what that backend answered; a holder's remaining TTL
+//! included), and the two backends' answers against each other wherever neither can be racing
+//! an expiry and both models saw the keys alike.
 //!
 //! Timing: every call is bracketed by clock readings (`sent`, `answered`); a lease granted or
 //! extended by a call in that window with TTL `t` expires somewhere in
@@ -42,9 +43,6 @@ const MARGIN: Duration = Duration::from_millis(2);
 /// How far past its expiry a key is still there: Redis expires a key once its clock is past
 /// the (whole) millisecond of its expiry.
 const LAST_MS: Duration = Duration::from_millis(1);
-/// How far the two backends' remaining TTLs for one lease may be apart beyond what the calls'
-/// timing explains.
-const REMAINING_TOLERANCE: Duration = Duration::from_millis(3);
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -412,14 +410,6 @@ fn in_step(memory: &Model, redis: &Model, op: &Op) -> bool {
     }
 }
 
-/// The width of the interval a model allows for what is left of a lease: what the two
-/// backends' remaining TTLs may differ by on that account.
-fn remaining_slack(model: &Model, key: usize, call: Window) -> Duration {
-    model.keys[key].lease.map_or(Duration::ZERO, |l| {
-        (l.ends.1 - l.ends.0) + (call.answered - call.sent)
-    })
-}
-
 static CASE: AtomicU64 = AtomicU64::new(0);
 
 async fn case(
@@ -459,12 +449,6 @@ async fn case(
             at(mw),
             at(rw)
         );
-        let slack = match op {
-            Op::Acquire { key, .. } => {
-                remaining_slack(&on_memory, *key, mw) + remaining_slack(&on_redis, *key, rw)
-            }
-            _ => Duration::ZERO,
-        };
         let seen_m = apply(&mut on_memory, op, mw, &m);
         let seen_r = apply(&mut on_redis, op, rw, &r);
         let fail = |why: String| {
@@ -472,24 +456,14 @@ async fn case(
         };
         let seen_m = seen_m.map_err(|e| fail(format!("memory: {e}")))?;
         let seen_r = seen_r.map_err(|e| fail(format!("redis: {e}")))?;
-        // Where neither backend's call can have raced an expiry and both models agreed on the
-        // keys it touched, the two must have answered alike.
+        // Where neither backend's call can have raced an expiry and both models saw the keys
+        // it touched alike, the two must have answered alike. (The two calls of a step run one
+        // after the other: a pause between them can put one lease surely live and the other
+        // surely over, each answer then true to its own model. What is left of a lease is
+        // checked against each backend's own model only, for the same reason.)
         let settled = |seen: &[Seen]| seen.iter().all(|s| !matches!(s, Seen::Racing(_)));
-        if in_step_before && settled(&seen_m) && settled(&seen_r) {
-            if m.kind() != r.kind() {
-                return Err(fail(format!("memory answered {m:?}, redis {r:?}")));
-            }
-            if let (Outcome::Held { remaining: Some(a) }, Outcome::Held { remaining: Some(b) }) =
-                (&m, &r)
-            {
-                let apart = a.abs_diff(*b);
-                if apart > REMAINING_TOLERANCE + slack {
-                    return Err(fail(format!(
-                        "remaining {a:?} on memory, {b:?} on redis: {apart:?} apart, more than {:?}",
-                        REMAINING_TOLERANCE + slack
-                    )));
-                }
-            }
+        if in_step_before && seen_m == seen_r && settled(&seen_m) && m.kind() != r.kind() {
+            return Err(fail(format!("memory answered {m:?}, redis {r:?}")));
         }
     }
     Ok(())
@@ -651,13 +625,13 @@ fn retry_after_the_keep<B: Backend>(
 ) -> (u64, u64) {
     let ms = Duration::from_millis;
     let token = Token::generate();
-    let granted = rt.block_on(backend.acquire_keeping_fence(key, &token, ms(20), ms(0)));
+    let granted = rt.block_on(backend.acquire_keeping_fence(key, &token, ms(200), ms(0)));
     let items = [(key.clone(), token.clone())];
-    let extended = rt.block_on(backend.extend(&items, ms(1_000)));
+    let extended = rt.block_on(backend.extend(&items, ms(5_000)));
     assert_eq!(extended.expect("extend"), [true]);
     // Past the keep, well within the extended lease.
-    std::thread::sleep(ms(60));
-    let retried = rt.block_on(backend.acquire(key, &token, ms(1_000)));
+    std::thread::sleep(ms(400));
+    let retried = rt.block_on(backend.acquire(key, &token, ms(5_000)));
     match (granted.expect("acquire"), retried.expect("acquire")) {
         (AcquireReply::Granted { fence: a }, AcquireReply::Granted { fence: b }) => (a, b),
         other => panic!("{other:?}"),
