@@ -300,11 +300,13 @@ async fn deleted_job_keys(flavor: Flavor) {
     // More expired leases than one reap batch (500), the first one's key deleted.
     let payloads: Vec<Vec<u8>> = (0..501u32).map(|i| i.to_be_bytes().to_vec()).collect();
     let ids = q.enqueue_many(&payloads).await.expect("enqueue");
+    // Leases long enough that no claim's reply comes back after its lease on a loaded machine
+    // (that claim would be given back, not expire); the sleep outlasts them.
     for _ in &ids {
-        q.claim(ms(20)).await.expect("claim").expect("job");
+        q.claim(ms(300)).await.expect("claim").expect("job");
     }
     let _: i64 = server.cmd(&["DEL", &jk(ids[0])]);
-    sleep(ms(100)).await;
+    sleep(ms(400)).await;
     let reaped = q.reap().await.expect("reap");
     assert_eq!(reaped.len(), 500);
     let c = q.counts().await.expect("counts");
@@ -885,11 +887,19 @@ async fn a_waiting_claim_outlasts_a_late_claim(flavor: Flavor) {
         let q = q.clone();
         async move { q.claim_wait(ms(200), Duration::from_secs(20)).await }
     });
-    // The first claim has landed (its reply, read at once, carries the 150 ms); the link
-    // recovers before that reply arrives.
-    let give_up = Instant::now() + Duration::from_secs(5);
-    while direct.job(id).await.expect("job").attempts < 1 {
-        assert!(Instant::now() < give_up, "the first claim never landed");
+    // The link recovers once the first claim came back late and its job was given back (set
+    // back to pending); recovering as soon as the claim landed, the link could carry its reply
+    // without the latency when the proxy read it late on a loaded machine.
+    let give_up = Instant::now() + Duration::from_secs(10);
+    loop {
+        let info = direct.job(id).await.expect("job");
+        if info.attempts >= 2 || (info.attempts == 1 && info.state == JobState::Pending) {
+            break;
+        }
+        assert!(
+            Instant::now() < give_up,
+            "the first claim was never given back"
+        );
         sleep(ms(5)).await;
     }
     proxy.set_latency(Duration::ZERO);
@@ -899,7 +909,12 @@ async fn a_waiting_claim_outlasts_a_late_claim(flavor: Flavor) {
         .expect("the wait goes on past a late claim")
         .expect("a job within the wait");
     assert_eq!(claim.id(), id);
-    assert_eq!(claim.attempts(), 2, "the late claim's attempt is counted");
+    // A second claim sent before the link recovered is late too: 3.
+    assert!(
+        (2..=3).contains(&claim.attempts()),
+        "the late claim's attempt is not counted: {}",
+        claim.attempts()
+    );
     claim.complete().await.expect("complete");
 }
 
