@@ -907,6 +907,11 @@ pub(super) mod ops {
         items: &[(LockKey, Token)],
         ttl: Duration,
     ) -> Result<Vec<Result<bool>>> {
+        // A lone lease (an explicit extend on a cluster's slot) is named in the error.
+        let named = match items {
+            [(key, _)] => key.key(),
+            _ => "(batch)",
+        };
         match extend_call(conn.clone(), scripts, items, ttl).await {
             Err(e) if items.len() > 1 && refused_for_a_key(&e) => {
                 let alone = items.iter().map(|item| {
@@ -922,12 +927,12 @@ pub(super) mod ops {
                         Err(e) if refused_for_a_key(&e) => {
                             out.push(Err(scripts.classify("extend", key, e)));
                         }
-                        Err(e) => return Err(scripts.classify("extend", "(batch)", e)),
+                        Err(e) => return Err(scripts.classify("extend", named, e)),
                     }
                 }
                 Ok(out)
             }
-            Err(e) => Err(scripts.classify("extend", "(batch)", e)),
+            Err(e) => Err(scripts.classify("extend", named, e)),
             Ok(answers) => Ok(extend_answers(items, answers)?
                 .into_iter()
                 .map(Ok)
