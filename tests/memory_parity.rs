@@ -469,15 +469,21 @@ async fn case(
     Ok(())
 }
 
-/// The memory backend and Redis answer random sequences alike.
-#[test]
-fn memory_backend_answers_as_redis() {
+/// A `redis-server` of its own (kept alive by the first value), a runtime, and the two
+/// backends: the memory backend and that server's.
+fn both_backends() -> (Server, tokio::runtime::Runtime, MemoryBackend, RedisBackend) {
     let server = Server::start(Flavor::Redis);
     let rt = support::runtime();
-    let memory = MemoryBackend::new();
     let redis = rt
         .block_on(RedisBackend::connect(&server.url()))
         .expect("connect to the test server");
+    (server, rt, MemoryBackend::new(), redis)
+}
+
+/// The memory backend and Redis answer random sequences alike.
+#[test]
+fn memory_backend_answers_as_redis() {
+    let (_server, rt, memory, redis) = both_backends();
     let run_id = u64::from(std::process::id());
     let mut runner = TestRunner::new(Config {
         cases: 64,
@@ -582,12 +588,7 @@ fn last_ms_trial<B: Backend>(
 /// passes there.)
 #[test]
 fn a_lease_lives_through_the_millisecond_of_its_expiry() {
-    let server = Server::start(Flavor::Redis);
-    let rt = support::runtime();
-    let memory = MemoryBackend::new();
-    let redis = rt
-        .block_on(RedisBackend::connect(&server.url()))
-        .expect("connect to the test server");
+    let (_server, rt, memory, redis) = both_backends();
     let key = Locker::new(memory.clone())
         .lock_key("last-millisecond")
         .expect("key");
@@ -645,12 +646,7 @@ fn retry_after_the_keep<B: Backend>(
 /// the clock; the memory backend answered the lease's own fence.
 #[test]
 fn a_retry_answers_alike_once_the_keep_ran_out() {
-    let server = Server::start(Flavor::Redis);
-    let rt = support::runtime();
-    let memory = MemoryBackend::new();
-    let redis = rt
-        .block_on(RedisBackend::connect(&server.url()))
-        .expect("connect to the test server");
+    let (_server, rt, memory, redis) = both_backends();
     let key = Locker::new(memory.clone())
         .lock_key("retry-after-the-keep")
         .expect("key");

@@ -1134,6 +1134,29 @@ async fn a_refused_type_fails_only_its_own_item(flavor: Flavor) {
     assert_eq!(kept, vec!["precious".to_owned()]);
 }
 
+/// Sets the key patterns of the ACL user `some-keys` (every command and channel allowed).
+fn some_keys(server: &Server, keys: &[&str]) {
+    let mut rule = vec![
+        "ACL",
+        "SETUSER",
+        "some-keys",
+        "on",
+        ">pw",
+        "&*",
+        "+@all",
+        "resetkeys",
+    ];
+    rule.extend_from_slice(keys);
+    let _: () = server.cmd(&rule);
+}
+
+/// A locker logged in as `some-keys`, made with every key allowed.
+async fn some_keys_locker(server: &Server) -> Locker {
+    some_keys(server, &["~*"]);
+    let url = server.url().replacen("://", "://some-keys:pw@", 1);
+    Locker::redis(&url).await.expect("connect")
+}
+
 /// Whether `e` is the server's ACL refusal (`NOPERM`).
 fn is_noperm(e: &Error) -> bool {
     matches!(e, Error::Refused { source, .. } if source.code() == Some("NOPERM"))
@@ -1144,15 +1167,8 @@ fn is_noperm(e: &Error) -> bool {
 /// others of that call are sent again one a call and answered, acquires and releases alike.
 async fn a_key_the_user_may_not_touch_fails_only_its_own_item(flavor: Flavor) {
     let server = Server::start(flavor);
-    let user = |keys: &[&str]| {
-        let mut rule = vec!["ACL", "SETUSER", "some-keys", "on", ">pw", "&*", "+@all"];
-        rule.push("resetkeys");
-        rule.extend_from_slice(keys);
-        let _: () = server.cmd(&rule);
-    };
-    user(&["~*"]);
-    let url = server.url().replacen("://", "://some-keys:pw@", 1);
-    let locker = Locker::redis(&url).await.expect("connect");
+    let user = |keys: &[&str]| some_keys(&server, keys);
+    let locker = some_keys_locker(&server).await;
     let mut keys: Vec<String> = (0..32).map(|i| format!("ok:{i}")).collect();
     keys[5] = "denied:5".to_owned();
     let only_ok = ["~*ok:*", "~*warm*"];
@@ -1220,15 +1236,8 @@ async fn a_key_the_user_may_not_touch_fails_only_its_own_item(flavor: Flavor) {
 /// keeps being renewed (with the whole call refused for both, it was lost too).
 async fn a_key_the_user_may_no_longer_touch_loses_only_its_own_lease(flavor: Flavor) {
     let server = Server::start(flavor);
-    let user = |keys: &[&str]| {
-        let mut rule = vec!["ACL", "SETUSER", "some-keys", "on", ">pw", "&*", "+@all"];
-        rule.push("resetkeys");
-        rule.extend_from_slice(keys);
-        let _: () = server.cmd(&rule);
-    };
-    user(&["~*"]);
-    let url = server.url().replacen("://", "://some-keys:pw@", 1);
-    let locker = Locker::redis(&url).await.expect("connect");
+    let user = |keys: &[&str]| some_keys(&server, keys);
+    let locker = some_keys_locker(&server).await;
     let o = opts(1_500);
     let (kept, revoked) = tokio::join!(
         locker.try_acquire("ok:kept", &o),
