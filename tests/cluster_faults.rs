@@ -1144,6 +1144,102 @@ async fn a_silent_node_connection_is_replaced_beside_a_dead_master(flavor: Flavo
     silent_node_connection_replaced(flavor, true).await
 }
 
+/// CRC16 (XMODEM) of the hash tag of `server_key` modulo 16384: its cluster slot, as the
+/// servers compute it (checked against `CLUSTER KEYSLOT` where used).
+fn slot_of(server_key: &str) -> u16 {
+    let tag = match server_key.find('{') {
+        Some(open) => match server_key[open + 1..].find('}') {
+            Some(len) if len > 0 => &server_key[open + 1..open + 1 + len],
+            _ => server_key,
+        },
+        None => server_key,
+    };
+    let mut crc: u16 = 0;
+    for &b in tag.as_bytes() {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
+/// The renewal of two leases in one slot, one of whose keys the ACL user may no longer touch:
+/// the node's batch fails, then the slot's call is refused for that key (the server checks
+/// every key a call declares), so the slot's leases are sent again one a call: the lease the
+/// user may still touch keeps being renewed, and only the other is lost, and told so before its
+/// deadline. With the slot's call failing both, the kept lease was lost too.
+async fn a_key_the_user_may_no_longer_touch_loses_only_its_own_lease(flavor: Flavor) {
+    let cluster = Cluster::start(flavor, 1, 0);
+    let user = |keys: &[&str]| {
+        for node in &cluster.nodes {
+            let mut rule = vec![
+                "ACL",
+                "SETUSER",
+                "some-keys",
+                "on",
+                ">pw",
+                "&*",
+                "+@all",
+                "resetkeys",
+            ];
+            rule.extend_from_slice(keys);
+            let _: () = node.cmd(&rule);
+        }
+    };
+    user(&["~*"]);
+    let urls: Vec<String> = cluster
+        .urls()
+        .iter()
+        .map(|u| u.replacen("://", "://some-keys:pw@", 1))
+        .collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let locker = Locker::redis_cluster(&urls).await.expect("connect");
+    let server_key = |k: &str| locker.lock_key(k).expect("key").lock_key().to_owned();
+    let kept_key = server_key("ok:kept");
+    let revoked = (0..1_000_000)
+        .map(|i| format!("denied:{i}"))
+        .find(|k| slot_of(&server_key(k)) == slot_of(&kept_key))
+        .expect("a key in the kept lease's slot");
+    let keyslot = |k: &str| cluster.nodes[0].cmd::<i64>(&["CLUSTER", "KEYSLOT", k]);
+    assert_eq!(
+        keyslot(&kept_key),
+        keyslot(&server_key(&revoked)),
+        "the two leases must share a slot"
+    );
+
+    let o = LockOptions::new().ttl(Duration::from_millis(1_500));
+    let kept = locker.try_acquire("ok:kept", &o).await.expect("acquire");
+    let revoked = locker.try_acquire(&revoked, &o).await.expect("acquire");
+    user(&["~*ok:*"]);
+    let _: () = cluster.nodes[0].cmd(&["CONFIG", "RESETSTAT"]);
+    tokio::time::timeout(Duration::from_secs(3), revoked.lost())
+        .await
+        .expect("the lease the user may no longer touch was not told it is lost");
+    // Two TTLs more: the other lease must have been renewed all along.
+    sleep(Duration::from_millis(3_000)).await;
+    assert!(!kept.is_lost(), "the lease beside the refused key was lost");
+    let pttl: i64 = cluster.nodes[0].cmd(&["PTTL", &kept_key]);
+    assert!(
+        pttl > 0,
+        "the kept lease's key is gone from the server ({pttl})"
+    );
+    // Refused up front: the slot's shared call, and the revoked lease's own calls.
+    let refused = command_stat(&cluster, 0, "evalsha", "rejected_calls");
+    assert!(
+        refused >= 2,
+        "want the slot's shared call and the revoked lease's own refused: {refused}"
+    );
+    assert_eq!(
+        kept.release().await.expect("release"),
+        leasehold::Release::Released
+    );
+}
+
 /// Every scenario above on a Redis cluster and on a Valkey cluster, as
 /// `on_redis::<scenario>` and `on_valkey::<scenario>`.
 macro_rules! on_each_flavor {
@@ -1186,6 +1282,7 @@ on_each_flavor!(
     a_renewing_lease_outlives_a_stalled_masters_failover,
     a_silent_node_connection_is_replaced,
     a_silent_node_connection_is_replaced_beside_a_dead_master,
+    a_key_the_user_may_no_longer_touch_loses_only_its_own_lease,
 );
 
 /// The README's ACL section says the plain `leasehold` rule cannot even connect to a cluster
