@@ -1013,7 +1013,9 @@ impl<B: Backend + Clone> Locker<B> {
         match answer {
             Ok((AcquireReply::Granted { .. }, acked)) if acked < opts.replicas => {
                 // A grant the replicas lack could vanish in a failover: not a lease.
-                let _ = self.core.backend.release(key, token).await;
+                if let Err(e) = self.core.backend.release(key, token).await {
+                    warn!(key = key.key(), error = %e, "under-replicated grant not given back; it expires with its TTL");
+                }
                 Err(Error::NotReplicated {
                     key: key.key().to_owned(),
                     acked,
@@ -1036,7 +1038,11 @@ impl<B: Backend + Clone> Locker<B> {
         let (key, token) = (key.clone(), token.clone());
         runtime.spawn(async move {
             let first = backend.release(&key, &token).await;
-            let _ = crate::renew::release_again_if_in_doubt(&backend, &key, &token, first).await;
+            if let Err(e) =
+                crate::renew::release_again_if_in_doubt(&backend, &key, &token, first).await
+            {
+                warn!(key = key.key(), error = %e, "grant not handed out and not given back; it expires with its TTL");
+            }
         });
     }
 
