@@ -437,7 +437,7 @@ impl<B: Backend + Clone> Drop for MaybeExtended<'_, B> {
         if !self.ttl.is_zero() {
             lease
                 .state
-                .maybe_extended(self.deadline, warn_ahead(self.ttl));
+                .maybe_extended(self.deadline, warn_ahead(self.ttl), self.ttl);
             if lease.renewing {
                 // The deadline may have moved closer: the next renewal must come by halfway
                 // to it, not on the schedule of the longer TTL, or the lease is lost at the

@@ -96,6 +96,15 @@ struct Times {
     /// answered meanwhile is not taken past it.
     renewals_out: u32,
     renewals_min: Option<Instant>,
+    /// The shortest TTL of a request of this lease whose outcome is unknown (a renewal or an
+    /// extend that failed or was given up unanswered). It may still reach the server at any
+    /// later time, after requests sent since were answered: written to a connection that went
+    /// silent and was replaced, its bytes can be delivered when the stall ends. Landing at
+    /// some time `a`, it sets the expiry to `a` plus its TTL; so every later answer's deadline
+    /// is counted with no longer a TTL than it, from that answer's own send time (before `a`,
+    /// or the later request ran last and set the expiry itself). For the rest of the lease:
+    /// nothing tells when such a request can no longer land.
+    unknown_ttl: Option<Duration>,
 }
 
 impl Times {
@@ -110,6 +119,7 @@ impl Times {
             answered_cap: None,
             renewals_out: 0,
             renewals_min: None,
+            unknown_ttl: None,
         }
     }
 
@@ -119,6 +129,12 @@ impl Times {
             alarm: deadline.checked_sub(ahead).unwrap_or(deadline),
             ..*self
         };
+    }
+
+    /// A request carrying `ttl` ended with its outcome unknown, or may otherwise reach the
+    /// server later (see `unknown_ttl`).
+    fn unknown(&mut self, ttl: Duration) {
+        self.unknown_ttl = Some(self.unknown_ttl.map_or(ttl, |t| t.min(ttl)));
     }
 
     fn renewal_settled(&mut self) {
@@ -176,9 +192,10 @@ impl LeaseState {
 
     /// A renewal sent at `sent` failed with its outcome unknown: it may have run, after an
     /// extend still travelling too, and set `deadline`.
-    pub(crate) fn renewal_unknown(&self, deadline: Instant) {
+    pub(crate) fn renewal_unknown(&self, deadline: Instant, ttl: Duration) {
         let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
         t.renewal_settled();
+        t.unknown(ttl);
         if t.extends_out > 0 {
             t.answered_cap = Some(t.answered_cap.map_or(deadline, |c| c.min(deadline)));
         }
@@ -268,13 +285,24 @@ impl LeaseState {
         }
     }
 
+    /// A request for this lease carrying `ttl` may still reach the server at any later time (an
+    /// acquire's first send, answered by its retry): later deadlines are counted with no longer
+    /// a TTL than it.
+    pub(crate) fn may_land_late(&self, ttl: Duration) {
+        self.times
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .unknown(ttl);
+    }
+
     /// An explicit extend whose outcome is unknown (an error, or its caller gone before the
     /// answer): it may have set the server's expiry to `deadline`, so the local deadline may
     /// only shorten to it, and replies of renewals sent before now may have run before it on
     /// the server, so, as after an extend that answered, they may only shorten.
-    pub(crate) fn maybe_extended(&self, deadline: Instant, ahead: Duration) {
+    pub(crate) fn maybe_extended(&self, deadline: Instant, ahead: Duration, ttl: Duration) {
         {
             let mut t = self.times.lock().unwrap_or_else(PoisonError::into_inner);
+            t.unknown(ttl);
             if t.extends_out > 1 {
                 // Another extend travelling may have run before this one.
                 t.answered_cap = Some(t.answered_cap.map_or(deadline, |c| c.min(deadline)));
@@ -324,6 +352,9 @@ impl LeaseState {
         }
         let asked = deadline;
         let mut deadline = deadline;
+        if let Some(ttl) = t.unknown_ttl {
+            deadline = deadline.min(sent + ttl - drift(ttl));
+        }
         if explicit {
             t.renew_ttl = extend_ttl;
             if t.extends_out > 1 {
@@ -690,12 +721,13 @@ type Batch = (Vec<u64>, Vec<(LockKey, Token)>, Vec<Arc<LeaseState>>);
 struct Unsettled {
     states: Vec<Arc<LeaseState>>,
     deadline: Instant,
+    ttl: Duration,
 }
 
 impl Drop for Unsettled {
     fn drop(&mut self) {
         for state in &self.states {
-            state.renewal_unknown(self.deadline);
+            state.renewal_unknown(self.deadline, self.ttl);
         }
     }
 }
@@ -946,6 +978,7 @@ async fn run<B: Backend + Clone>(backend: B, inbox: Arc<Inbox>) {
                 let mut unsettled = Unsettled {
                     states,
                     deadline: sent_at + ttl - drift(ttl),
+                    ttl,
                 };
                 let result = backend.extend_each(&items, ttl).await;
                 // Answered: `settle` takes the leases from here, in the same turn of the driver.
@@ -1092,7 +1125,7 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                 let Some(e) = d.entries.get(id) else { continue };
                 let Some(held) = held else {
                     // This lease's part of the batch failed: retry it like a failed batch.
-                    e.state.renewal_unknown(sent_at + ttl - drift(ttl));
+                    e.state.renewal_unknown(sent_at + ttl - drift(ttl), ttl);
                     let retry = Instant::now() + (e.ttl / 10).min(Duration::from_millis(250));
                     debug!(key = e.key.key(), "renewal outcome unknown; retrying");
                     d.file_retry(*id, retry);
@@ -1140,7 +1173,7 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
         Err(err) => {
             for id in &ids {
                 let Some(e) = d.entries.get(id) else { continue };
-                e.state.renewal_unknown(sent_at + ttl - drift(ttl));
+                e.state.renewal_unknown(sent_at + ttl - drift(ttl), ttl);
                 // Retry soon; the deadline timer marks the lease lost if none succeeds in time.
                 let retry = Instant::now() + (e.ttl / 10).min(Duration::from_millis(250));
                 debug!(key = e.key.key(), error = %err, "renewal failed; retrying");
@@ -1221,6 +1254,11 @@ mod tests {
             /// The reply of a request that ran (at this index, modulo their count) is handled;
             /// with the flag, it is lost instead (the caller sees an error).
             Answer(usize, bool),
+            /// The caller of a request not yet written (at this index, modulo their count)
+            /// gives up on it, as on a connection that went silent and was replaced: its
+            /// outcome is unknown, and it may still reach the server at any later time (bytes
+            /// stuck on the old connection), long after later requests were answered.
+            GiveUp(usize),
             /// Let this many ms pass.
             Wait(u64),
         }
@@ -1232,6 +1270,7 @@ mod tests {
                 5 => (0usize..8).prop_map(Step::Write),
                 5 => (0usize..8, proptest::bool::weighted(0.2))
                     .prop_map(|(i, l)| Step::Answer(i, l)),
+                1 => (0usize..8).prop_map(Step::GiveUp),
                 2 => (1u64..400).prop_map(Step::Wait),
             ]
         }
@@ -1242,6 +1281,8 @@ mod tests {
             explicit: bool,
             /// Whether the key was still there when the server ran it.
             held: bool,
+            /// Its caller gave up before it was written: it runs, unanswered, if ever written.
+            orphan: bool,
         }
 
         fn run(steps: Vec<Step>) {
@@ -1277,6 +1318,7 @@ mod tests {
                                     ttl,
                                     explicit: false,
                                     held: false,
+                                    orphan: false,
                                 });
                             }
                         }
@@ -1294,6 +1336,7 @@ mod tests {
                                 ttl,
                                 explicit: true,
                                 held: false,
+                                orphan: false,
                             });
                         }
                         Step::Write(i) if !unwritten.is_empty() => {
@@ -1302,22 +1345,34 @@ mod tests {
                             if r.held {
                                 expiry = Some(now + r.ttl);
                             }
-                            ran.push(r);
+                            if !r.orphan {
+                                ran.push(r);
+                            }
                         }
-                        // A lost answer is modelled for requests that ran (or found the key
-                        // gone: `held`) only. Not modelled: one whose caller gave up while it
-                        // was still unwritten and that runs afterwards, once the lease state
-                        // counts it as settled. Callers give up on a connection that failed or
-                        // timed out; a request still queued on a live one when its caller
-                        // gave up could in principle run later, and this model does not cover
-                        // that.
+                        Step::GiveUp(i) if unwritten.iter().any(|r| !r.orphan) => {
+                            let waiting: Vec<usize> = (0..unwritten.len())
+                                .filter(|&j| !unwritten[j].orphan)
+                                .collect();
+                            let r = &mut unwritten[waiting[i % waiting.len()]];
+                            r.orphan = true;
+                            let deadline = r.at + r.ttl - drift(r.ttl);
+                            if r.explicit {
+                                s.maybe_extended(deadline, warn_ahead(r.ttl), r.ttl);
+                                s.extend_settled();
+                            } else {
+                                s.renewal_unknown(deadline, r.ttl);
+                                renewing -= 1;
+                            }
+                        }
+                        // A lost answer of a request that ran (or found the key gone:
+                        // `held`); one given up before it ran is `GiveUp`.
                         Step::Answer(i, lost) if !ran.is_empty() => {
                             let r = ran.remove(i % ran.len());
                             let deadline = r.at + r.ttl - drift(r.ttl);
                             let ahead = warn_ahead(r.ttl);
                             match (r.explicit, r.held, lost) {
-                                (true, _, true) => s.maybe_extended(deadline, ahead),
-                                (false, _, true) => s.renewal_unknown(deadline),
+                                (true, _, true) => s.maybe_extended(deadline, ahead, r.ttl),
+                                (false, _, true) => s.renewal_unknown(deadline, r.ttl),
                                 (true, true, false) => {
                                     s.extended(r.at, deadline, ahead, r.ttl);
                                 }
@@ -1332,7 +1387,7 @@ mod tests {
                                 renewing -= 1;
                             }
                         }
-                        Step::Renew | Step::Write(_) | Step::Answer(..) => {}
+                        Step::Renew | Step::Write(_) | Step::Answer(..) | Step::GiveUp(_) => {}
                         Step::Wait(ms) => tokio::time::advance(Duration::from_millis(ms)).await,
                     }
                     if s.is_lost() {
@@ -1394,7 +1449,11 @@ mod tests {
         let s = LeaseState::new(t0 + Duration::from_secs(30), AHEAD);
         let renewal_sent = Instant::now();
         std::thread::sleep(Duration::from_millis(2));
-        s.maybe_extended(Instant::now() + Duration::from_secs(3), AHEAD);
+        s.maybe_extended(
+            Instant::now() + Duration::from_secs(3),
+            AHEAD,
+            Duration::from_secs(3),
+        );
         assert!(s.remaining() <= Duration::from_secs(3));
         assert!(s.renewed(renewal_sent, renewal_sent + Duration::from_secs(30), AHEAD));
         assert!(
@@ -1402,6 +1461,33 @@ mod tests {
             "an earlier renewal's reply moved the deadline to {:?}",
             s.remaining()
         );
+    }
+
+    /// A renewal carrying 1 s given up unanswered (its connection went silent and was
+    /// replaced), then an extend to 30 s answered: the stranded renewal may still be delivered
+    /// afterwards and set the expiry to 1 s from then, so the extend's deadline is counted with
+    /// 1 s, and so is every later one.
+    #[test]
+    fn a_request_of_unknown_outcome_caps_later_deadlines_at_its_ttl() {
+        let t0 = Instant::now();
+        let second = Duration::from_secs(1);
+        let s = LeaseState::new(t0 + second, AHEAD);
+        let ttl = s.renewal_ttl(second, t0).expect("no extend travels");
+        s.renewal_unknown(t0 + ttl - drift(ttl), ttl);
+        let sent = Instant::now();
+        let thirty = Duration::from_secs(30);
+        s.extending(sent + thirty - drift(thirty), AHEAD);
+        assert!(s.extended(sent, sent + thirty - drift(thirty), AHEAD, thirty));
+        s.extend_settled();
+        assert!(
+            s.remaining() <= second,
+            "{:?} left where the stranded renewal may set 1 s",
+            s.remaining()
+        );
+        let later = Instant::now();
+        assert!(s.renewed(later, later + thirty - drift(thirty), AHEAD));
+        assert!(s.remaining() <= second, "{:?} left", s.remaining());
+        assert!(!s.is_lost());
     }
 
     /// A renewal carrying a long TTL (30 s) is sent; then an extend to 10 s, longer than the
@@ -1419,7 +1505,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(2));
         let ten = Instant::now() + Duration::from_secs(10);
         s.extending(ten, AHEAD);
-        s.maybe_extended(ten, AHEAD);
+        s.maybe_extended(ten, AHEAD, Duration::from_secs(10));
         s.extend_settled();
         assert!(s.remaining() <= Duration::from_secs(5));
         assert!(s.renewed(renewal_sent, renewal_sent + Duration::from_secs(30), AHEAD));
