@@ -2013,6 +2013,85 @@ mod tests {
         assert!(lease.remaining() > ttl / 2, "{:?}", lease.remaining());
     }
 
+    /// The memory backend whose grants come `delay` late, whose replicated grants reach no
+    /// replica, and whose releases all fail: what the locker does not hand out, it cannot give
+    /// back either.
+    #[derive(Clone)]
+    struct GivesNothingBack {
+        inner: MemoryBackend,
+        delay: Duration,
+    }
+
+    impl Backend for GivesNothingBack {
+        async fn acquire(
+            &self,
+            key: &LockKey,
+            token: &Token,
+            ttl: Duration,
+        ) -> Result<AcquireReply> {
+            let reply = self.inner.acquire(key, token, ttl).await;
+            tokio::time::sleep(self.delay).await;
+            reply
+        }
+        async fn acquire_replicated(
+            &self,
+            key: &LockKey,
+            token: &Token,
+            ttl: Duration,
+            _replicas: u32,
+            _timeout: Duration,
+        ) -> Result<(AcquireReply, u32)> {
+            Ok((self.inner.acquire(key, token, ttl).await?, 0))
+        }
+        async fn release(&self, _key: &LockKey, _token: &Token) -> Result<bool> {
+            Err(unavailable("releases fail"))
+        }
+        fn extend(
+            &self,
+            items: &[(LockKey, Token)],
+            ttl: Duration,
+        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+            self.inner.extend(items, ttl)
+        }
+        forward_to_memory!();
+    }
+
+    /// A grant not handed out (under-replicated, or come after its validity) whose release
+    /// then fails stays held by nobody for its TTL: the locker says so at `warn` instead of
+    /// dropping the error.
+    #[tokio::test]
+    async fn a_grant_that_cannot_be_given_back_is_told() {
+        let (logs, _logging) = captured::capture(tracing::Level::WARN);
+        let replicated = Locker::new(GivesNothingBack {
+            inner: MemoryBackend::new(),
+            delay: Duration::ZERO,
+        });
+        let o = opts(Duration::from_secs(5)).renew(false).replicas(1);
+        let e = replicated
+            .try_acquire("k", &o)
+            .await
+            .expect_err("no replica");
+        assert!(matches!(e, Error::NotReplicated { .. }), "{e}");
+        let text = logs.text();
+        assert!(
+            text.contains("WARN") && text.contains("under-replicated grant not given back"),
+            "{text}"
+        );
+
+        let late = Locker::new(GivesNothingBack {
+            inner: MemoryBackend::new(),
+            delay: Duration::from_millis(150),
+        });
+        let o = opts(Duration::from_millis(100)).renew(false);
+        let e = late.try_acquire("k", &o).await.expect_err("come too late");
+        assert!(matches!(e, Error::LeaseLost { .. }), "{e}");
+        let give_up = Instant::now() + Duration::from_secs(5);
+        while !logs.text().contains("not handed out and not given back") {
+            assert!(Instant::now() < give_up, "not told: {}", logs.text());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// Takes a 150 ms lease on `key` and checks that renewal keeps it over four TTLs.
     async fn assert_renewed(locker: &Locker, key: &str) {
         let lease = locker
