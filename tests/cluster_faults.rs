@@ -1177,18 +1177,7 @@ async fn a_key_the_user_may_no_longer_touch_loses_only_its_own_lease(flavor: Fla
     let cluster = Cluster::start(flavor, 1, 0);
     let user = |keys: &[&str]| {
         for node in &cluster.nodes {
-            let mut rule = vec![
-                "ACL",
-                "SETUSER",
-                "some-keys",
-                "on",
-                ">pw",
-                "&*",
-                "+@all",
-                "resetkeys",
-            ];
-            rule.extend_from_slice(keys);
-            let _: () = node.cmd(&rule);
+            support::some_keys(node, keys);
         }
     };
     user(&["~*"]);

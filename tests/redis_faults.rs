@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use leasehold::{Error, LockOptions, Locker, RedisConfig, Release};
-use support::{Flavor, Server};
+use support::{Flavor, Server, some_keys};
 use tokio::time::{Instant, sleep};
 
 fn opts(ttl_ms: u64) -> LockOptions {
@@ -1132,22 +1132,6 @@ async fn a_refused_type_fails_only_its_own_item(flavor: Flavor) {
     }
     let kept: Vec<String> = server.cmd(&["LRANGE", list.lock_key(), "0", "-1"]);
     assert_eq!(kept, vec!["precious".to_owned()]);
-}
-
-/// Sets the key patterns of the ACL user `some-keys` (every command and channel allowed).
-fn some_keys(server: &Server, keys: &[&str]) {
-    let mut rule = vec![
-        "ACL",
-        "SETUSER",
-        "some-keys",
-        "on",
-        ">pw",
-        "&*",
-        "+@all",
-        "resetkeys",
-    ];
-    rule.extend_from_slice(keys);
-    let _: () = server.cmd(&rule);
 }
 
 /// A locker logged in as `some-keys`, made with every key allowed.

@@ -1305,7 +1305,19 @@ mod tests {
         };
     }
 
+    /// The parts of `Backend` a test backend leaves to the memory backend in its `inner`;
+    /// `(extend)`: the extends too.
     macro_rules! forward_to_memory {
+        (extend) => {
+            fn extend(
+                &self,
+                items: &[(LockKey, Token)],
+                ttl: Duration,
+            ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+                self.inner.extend(items, ttl)
+            }
+            forward_to_memory!();
+        };
         () => {
             fn admit(
                 &self,
@@ -1421,14 +1433,7 @@ mod tests {
                 inner.release(&key, &token).await
             }
         }
-        fn extend(
-            &self,
-            items: &[(LockKey, Token)],
-            ttl: Duration,
-        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
-            self.inner.extend(items, ttl)
-        }
-        forward_to_memory!();
+        forward_to_memory!(extend);
         fn undoes_abandoned_grants(&self) -> bool {
             true
         }
@@ -2046,14 +2051,7 @@ mod tests {
         async fn release(&self, _key: &LockKey, _token: &Token) -> Result<bool> {
             Err(unavailable("releases fail"))
         }
-        fn extend(
-            &self,
-            items: &[(LockKey, Token)],
-            ttl: Duration,
-        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
-            self.inner.extend(items, ttl)
-        }
-        forward_to_memory!();
+        forward_to_memory!(extend);
     }
 
     /// A grant not handed out (under-replicated, or come after its validity) whose release

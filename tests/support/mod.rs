@@ -659,3 +659,19 @@ pub async fn timed_handoff<F: std::future::Future<Output = ()>>(
         alone,
     }
 }
+
+/// Sets the key patterns of the ACL user `some-keys` (every command and channel allowed).
+pub fn some_keys(server: &Server, keys: &[&str]) {
+    let mut rule = vec![
+        "ACL",
+        "SETUSER",
+        "some-keys",
+        "on",
+        ">pw",
+        "&*",
+        "+@all",
+        "resetkeys",
+    ];
+    rule.extend_from_slice(keys);
+    let _: () = server.cmd(&rule);
+}
