@@ -63,6 +63,7 @@ on_every_backend!(
     a_body_that_lingers_past_its_length_is_stored,
     two_layers_on_one_locker_share_results,
     stacked_layers_agree_on_the_lease,
+    a_repeated_key_header_is_invalid_even_when_passing_through,
 );
 
 /// A webhook endpoint that counts its runs and answers something unique per run.
@@ -792,6 +793,83 @@ async fn missing_or_malformed_keys(h: Harness) {
         assert_eq!(r.status, StatusCode::CREATED);
     }
     assert_eq!(runs.load(Ordering::SeqCst), 3, "unkeyed requests each ran");
+}
+
+/// A key header sent twice is an invalid key for every header extractor (`header`,
+/// `idempotency_key`, `webhook_id` by either of its headers, `github_delivery`): 400 and the
+/// handler does not run, also under `pass_through_without_key`, which lets through only a
+/// request without a key (an empty first value must not make it one). Sent once, the same
+/// header is deduplicated, so the 400s are the repetition's.
+async fn a_repeated_key_header_is_invalid_even_when_passing_through(h: Harness) {
+    let locker = h.locker().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let extractors = [
+        (
+            "x-delivery",
+            KeyExtractor::header(HeaderName::from_static("x-delivery")),
+        ),
+        ("idempotency-key", KeyExtractor::idempotency_key()),
+        ("webhook-id", KeyExtractor::webhook_id()),
+        ("svix-id", KeyExtractor::webhook_id()),
+        ("x-github-delivery", KeyExtractor::github_delivery()),
+    ];
+    let modes = ["strict", "lenient"];
+    let mut app = Router::new();
+    for (header, key) in &extractors {
+        for mode in modes {
+            // A scope per route: one key on two routes would otherwise be a reused key (422).
+            let layer = DedupeLayer::new(locker.clone())
+                .key(key.clone())
+                .scope(format!("{header}/{mode}"));
+            let layer = match mode {
+                "lenient" => layer.pass_through_without_key(),
+                _ => layer,
+            };
+            let runs = runs.clone();
+            let handler = post(move || {
+                runs.fetch_add(1, Ordering::SeqCst);
+                async { "ran" }
+            });
+            app = app.route(&format!("/{header}/{mode}"), handler.layer(layer));
+        }
+    }
+    let addr = serve(app).await;
+    for (header, _) in &extractors {
+        for mode in modes {
+            let path = format!("/{header}/{mode}");
+            for [first, second] in [["7", "8"], ["7", "7"], ["", "7"]] {
+                let twice = [(*header, first), (*header, second)];
+                let r = send(addr, Method::POST, &path, &twice, "{}").await;
+                assert_eq!(
+                    r.status,
+                    StatusCode::BAD_REQUEST,
+                    "{path} {twice:?}: {}",
+                    r.text()
+                );
+                assert!(
+                    r.text().contains("invalid-key") && r.text().contains("more than once"),
+                    "{path} {twice:?}: {}",
+                    r.text()
+                );
+            }
+        }
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "a handler ran on a repeated key"
+    );
+    for (header, _) in &extractors {
+        for mode in modes {
+            let path = format!("/{header}/{mode}");
+            for replayed in [None, Some("true")] {
+                let r = send(addr, Method::POST, &path, &[(*header, "7")], "{}").await;
+                assert_eq!(r.status, StatusCode::OK, "{path}: {}", r.text());
+                assert_eq!(r.header("idempotent-replayed"), replayed, "{path}");
+            }
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2 * extractors.len());
 }
 
 /// The body is read only for a keyed request's fingerprint: a request without a header key is

@@ -42,6 +42,7 @@ on_every_backend!(
     a_panicking_handler_frees_the_lock,
     head_is_locked_where_get_is,
     a_response_without_a_body_frees_the_lease_before_it_goes_out,
+    a_repeated_key_header_is_invalid_even_when_passing_through,
 );
 
 // A subset on a 3-master Redis Cluster and Valkey Cluster, and on a Redlock quorum.
@@ -1245,6 +1246,81 @@ async fn an_invalid_key_is_refused_even_when_passing_through() {
         assert_eq!(res.status, StatusCode::OK, "{body:?}: {}", res.text());
     }
     assert_eq!(ran.load(Ordering::SeqCst), 4);
+}
+
+/// A key header sent twice is an invalid key for every header extractor (`header`,
+/// `idempotency_key`, `webhook_id` by either of its headers, `github_delivery`): 400 and the
+/// handler does not run, also under `pass_through_without_key`, where an empty first value
+/// must not make it a missing key that runs unlocked. Sent once, the same header locks and the
+/// handler runs under the lease, so the 400s are the repetition's.
+async fn a_repeated_key_header_is_invalid_even_when_passing_through(h: Harness) {
+    let locker = h.locker().await;
+    let ran = Arc::new(AtomicUsize::new(0));
+    let extractors = [
+        (
+            "x-account",
+            KeyExtractor::header(http::HeaderName::from_static("x-account")),
+        ),
+        ("idempotency-key", KeyExtractor::idempotency_key()),
+        ("webhook-id", KeyExtractor::webhook_id()),
+        ("svix-id", KeyExtractor::webhook_id()),
+        ("x-github-delivery", KeyExtractor::github_delivery()),
+    ];
+    let modes = ["strict", "lenient"];
+    let mut app = Router::new();
+    for (header, key) in &extractors {
+        for mode in modes {
+            let layer = LockLayer::new(locker.clone(), key.clone());
+            let layer = match mode {
+                "lenient" => layer.pass_through_without_key(),
+                _ => layer,
+            };
+            let ran = ran.clone();
+            let handler = post(move |f: Option<Fence>| {
+                ran.fetch_add(1, Ordering::SeqCst);
+                async move { if f.is_some() { "locked" } else { "unlocked" } }
+            });
+            app = app.route(&format!("/{header}/{mode}"), handler.route_layer(layer));
+        }
+    }
+    let addr = serve(app).await;
+    for (header, _) in &extractors {
+        for mode in modes {
+            let path = format!("/{header}/{mode}");
+            for [first, second] in [["7", "8"], ["7", "7"], ["", "7"]] {
+                let twice = [(*header, first), (*header, second)];
+                let r = send(addr, Method::POST, &path, &twice, "").await;
+                assert_eq!(
+                    r.status,
+                    StatusCode::BAD_REQUEST,
+                    "{path} {twice:?}: {}",
+                    r.text()
+                );
+                assert!(
+                    r.text().contains("invalid-key") && r.text().contains("more than once"),
+                    "{path} {twice:?}: {}",
+                    r.text()
+                );
+            }
+        }
+    }
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        0,
+        "a handler ran on a repeated key"
+    );
+    for (header, _) in &extractors {
+        for mode in modes {
+            let path = format!("/{header}/{mode}");
+            let r = send(addr, Method::POST, &path, &[(*header, "7")], "").await;
+            assert_eq!(
+                (r.status, r.text().as_str()),
+                (StatusCode::OK, "locked"),
+                "{path}"
+            );
+        }
+    }
+    assert_eq!(ran.load(Ordering::SeqCst), 2 * extractors.len());
 }
 
 /// `methods([GET])` covers HEAD too: axum runs the GET handler for a HEAD request, which must
