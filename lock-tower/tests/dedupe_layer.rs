@@ -3328,6 +3328,100 @@ async fn headers_never_replayed_stay_off_the_replay() {
     assert!(replay.body.is_empty());
 }
 
+/// A body long enough for tower-http's compression, which leaves bodies under 32 bytes as
+/// they are.
+const COMPRESSIBLE: &str = "processed: the event was applied once, and only once. \
+                            processed: the event was applied once, and only once.";
+
+/// A handler answering `COMPRESSIBLE`, counting its runs.
+fn compressible(runs: Arc<AtomicUsize>) -> axum::routing::MethodRouter {
+    post(move || {
+        runs.fetch_add(1, Ordering::SeqCst);
+        async { COMPRESSIBLE }
+    })
+}
+
+/// One delivery of the key `"gz-1"`, accepting gzip or no encoding at all.
+async fn deliver_accepting(addr: std::net::SocketAddr, gzip: bool) -> Reply {
+    let key = ("idempotency-key", r#""gz-1""#);
+    let headers: &[(&str, &str)] = if gzip {
+        &[key, ("accept-encoding", "gzip")]
+    } else {
+        &[key]
+    };
+    send(addr, Method::POST, "/hooks/gz", headers, "{}").await
+}
+
+/// Gzip output: its magic bytes, and not the plain body.
+fn assert_gzip(r: &Reply, what: &str) {
+    assert_eq!(r.header("content-encoding"), Some("gzip"), "{what}");
+    assert!(r.body.starts_with(&[0x1f, 0x8b]), "{what}: {:?}", r.body);
+    assert_ne!(r.body, COMPRESSIBLE.as_bytes(), "{what}");
+}
+
+/// README: a compression layer outside `DedupeLayer` gets the result stored uncompressed, and
+/// each replay is compressed for its own caller. The first delivery accepts gzip and gets it; a
+/// duplicate that accepts no encoding gets the handler's plain bytes replayed, and one that
+/// accepts gzip gets the same bytes compressed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compression_outside_the_layer_compresses_each_replay_for_its_caller() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let dedupe = DedupeLayer::new(lock_core::Locker::memory());
+    let app = Router::new()
+        .route("/hooks/gz", compressible(runs.clone()).layer(dedupe))
+        .layer(tower_http::compression::CompressionLayer::new());
+    let addr = serve(app).await;
+
+    let first = deliver_accepting(addr, true).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+    assert_eq!(first.header("idempotent-replayed"), None);
+    assert_gzip(&first, "first delivery");
+
+    let plain = deliver_accepting(addr, false).await;
+    assert_eq!(plain.status, StatusCode::OK, "{}", plain.text());
+    assert_eq!(plain.header("idempotent-replayed"), Some("true"));
+    assert_eq!(plain.header("content-encoding"), None);
+    assert_eq!(plain.text(), COMPRESSIBLE);
+
+    let gzipped = deliver_accepting(addr, true).await;
+    assert_eq!(gzipped.header("idempotent-replayed"), Some("true"));
+    assert_gzip(&gzipped, "gzip replay");
+    // Compression is deterministic: the same plain bytes give the first delivery's gzip bytes.
+    assert_eq!(gzipped.body, first.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// README: a compression layer inside `DedupeLayer` gets the compressed bytes stored, and they
+/// are replayed with their `Content-Encoding` and `Vary` whatever the retry accepts: a
+/// duplicate that accepts no encoding still gets the first delivery's gzip bytes, labelled as
+/// gzip (without the label they would be garbage to it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compression_inside_the_layer_replays_the_compressed_bytes() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let dedupe = DedupeLayer::new(lock_core::Locker::memory());
+    let app = Router::new().route(
+        "/hooks/gz",
+        compressible(runs.clone())
+            .layer::<_, std::convert::Infallible>(tower_http::compression::CompressionLayer::new())
+            .layer(dedupe),
+    );
+    let addr = serve(app).await;
+
+    let first = deliver_accepting(addr, true).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+    assert_eq!(first.header("idempotent-replayed"), None);
+    assert_gzip(&first, "first delivery");
+    assert_eq!(first.header("vary"), Some("accept-encoding"));
+
+    let replay = deliver_accepting(addr, false).await;
+    assert_eq!(replay.status, StatusCode::OK, "{}", replay.text());
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.header("content-encoding"), Some("gzip"));
+    assert_eq!(replay.header("vary"), Some("accept-encoding"));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 /// `replay_header` adds a header to the allow-list: it is on the replay, beside the defaults,
 /// while a header not listed is not.
 async fn replay_header_adds_to_the_allow_list(h: Harness) {
