@@ -223,6 +223,12 @@ impl<B: Backend + Clone> Lease<B> {
     /// counts once answered. Returns [`Error::LeaseLost`] (and marks the lease lost) if this
     /// holder no longer holds it, or if the lease was already lost: loss is final.
     ///
+    /// Once a renewal or extend of this lease went unanswered (or its acquire was answered
+    /// only by a retry), that request may still reach the server later and set its own TTL
+    /// from then, so from that point the lease counts every deadline, this one's included, with
+    /// no longer a TTL than that request's: a longer extend is set on the server, but
+    /// `remaining` does not count past what the stray request could leave.
+    ///
     /// Extends of one lease run one at a time: a second caller waits for the first's answer
     /// before sending its own. While two travel at once, neither answer can tell which ran
     /// last on the server, so each could only count up to the earlier deadline of the two;
