@@ -1529,7 +1529,9 @@ suite!(
 async fn memory_forgets_kept_fences_in_sweeps() {
     let memory = MemoryBackend::new();
     let locker = Locker::new(leasehold::AnyBackend::Memory(memory.clone()));
-    let once = opts(10).renew(false).keep_fence(Duration::from_millis(1));
+    // A TTL well above a loaded machine's scheduling delays: a grant answered after its
+    // validity is no lease (`LeaseLost`), and 10 ms left too little.
+    let once = opts(50).renew(false).keep_fence(Duration::from_millis(1));
     for round in 0..10 {
         for i in 0..1_000 {
             let lease = locker
@@ -1538,8 +1540,8 @@ async fn memory_forgets_kept_fences_in_sweeps() {
                 .expect("acquire");
             lease.release().await.expect("release");
         }
-        // Past every grant's keep (the 10 ms TTL, the longer of the two).
-        sleep(Duration::from_millis(20)).await;
+        // Past every grant's keep (the 50 ms TTL, the longer of the two).
+        sleep(Duration::from_millis(60)).await;
     }
     let kept = memory.kept_keys();
     assert!(kept <= 2_048, "{kept} of 10000 once-used keys still kept");

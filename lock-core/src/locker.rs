@@ -2178,19 +2178,20 @@ mod tests {
         let locker = Locker::new(Hanging {
             inner: MemoryBackend::new(),
         });
-        let ttl = Duration::from_millis(600);
+        let ttl = Duration::from_millis(1_200);
         let first = runtime();
         let lease = first.block_on(async {
             let opts = LockOptions::new().ttl(ttl);
             let lease = locker.try_acquire("k", &opts).await.expect("grant");
             // The first renewal goes out a third of the TTL in, and hangs.
-            tokio::time::sleep(Duration::from_millis(250)).await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
             lease
         });
         drop(first);
         runtime().block_on(async {
-            // The cut-off renewal's deadline (about 800 ms after the grant) is near.
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            // Nearer the cut-off renewal's deadline (about 1.6 s after the grant) than the
+            // grant's TTL is long.
+            tokio::time::sleep(Duration::from_millis(300)).await;
             let sent = std::time::Instant::now();
             lease.extend(Duration::from_secs(10)).await.expect("extend");
             let left = lease.remaining();
