@@ -961,6 +961,39 @@ async fn an_abandoned_claim_is_given_back(flavor: Flavor) {
     given_back(&q, &proxy, id, why).await;
 }
 
+/// A claim answered while its caller's future sits unpolled, and dropped before it reads the
+/// answer (the other branch of a `select!` won in the same wake-up, or its task was aborted):
+/// the job is given back at once, as for a caller who left before the answer came, not left
+/// active for its whole lease.
+async fn an_answered_claim_dropped_unread_is_given_back(flavor: Flavor) {
+    let (server, proxy, q, id) = warm_queue_through_proxy(flavor, "unread").await;
+    // Beside the proxy, so that watching the job does not wait out its latency.
+    let direct = Queue::redis(&server.url(), "unread")
+        .await
+        .expect("connect");
+    // The reply reaches the client a good while after the claim ran on the server.
+    proxy.set_latency(ms(100));
+    let mut claim = Box::pin(q.claim(ms(60_000)));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let give_up = Instant::now() + Duration::from_secs(10);
+    loop {
+        assert!(
+            claim.as_mut().poll(&mut cx).is_pending(),
+            "answered before the claim was seen to run"
+        );
+        if direct.job(id).await.expect("job").state == JobState::Active {
+            break;
+        }
+        assert!(Instant::now() < give_up, "the claim never ran");
+        sleep(ms(5)).await;
+    }
+    // Unpolled from here on: the answer comes back into its channel, unread.
+    sleep(ms(600)).await;
+    drop(claim);
+    let why = "its claimer left before the claim was answered";
+    given_back(&q, &proxy, id, why).await;
+}
+
 /// How the reply of a settle that ran goes wrong on its way back.
 #[derive(Clone, Copy, Debug)]
 enum Reply {
@@ -1387,6 +1420,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn an_abandoned_claim_is_given_back() {
                 super::an_abandoned_claim_is_given_back($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_answered_claim_dropped_unread_is_given_back() {
+                super::an_answered_claim_dropped_unread_is_given_back($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_waiting_claim_outlasts_a_late_claim() {

@@ -51,7 +51,13 @@
 //! - On a cluster ([`QueueBuilder::cluster`]) a queue lives in one slot (one hash tag), so it
 //!   gets one shard's throughput; spread load over several queues.
 //! - On a single Redis primary with asynchronous replicas, a failover can lose the latest
-//!   claims and completions, as it can any write: a job may then run again.
+//!   claims and completions, as it can any write: a job may then run again. Its fence may
+//!   then repeat, too: a claim the replica missed leaves the attempt count one lower, so the
+//!   next claim gets the same attempt number as the lost one, and a resource checking the
+//!   fence cannot tell the two workers apart (the first one's own steps are refused, and its
+//!   handler cancelled at its next extend). Unlike a lock's fence, the attempt count has no
+//!   clock in it: where two runs of one job must never both write across a failover, make
+//!   the write itself idempotent.
 //! - On Redis / Valkey a lease runs on the server's wall clock: a step forward of that clock
 //!   (NTP stepping it, a resumed VM, a failover to a replica whose clock is ahead) ends
 //!   leases early, and the next reap hands their jobs to other workers while the first ones,
@@ -1018,7 +1024,9 @@ impl Queue {
                         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                             runtime.spawn(async move {
                                 let why = "the claim's reply arrived after its lease ran out";
-                                let _ = claim.retry_because(Duration::ZERO, why).await;
+                                if let Err(e) = claim.retry_because(Duration::ZERO, why).await {
+                                    warn!(id, error = %e, "a late claim was not given back; the reaper returns it");
+                                }
                             });
                         }
                         return Ok(Once::Late(key));
@@ -1043,40 +1051,23 @@ impl Queue {
             Store::Redis(s) => s,
         };
         let (answer, answered) = tokio::sync::oneshot::channel();
-        let (queue, holder) = (self.clone(), holder.clone());
+        let (queue, owner) = (self.clone(), holder.clone());
         let exchange = async move {
             if answer.is_closed() {
                 return;
             }
-            let reply = store!(queue, s => s.claim(ms(ttl), holder.as_str()).await);
-            if let Err(Ok(ClaimReply::Claimed {
-                id,
-                attempts,
-                deadline_ms,
-                payload,
-            })) = answer.send(reply)
-            {
-                debug!(
-                    id,
-                    attempts, "claimed for a caller who left; giving it back"
-                );
-                let claim = Claim {
-                    queue,
-                    id: JobId(id),
-                    holder,
-                    attempts,
-                    deadline_ms,
-                    local_deadline: Instant::now(),
-                    payload,
-                };
-                let why = "its claimer left before the claim was answered";
-                if let Err(e) = claim.retry_because(Duration::ZERO, why).await {
-                    warn!(id, attempts, error = %e, "a job claimed for nobody was not given back; the reaper returns it");
-                }
+            let reply = store!(queue, s => s.claim(ms(ttl), owner.as_str()).await);
+            if let Err(reply) = answer.send(reply) {
+                give_back_unread(queue, owner, reply).await;
             }
         };
         tokio::spawn(exchange.instrument(tracing::Span::current()));
-        answered
+        let mut unread = Unread {
+            queue: self,
+            holder,
+            answered,
+        };
+        (&mut unread.answered)
             .await
             .unwrap_or_else(|_| Err(redis.unanswered("claim")))
     }
@@ -1821,6 +1812,59 @@ enum Once {
     Empty(Option<Duration>),
     /// A job whose claim arrived after its validity, given back; its key.
     Late(String),
+}
+
+/// A claim request's answer channel, on the caller's side. Dropped before the answer was read
+/// (the caller's future dropped after the answer came: the other branch of a `select!` won in
+/// the same wake-up, or its task was aborted), it closes the channel and gives back a job the
+/// answer claimed, as the request's task does for a caller who left before the answer came.
+struct Unread<'a> {
+    queue: &'a Queue,
+    holder: &'a Token,
+    answered: tokio::sync::oneshot::Receiver<Result<ClaimReply>>,
+}
+
+impl Drop for Unread<'_> {
+    fn drop(&mut self) {
+        self.answered.close();
+        if let Ok(reply) = self.answered.try_recv()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            let (queue, holder) = (self.queue.clone(), self.holder.clone());
+            runtime.spawn(give_back_unread(queue, holder, reply));
+        }
+    }
+}
+
+/// Gives back the job `reply` claimed for a caller who will never read it: to pending at once
+/// (its attempt counted, as the reaper would count it) rather than active for its whole lease.
+async fn give_back_unread(queue: Queue, holder: Token, reply: Result<ClaimReply>) {
+    let Ok(ClaimReply::Claimed {
+        id,
+        attempts,
+        deadline_ms,
+        payload,
+    }) = reply
+    else {
+        return;
+    };
+    debug!(
+        id,
+        attempts, "claimed for a caller who left; giving it back"
+    );
+    let claim = Claim {
+        queue,
+        id: JobId(id),
+        holder,
+        attempts,
+        deadline_ms,
+        local_deadline: Instant::now(),
+        payload,
+    };
+    let why = "its claimer left before the claim was answered";
+    if let Err(e) = claim.retry_because(Duration::ZERO, why).await {
+        warn!(id, attempts, error = %e, "a job claimed for nobody was not given back; the reaper returns it");
+    }
 }
 
 #[cfg(test)]
