@@ -150,7 +150,8 @@ impl Clock {
 impl State {
     fn expire_done(&mut self, now: u64) {
         while let Some(&(expires, id)) = self.done.front() {
-            if expires > now {
+            // As a Redis key: still there in the millisecond it expires at.
+            if expires >= now {
                 break;
             }
             self.done.pop_front();
@@ -533,6 +534,30 @@ mod tests {
             Some(JobState::Done),
             "the marker expired before the complete returned"
         );
+    }
+
+    /// A done marker lives through the millisecond it expires at, as the Redis key the scripts
+    /// write does (`PEXPIRE`: a key is gone once the clock is past its expiry), and is gone the
+    /// next.
+    #[tokio::test(start_paused = true)]
+    async fn a_done_marker_lives_through_its_last_millisecond() {
+        let q = MemoryQueue::new("leasehold", "last-ms");
+        let id = at_once(q.enqueue(&[b"job"], 5)).expect("enqueue")[0];
+        let Ok(ClaimReply::Claimed { attempts, .. }) = at_once(q.claim(60_000, "")) else {
+            panic!("no claim");
+        };
+        let op = Op::Complete { keep_done_ms: 100 };
+        let settled = at_once(q.settle(id, attempts, "", &op)).expect("settled");
+        assert!(settled.is_ok(), "complete refused");
+        let state = || at_once(q.job(id)).expect("job").map(|i| i.state);
+        tokio::time::advance(Duration::from_millis(100)).await;
+        assert_eq!(
+            state(),
+            Some(JobState::Done),
+            "gone in its last millisecond"
+        );
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(state(), None, "kept past its expiry");
     }
 
     /// Ids order as their decimal texts do, which is how Redis orders members of one score.
