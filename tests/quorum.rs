@@ -862,6 +862,34 @@ async fn slow_minority_still_grants(flavor: Flavor) {
     }
 }
 
+/// A lease shorter than the member timeout, with one member of three slow to answer: the two
+/// fast members are a quorum, and the grant is made on their votes once half the validity is
+/// gone, not after waiting for the slow one until the validity ran out (which left no grant at
+/// all, every time).
+async fn a_slow_member_does_not_hold_up_a_short_lease(flavor: Flavor) {
+    let servers = start(flavor, 3);
+    let (proxies, locker) = through_proxies(&servers).await;
+    let ttl = Duration::from_millis(200);
+    proxies[2].delay_replies(Duration::from_secs(2));
+    let t = Instant::now();
+    let lease = locker
+        .try_acquire("short", &LockOptions::new().ttl(ttl).renew(false))
+        .await
+        .expect("2 fast members of 3 are a quorum");
+    let took = t.elapsed();
+    assert!(
+        took < ttl,
+        "granted {took:?} in, with {:?} left",
+        lease.remaining()
+    );
+    lease.release().await.expect("release");
+    proxies[2].delay_replies(Duration::ZERO);
+    sleep(Duration::from_millis(200)).await;
+    for (i, s) in servers.iter().enumerate() {
+        assert!(!holds(s, &locker, "short"), "member {i}");
+    }
+}
+
 /// A hung member (replies held back for seconds) does not slow renewal down: extend returns
 /// as soon as the other members decide every lease.
 async fn extend_does_not_wait_for_a_hung_member(flavor: Flavor) {
@@ -1625,6 +1653,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn slow_minority_still_grants() {
                 super::slow_minority_still_grants($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_slow_member_does_not_hold_up_a_short_lease() {
+                super::a_slow_member_does_not_hold_up_a_short_lease($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn extend_does_not_wait_for_a_hung_member() {

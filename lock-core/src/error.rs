@@ -195,8 +195,9 @@ pub enum Error {
         backend: &'static str,
     },
     /// Too few members of a [`QuorumBackend`](crate::backend::QuorumBackend) agreed within the
-    /// time allowed (the lease's validity, or the member timeout); whatever a failed acquire
-    /// took on the others was released.
+    /// time allowed (the lease's validity, or the member timeout); a failed acquire then
+    /// releases what it may have taken on the members (one whose release goes unanswered keeps
+    /// it until its TTL runs out).
     #[error(
         "no quorum for {op} on `{key}`: {agreed} of {members} members agreed in time, {needed} needed"
     )]
@@ -205,7 +206,9 @@ pub enum Error {
         op: &'static str,
         /// The key (or gate) it was for.
         key: String,
-        /// How many members agreed in time.
+        /// How many members agreed: for an acquire, those whose grant (or, once a quorum
+        /// granted, whose fence write-back) counted; it may reach `needed` when the votes came
+        /// but the validity ran out before the grant could be made.
         agreed: usize,
         /// How many must agree: a majority.
         needed: usize,

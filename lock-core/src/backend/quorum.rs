@@ -8,7 +8,9 @@
 //! 1. notes the monotonic clock, then asks every member at once to vote (`SET NX PX` with the
 //!    token, reading the member's stored fence and its clock), each bounded by a per-member
 //!    timeout much smaller than the TTL ([`QuorumConfig::member_timeout`], 250 ms by default,
-//!    and never past the validity, since a later answer cannot count);
+//!    and never past the validity, since a later answer cannot count); once a quorum has
+//!    granted (or found the key held), the rest are waited for only until half the validity is
+//!    gone, so that one slow member cannot leave a lease shorter than the timeout no time;
 //! 2. with a quorum of grants and validity left (`ttl - elapsed - drift`, drift = 1% of the TTL
 //!    plus 2 ms, elapsed counted from step 1), picks the fence `F` and writes it back to the
 //!    granting members (below), and needs a quorum of those writes, still within the validity;
@@ -639,11 +641,44 @@ impl QuorumBackend {
         valid_until: Instant,
     ) -> Round {
         let quorum = self.inner.quorum;
-        let votes = self
-            .on_members(&self.all(), self.step_timeout(valid_until), |m| {
+        let mut calls: futures_util::stream::FuturesUnordered<_> = self
+            .member_calls(&self.all(), self.step_timeout(valid_until), |m| {
                 self.vote(m, key, token, ttl)
             })
-            .await;
+            .into_iter()
+            .collect();
+        let mut votes = Vec::with_capacity(self.members());
+        let (mut yes, mut no) = (0, 0);
+        // Once the round is decided (a quorum granted, or found the key held), the other
+        // members' answers are still waited for, since every fence they report makes the next
+        // one safer (a member that restarted empty may be the only one of a quorum another
+        // grant wrote to), but only until half the validity is gone: a slow or silent member
+        // must not keep a short lease waiting until none of it is left. A quorum's votes alone
+        // hold every earlier grant's fence, as each was written to a quorum.
+        let now = Instant::now();
+        let patient_until = now + valid_until.saturating_duration_since(now) / 2;
+        loop {
+            let next = if yes >= quorum || no >= quorum {
+                match tokio::time::timeout_at(patient_until, calls.next()).await {
+                    Ok(next) => next,
+                    Err(_) => break,
+                }
+            } else {
+                calls.next().await
+            };
+            let Some((i, vote)) = next else { break };
+            match &vote {
+                Ok(Vote::Granted { .. }) => yes += 1,
+                Ok(Vote::Held { .. }) => no += 1,
+                Err(_) => {}
+            }
+            votes.push((i, vote));
+        }
+        drop(calls);
+        // Members still voting when the round was decided: their vote may yet land.
+        let late: Vec<usize> = (0..self.members())
+            .filter(|i| !votes.iter().any(|(v, _)| v == i))
+            .collect();
         let mut granted = Vec::new();
         let (mut max_stored, mut max_now) = (0u64, 0u64);
         let mut held = 0;
@@ -683,6 +718,7 @@ impl QuorumBackend {
                 }
             }
         }
+        may_hold.extend(late);
         if let Some(e) = &refusal {
             self.inner.foreign_member(e, foreign);
         }
