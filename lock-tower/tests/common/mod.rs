@@ -333,3 +333,49 @@ pub fn claim_name(scope: &str, key: &str) -> String {
     }
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// Every header key extractor, each with the header it reads (`webhook_id` once by each of its
+/// two headers): for the tests of a key header sent twice.
+pub fn header_extractors() -> [(&'static str, lock_tower::KeyExtractor); 5] {
+    use lock_tower::KeyExtractor;
+    [
+        (
+            "x-delivery",
+            KeyExtractor::header(http::HeaderName::from_static("x-delivery")),
+        ),
+        ("idempotency-key", KeyExtractor::idempotency_key()),
+        ("webhook-id", KeyExtractor::webhook_id()),
+        ("svix-id", KeyExtractor::webhook_id()),
+        ("x-github-delivery", KeyExtractor::github_delivery()),
+    ]
+}
+
+/// Sends each route `/{header}/{mode}` its key header twice (two values, the same value twice,
+/// and an empty first value) with `body`, and checks each is refused as an invalid key.
+pub async fn assert_repeated_key_headers_refused(
+    addr: SocketAddr,
+    headers: &[&str],
+    modes: &[&str],
+    body: &'static str,
+) {
+    for header in headers {
+        for mode in modes {
+            let path = format!("/{header}/{mode}");
+            for [first, second] in [["7", "8"], ["7", "7"], ["", "7"]] {
+                let twice = [(*header, first), (*header, second)];
+                let r = send(addr, Method::POST, &path, &twice, body).await;
+                assert_eq!(
+                    r.status,
+                    StatusCode::BAD_REQUEST,
+                    "{path} {twice:?}: {}",
+                    r.text()
+                );
+                assert!(
+                    r.text().contains("invalid-key") && r.text().contains("more than once"),
+                    "{path} {twice:?}: {}",
+                    r.text()
+                );
+            }
+        }
+    }
+}
