@@ -873,6 +873,35 @@ async fn a_late_claim_is_given_back(flavor: Flavor) {
     given_back(&q, &proxy, id, why).await;
 }
 
+/// A claim that comes back late on the job's last attempt gives the job to the dead set, with
+/// why, not back to pending: no attempt is left to run it again.
+async fn a_late_claim_on_its_last_attempt_goes_dead(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let q = Queue::builder("last")
+        .max_attempts(1)
+        .redis(&proxy.url())
+        .await
+        .expect("connect");
+    // The scripts loaded first (the give-back runs the retry script), on a quick link.
+    q.enqueue(b"warm").await.expect("enqueue");
+    let warm = q.claim(ms(900)).await.expect("claim").expect("job");
+    assert_eq!(
+        warm.retry(Duration::ZERO).await.expect("retry"),
+        JobState::Dead
+    );
+    let id = q.enqueue(b"job").await.expect("enqueue");
+    proxy.set_latency(ms(150));
+    let late = q.claim(ms(200)).await;
+    assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+    let info = once_settled(&q, id, 1).await;
+    assert_eq!((info.state, info.attempts), (JobState::Dead, 1), "{info:?}");
+    assert_eq!(
+        info.error.as_deref(),
+        Some("the claim's reply arrived after its lease ran out")
+    );
+}
+
 /// A waiting claim whose first claim comes back late (the link slowed for a moment) gives that
 /// job back and goes on waiting: once round trips are quick again it gets the job, within its
 /// wait, instead of ending with `LeaseLost`.
@@ -1416,6 +1445,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_late_claim_is_given_back() {
                 super::a_late_claim_is_given_back($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_late_claim_on_its_last_attempt_goes_dead() {
+                super::a_late_claim_on_its_last_attempt_goes_dead($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn an_abandoned_claim_is_given_back() {
