@@ -348,6 +348,69 @@ async fn spawner(locker: &Locker) -> Result<(Option<Fence>, Option<Fence>), Erro
     Ok((current_fence(), spawned))
 }
 
+/// Records, when dropped, whether it was dropped inside a `#[locked]` body (under its lease).
+struct DropWitness(&'static str, Arc<Mutex<Vec<(&'static str, bool)>>>);
+
+impl Drop for DropWitness {
+    fn drop(&mut self) {
+        let inside = current_fence().is_some();
+        self.1.lock().expect("witness log").push((self.0, inside));
+    }
+}
+
+/// Parameters the body never mentions: one by name, one in a pattern, one the key reads, and
+/// `self` by value.
+#[locked(key = "drops:{id}", locker = locker)]
+async fn leaves_its_parameters(
+    locker: &Locker,
+    id: u64,
+    unused: DropWitness,
+    (in_pattern, _n): (DropWitness, u8),
+    keyed: DropWitness,
+    _: DropWitness,
+) -> Result<(), Error> {
+    Ok(())
+}
+
+impl DropWitness {
+    #[locked(key = "drops:self", locker = locker)]
+    async fn consumed(self, locker: &Locker) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+/// Every named parameter is dropped when the body ends, under the lease, as the macro's docs
+/// promise; only a `_` one, which has no name to take, is dropped after the release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parameters_the_body_leaves_are_dropped_under_the_lease() {
+    let locker = Locker::memory();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let w = |name| DropWitness(name, log.clone());
+    leaves_its_parameters(
+        &locker,
+        1,
+        w("unused"),
+        (w("in_pattern"), 0),
+        w("keyed"),
+        w("_"),
+    )
+    .await
+    .expect("ran");
+    w("self").consumed(&locker).await.expect("ran");
+    let mut seen = log.lock().expect("witness log").clone();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            ("_", false),
+            ("in_pattern", true),
+            ("keyed", true),
+            ("self", true),
+            ("unused", true)
+        ]
+    );
+}
+
 /// `current_fence()` is task-local, as documented: a task the body spawns does not see it
 /// (it runs outside the lease's scope, and may outlive it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,10 @@ use proc_macro2::{Span, TokenStream as TokenStream2, TokenTree};
 use quote::{ToTokens, format_ident, quote, quote_spanned};
 use syn::parse::{Parse, ParseStream};
 use syn::spanned::Spanned;
-use syn::{Attribute, Expr, ExprLit, Lit, LitStr, Path, ReturnType, Signature, Type, Visibility};
+use syn::{
+    Attribute, Expr, ExprLit, FnArg, Ident, Lit, LitStr, Pat, Path, ReturnType, Signature, Type,
+    Visibility,
+};
 
 mod duration;
 mod ttl_bounds;
@@ -382,6 +385,13 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
     );
     let stmts = &func.body;
     let inner_attrs = &func.inner_attrs;
+    // An `async move` block takes only the names its body mentions; the other parameters would
+    // stay with the function's own future and be dropped after the release, outside the lease
+    // (a transaction guard committing on drop would commit unprotected). Naming each one moves
+    // it in, so every parameter is dropped with the body, under the lease, as a plain `async fn`
+    // drops its parameters when its body ends.
+    let owned = owned_params(&func.sig);
+    let take_params = quote!(#(let _ = &#owned;)*);
     let body = quote! {
         {
             #(#inner_attrs)*
@@ -402,6 +412,7 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
                 #settings_var,
                 #from_lock_error,
                 async move {
+                    #take_params
                     #pin_type
                     #stmts
                 },
@@ -416,6 +427,42 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
         ..
     } = &func;
     Ok(quote!(#(#outer_attrs)* #vis #sig #body))
+}
+
+/// The names of the parameters the function owns: those bound by value (not `ref`), in any
+/// pattern, and `self` taken by value. A `_` owns its value unnamed, so it is not among them.
+fn owned_params(sig: &Signature) -> Vec<TokenStream2> {
+    fn bound(pat: &Pat, out: &mut Vec<Ident>) {
+        match pat {
+            Pat::Ident(p) => {
+                if p.by_ref.is_none() {
+                    out.push(p.ident.clone());
+                }
+                if let Some((_, sub)) = &p.subpat {
+                    bound(sub, out);
+                }
+            }
+            Pat::Tuple(t) => t.elems.iter().for_each(|p| bound(p, out)),
+            Pat::TupleStruct(t) => t.elems.iter().for_each(|p| bound(p, out)),
+            Pat::Struct(s) => s.fields.iter().for_each(|f| bound(&f.pat, out)),
+            Pat::Slice(s) => s.elems.iter().for_each(|p| bound(p, out)),
+            Pat::Reference(r) => bound(&r.pat, out),
+            Pat::Paren(p) => bound(&p.pat, out),
+            Pat::Type(t) => bound(&t.pat, out),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    let mut names = Vec::new();
+    for arg in &sig.inputs {
+        match arg {
+            FnArg::Receiver(r) if r.reference.is_none() => out.push(r.self_token.to_token_stream()),
+            FnArg::Receiver(_) => {}
+            FnArg::Typed(t) => bound(&t.pat, &mut names),
+        }
+    }
+    out.extend(names.iter().map(ToTokens::to_token_stream));
+    out
 }
 
 /// The function as written, its body kept as tokens (as tokio's and tracing's attributes
