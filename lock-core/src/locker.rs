@@ -1963,6 +1963,25 @@ mod tests {
         );
     }
 
+    /// A late grant that comes back when the wait is already over ends it as the docs say:
+    /// `LeaseLost` (a grant was made and given back), not `WaitTimeout`, and no second try.
+    #[tokio::test(start_paused = true)]
+    async fn a_late_grant_after_the_wait_is_over_is_lease_lost() {
+        let late = AcquireFault::LateReplies {
+            count: 1,
+            after: Duration::from_millis(970),
+        };
+        let locker = Locker::new(Faulty::new(&MemoryBackend::new(), late, Duration::ZERO));
+        let o = opts(Duration::from_secs(1))
+            .renew(false)
+            .wait(Duration::from_millis(500));
+        match locker.acquire("k", &o).await {
+            Err(Error::LeaseLost { key }) => assert_eq!(key, "k"),
+            other => panic!("want LeaseLost, got {:?}", other.map(|l| l.fence())),
+        }
+        assert_eq!(locker.backend().acquires(), 1, "tried again after the wait");
+    }
+
     /// An acquire whose reply was lost is asked again with the same token; a caller that gives
     /// up while that retry is unanswered leaves the first grant holding the key, with no one to
     /// hold it and nothing in the backend to undo it: the locker frees it.
