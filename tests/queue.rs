@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use leasehold::Error;
 use leasehold::queue::{
-    JobError, JobId, JobState, MAX_CONCURRENCY, MAX_PAYLOAD, MAX_RETRY_DELAY, Queue, QueueBuilder,
-    Worker, WorkerHandle,
+    JobError, JobId, JobState, MAX_CONCURRENCY, MAX_ERROR_LEN, MAX_PAYLOAD, MAX_RETRY_DELAY, Queue,
+    QueueBuilder, Worker, WorkerHandle,
 };
 use support::{Cluster, Flavor, Server};
 use tokio::time::{Instant, sleep};
@@ -407,6 +407,31 @@ async fn retries_delay_and_dead_set(h: Harness) {
         before.saturating_sub(5) <= died && died <= after + 5,
         "died at {died}, between {before} and {after}"
     );
+}
+
+/// A retry's and a failure's error are stored cut to `MAX_ERROR_LEN` bytes, at a character
+/// boundary, on every store.
+async fn long_errors_are_stored_cut(h: Harness) {
+    let q = h.open(Queue::builder("long-errors").max_attempts(5)).await;
+    let id = q.enqueue(b"job").await.expect("enqueue");
+    // Two bytes a character, with one byte before: the limit falls inside a character.
+    let wide = format!("x{}", "\u{e9}".repeat(MAX_ERROR_LEN));
+    let c1 = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    c1.retry_because(Duration::ZERO, &wide)
+        .await
+        .expect("retry");
+    let stored = q.job(id).await.expect("job").error.expect("an error");
+    assert_eq!(
+        stored.len(),
+        MAX_ERROR_LEN - 1,
+        "cut at the character boundary"
+    );
+    assert!(wide.starts_with(&stored));
+    let c2 = q.claim(ms(5_000)).await.expect("claim").expect("job");
+    c2.fail(&"y".repeat(MAX_ERROR_LEN + 1)).await.expect("fail");
+    let info = q.job(id).await.expect("job");
+    assert_eq!(info.state, JobState::Dead);
+    assert_eq!(info.error, Some("y".repeat(MAX_ERROR_LEN)));
 }
 
 async fn reaper_sends_to_dead_after_max_attempts(h: Harness) {
@@ -1816,6 +1841,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn retries_delay_and_dead_set() {
                 super::retries_delay_and_dead_set(harness()).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn long_errors_are_stored_cut() {
+                super::long_errors_are_stored_cut(harness()).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn reaper_sends_to_dead_after_max_attempts() {
