@@ -1159,6 +1159,49 @@ async fn queue_refused_publish(flavor: Flavor) {
     );
 }
 
+/// A queue user made from the rule before `complete` kept the job's key as its done marker (no
+/// `HDEL`): as the README says, each complete is refused with the job left as it was (still
+/// active, claimable by no one else, its payload kept), and goes through once `HDEL` is given.
+async fn queue_complete_without_hdel(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let queue = Queue::redis(&server.acl_user_url_for(QUEUE_USER), "no-hdel")
+        .await
+        .expect("connect as the queue user");
+    let id = queue.enqueue(b"kept").await.expect("enqueue");
+    let claim = queue
+        .claim(Duration::from_secs(30))
+        .await
+        .expect("claim")
+        .expect("the job");
+    let _: () = server.cmd(&["ACL", "SETUSER", QUEUE_USER, "-hdel"]);
+    let before = snapshot(&server);
+    for _ in 0..2 {
+        match queue.complete(id, claim.attempts()).await {
+            Err(e) if is_refusal(&e) => {}
+            other => panic!("want a refusal, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        snapshot(&server),
+        before,
+        "a refused complete changed a key"
+    );
+    let _: () = server.cmd(&["ACL", "SETUSER", QUEUE_USER, "+hdel"]);
+    let info = queue.job(id).await.expect("job");
+    assert_eq!(info.state, leasehold::queue::JobState::Active);
+    assert_eq!(info.payload.as_deref(), Some(b"kept".as_slice()));
+    claim
+        .complete()
+        .await
+        .expect("complete with HDEL given back");
+    assert_eq!(
+        queue.job(id).await.expect("job").state,
+        leasehold::queue::JobState::Done
+    );
+    let c = queue.counts().await.expect("counts");
+    assert_eq!((c.pending, c.active, c.delayed, c.dead), (0, 0, 0, 0));
+}
+
 /// For each scenario `name`, the tests `redis_name` and `valkey_name`.
 macro_rules! on_redis_and_valkey {
     ($($name:ident: $redis:ident, $valkey:ident;)*) => {
@@ -1243,6 +1286,8 @@ on_redis_and_valkey! {
     cluster_loading: redis_cluster_loading, valkey_cluster_loading;
     refused_publish: redis_refused_publish, valkey_refused_publish;
     queue_refused_publish: redis_queue_refused_publish, valkey_queue_refused_publish;
+    queue_complete_without_hdel: redis_queue_complete_without_hdel,
+        valkey_queue_complete_without_hdel;
 }
 
 macro_rules! hostile {
