@@ -527,4 +527,38 @@ mod tests {
         let out = expanded(quote!(key = "order:{id}"));
         assert!(out.contains(r#"::std::format!("order:{id}")"#), "{out}");
     }
+
+    /// A bare `renew` asks for renewal as `renew = true` does; left out, the locker's default
+    /// decides. (At run time renewal is on by default, so only the expansion tells them apart.)
+    #[test]
+    fn a_bare_renew_means_true() {
+        let want = "renew:::core::option::Option::Some::<bool>(true)";
+        assert!(expanded(quote!(key = "k", renew)).contains(want));
+        assert!(expanded(quote!(key = "k", renew = true)).contains(want));
+        let out = expanded(quote!(key = "k"));
+        assert!(out.contains("renew:::core::option::Option::None"), "{out}");
+    }
+
+    /// Every parameter the function owns is named in the body, so the body owns it: by name,
+    /// in a pattern, under `mut`; not one bound by `ref`, nor a reference `self`.
+    #[test]
+    fn the_body_names_the_owned_parameters() {
+        let sig: Signature = syn::parse_quote!(
+            async fn f(mut a: A, (b, ref c): (B, C), S { d, .. }: S, _: E, x @ y: u8)
+        );
+        let names: Vec<String> = owned_params(&sig).iter().map(|t| t.to_string()).collect();
+        assert_eq!(names, ["a", "b", "d", "x", "y"]);
+        let by_value: Signature = syn::parse_quote!(async fn m(self, z: Z));
+        let names: Vec<String> = owned_params(&by_value)
+            .iter()
+            .map(|t| t.to_string())
+            .collect();
+        assert_eq!(names, ["self", "z"]);
+        let by_ref: Signature = syn::parse_quote!(async fn m(&self, z: Z));
+        let names: Vec<String> = owned_params(&by_ref)
+            .iter()
+            .map(|t| t.to_string())
+            .collect();
+        assert_eq!(names, ["z"]);
+    }
 }
