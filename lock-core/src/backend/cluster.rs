@@ -713,16 +713,18 @@ impl ClusterBackend {
         // it runs on (`allow-cross-slot-keys`), so renewal batches as on a single server. Where
         // the slot map is stale (failover, resharding) the node refuses the batch and its leases
         // are renewed slot by slot instead, routed by the client.
+        // Every lease is answered for within a quarter of the TTL: a node or slot that is down,
+        // failing over or stuck mid-migration leaves its own leases to be retried without
+        // holding back the renewal of the others. The quarter counts from here, map fetch
+        // included: a quarter for each would let a slow fetch make it a half, and a renewal
+        // that fails then is retried too late to land.
+        let deadline = Instant::now() + ttl / 4;
         // Bounded as the renewal is: the node asked may be the stalled one. Without a map the
         // leases are renewed slot by slot, routed by the client.
-        let map = tokio::time::timeout(ttl / 4, self.slot_map())
+        let map = tokio::time::timeout_at(deadline, self.slot_map())
             .await
             .ok()
             .flatten();
-        // Every lease is answered for within a quarter of the TTL: a node or slot that is down,
-        // failing over or stuck mid-migration leaves its own leases to be retried without
-        // holding back the renewal of the others.
-        let deadline = Instant::now() + ttl / 4;
         // Without a map every slot is its own group; slots sort after any node index.
         let groups = group_by(items, |item| {
             let s = slot(item.0.lock_key());
@@ -771,7 +773,13 @@ impl ClusterBackend {
     ) -> (Vec<Option<bool>>, Option<Error>) {
         if let Some(node) = node {
             match tokio::time::timeout_at(deadline, self.extend_on(node, chunk, ttl)).await {
-                Ok(Ok(answers)) if answers.len() == chunk.len() => {
+                // Anything but 1 or 0 is no answer (a script out of step with this client):
+                // read as "not held" it would report live leases lost, so the slot-by-slot
+                // path, which refuses what it cannot read, asks again.
+                Ok(Ok(answers))
+                    if answers.len() == chunk.len()
+                        && answers.iter().all(|&n| n == 0 || n == 1) =>
+                {
                     return (answers.into_iter().map(|n| Some(n == 1)).collect(), None);
                 }
                 Ok(other) => {
