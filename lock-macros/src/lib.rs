@@ -392,6 +392,11 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
     // drops its parameters when its body ends.
     let owned = owned_params(&func.sig);
     let take_params = quote!(#(let _ = &#owned;)*);
+    let mut run_body = proc_macro2::Group::new(
+        proc_macro2::Delimiter::Brace,
+        quote!(#take_params #pin_type #stmts),
+    );
+    run_body.set_span(func.body_span);
     let body = quote! {
         {
             #(#inner_attrs)*
@@ -411,11 +416,7 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
                 #key_var,
                 #settings_var,
                 #from_lock_error,
-                async move {
-                    #take_params
-                    #pin_type
-                    #stmts
-                },
+                async move #run_body,
             )
             .await
         }
@@ -475,6 +476,9 @@ struct LockedFn {
     sig: Signature,
     inner_attrs: Vec<Attribute>,
     body: TokenStream2,
+    /// The body's braces, given to the block that runs it: a body of the wrong type (a
+    /// trailing `;`) is then reported at the body, not at the attribute.
+    body_span: Span,
 }
 
 impl Parse for LockedFn {
@@ -483,7 +487,7 @@ impl Parse for LockedFn {
         let vis = input.parse()?;
         let sig = input.parse()?;
         let content;
-        syn::braced!(content in input);
+        let brace = syn::braced!(content in input);
         let inner_attrs = content.call(Attribute::parse_inner)?;
         let body = content.parse()?;
         Ok(LockedFn {
@@ -492,6 +496,7 @@ impl Parse for LockedFn {
             sig,
             inner_attrs,
             body,
+            body_span: brace.span.join(),
         })
     }
 }
