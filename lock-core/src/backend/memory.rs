@@ -116,6 +116,12 @@ fn lives(expires: Instant, now: Instant) -> bool {
     now.saturating_duration_since(expires) < LAST_MILLISECOND
 }
 
+/// `d` in whole milliseconds, as the Redis backend sends a TTL or a keep (`PX`): a fraction kept
+/// here would hold a lease up to a millisecond longer than a server holds its key.
+fn as_sent(d: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 impl MemoryBackend {
     /// An empty store.
     ///
@@ -258,6 +264,7 @@ impl MemoryBackend {
         keep: Option<Duration>,
     ) -> Result<AcquireReply> {
         crate::types::validate_ttl(ttl)?;
+        let (ttl, keep) = (as_sent(ttl), keep.map(as_sent));
         let mut st = self.state();
         // Read under the lock, as a server judges the key when the command runs: a clock read
         // before a wait for the lock would see an expired lease as held.
@@ -362,6 +369,7 @@ impl Backend for MemoryBackend {
 
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
         crate::types::validate_ttl(ttl)?;
+        let ttl = as_sent(ttl);
         let mut st = self.state();
         // Under the lock, as in `release`: read before a wait for it, the clock would let an
         // extend renew a lease that expired while it waited.
@@ -608,6 +616,42 @@ pub(crate) mod tests {
         assert!(!memory.is_held(&extended));
         let reply = at_once(memory.acquire(&extended, &other, ttl)).expect("acquire");
         assert!(matches!(reply, AcquireReply::Granted { .. }), "{reply:?}");
+    }
+
+    /// A TTL with a fraction of a millisecond holds as long as on Redis, which is sent whole
+    /// milliseconds: 10.9 ms is 10 ms there, so the lease is free 11.5 ms on (through its last
+    /// millisecond, not 1.9 ms past it); an extend's likewise.
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_fraction_of_a_millisecond_is_not_held() {
+        let memory = MemoryBackend::new();
+        let key = crate::Locker::memory().lock_key("fraction").expect("key");
+        let (holder, other) = (Token::generate(), Token::generate());
+        let ttl = Duration::from_micros(10_900);
+        let granted = at_once(memory.acquire(&key, &holder, ttl)).expect("acquire");
+        assert!(
+            matches!(granted, AcquireReply::Granted { .. }),
+            "{granted:?}"
+        );
+        match at_once(memory.acquire(&key, &other, ttl)).expect("acquire") {
+            AcquireReply::Held { remaining } => {
+                assert_eq!(
+                    remaining,
+                    Some(Duration::from_millis(10)),
+                    "as PTTL answers"
+                )
+            }
+            reply => panic!("{reply:?}"),
+        }
+        tokio::time::advance(Duration::from_micros(11_500)).await;
+        let taken = at_once(memory.acquire(&key, &other, ttl)).expect("acquire");
+        assert!(matches!(taken, AcquireReply::Granted { .. }), "{taken:?}");
+        let items = [(key.clone(), other.clone())];
+        assert_eq!(at_once(memory.extend(&items, ttl)).expect("extend"), [true]);
+        tokio::time::advance(Duration::from_micros(11_500)).await;
+        assert_eq!(
+            at_once(memory.extend(&items, ttl)).expect("extend"),
+            [false]
+        );
     }
 
     /// The holder's repeated acquire (a lost reply's retry) once a keep-fence grant's keep ran
