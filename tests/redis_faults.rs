@@ -592,6 +592,48 @@ async fn connecting_is_bounded_by_the_connection_timeout(flavor: Flavor) {
     );
 }
 
+/// The connection drops and every new one hangs (the link stalls as the server's host goes):
+/// the connection manager's reconnect, three connection attempts and their pauses, is not
+/// waited for whole. An attempt ends within the response timeout, twice with the retry of an
+/// outcome it cannot know, as the acquire docs say.
+async fn a_hanging_reconnect_is_bounded_by_the_response_timeout(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = support::proxy::Proxy::start(server.port).await;
+    let config = RedisConfig::default()
+        .response_timeout(Duration::from_millis(300))
+        .connection_timeout(Duration::from_millis(600));
+    let locker = Locker::redis_with(&proxy.url(), config)
+        .await
+        .expect("connect");
+    let o = opts(5_000).renew(false);
+    locker
+        .try_acquire("before", &o)
+        .await
+        .expect("acquire")
+        .release()
+        .await
+        .expect("release");
+    // Open connections closed; new ones taken, then never answered.
+    proxy.stall(true);
+    proxy.cut(true);
+    proxy.cut(false);
+    let started = Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(30), locker.try_acquire("during", &o))
+        .await
+        .expect("still trying after 30 s");
+    let took = started.elapsed();
+    match r {
+        Err(Error::OutcomeUnknown { .. }) => {}
+        other => panic!("want OutcomeUnknown, got {:?}", other.map(|l| l.fence())),
+    }
+    // Two response timeouts (0.6 s) and slack; waited whole, a reconnect alone is three
+    // connection timeouts (1.8 s) and the pauses between them.
+    assert!(took < Duration::from_millis(1_200), "took {took:?}");
+    proxy.stall(false);
+    let again = acquire_retrying(&locker, "after").await;
+    again.release().await.expect("release");
+}
+
 /// Waits (at most 5 s) until `n` connections were made through `proxy`: a locker's shared
 /// connection comes first, then its subscription's.
 async fn proxied_connections(proxy: &support::proxy::Proxy, n: usize) {
@@ -1626,6 +1668,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn script_flush() {
                 super::script_flush($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_hanging_reconnect_is_bounded_by_the_response_timeout() {
+                super::a_hanging_reconnect_is_bounded_by_the_response_timeout($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn client_kill() {

@@ -35,7 +35,9 @@ pub(super) const EXTEND_CHUNK: usize = 256;
 #[non_exhaustive]
 pub struct RedisConfig {
     /// How long one command may wait for its reply before it fails (default 2 s), so that a dead
-    /// server turns into an error rather than a hang.
+    /// server turns into an error rather than a hang. It counts from when the command is made,
+    /// a wait for a reconnect in progress included (one to a server whose new connections hang
+    /// is otherwise three connection attempts and the pauses between them).
     pub response_timeout: Duration,
     /// How long connecting may take (default 2 s): the first connect as a whole, retries
     /// included, and each attempt of a reconnect.
@@ -475,6 +477,29 @@ impl RedisConn {
             .clone()
     }
 
+    /// `request` within the response timeout, from when it is made. The manager bounds a
+    /// request's send and answer by it, but not its wait for a reconnect in progress: to a
+    /// server whose new connections hang (a host gone, packets dropped), that wait is the
+    /// manager's three connection attempts and the pauses between them, several response
+    /// timeouts for every request, and again for an attempt's retry. Cut short, the request
+    /// may or may not have been sent: a timeout, as one on a silent connection.
+    async fn bounded<T>(
+        &self,
+        request: impl Future<Output = redis::RedisResult<T>>,
+    ) -> redis::RedisResult<T> {
+        let Some(limit) = self.0.config.response_timeout() else {
+            return request.await;
+        };
+        tokio::time::timeout(limit, request)
+            .await
+            .unwrap_or_else(|_| {
+                Err(redis::RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "no answer within the response timeout (the connection may be reconnecting)",
+                )))
+            })
+    }
+
     /// Checks the current connection, and replaces it if it is silent: for a caller that gave
     /// up on a request before the response timeout could fire (a quorum's member timeout).
     pub(crate) fn check(&self) {
@@ -546,7 +571,7 @@ impl redis::aio::ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
         let (mut manager, generation) = self.current();
         Box::pin(async move {
-            let answer = manager.req_packed_command(cmd).await;
+            let answer = self.bounded(manager.req_packed_command(cmd)).await;
             if answer.as_ref().is_err_and(needs_a_check) {
                 self.timed_out(manager, generation);
             }
@@ -562,7 +587,9 @@ impl redis::aio::ConnectionLike for RedisConn {
     ) -> redis::RedisFuture<'a, Vec<Value>> {
         let (mut manager, generation) = self.current();
         Box::pin(async move {
-            let answer = manager.req_packed_commands(pipeline, offset, count).await;
+            let answer = self
+                .bounded(manager.req_packed_commands(pipeline, offset, count))
+                .await;
             if answer.as_ref().is_err_and(needs_a_check) {
                 self.timed_out(manager, generation);
             }
