@@ -358,14 +358,20 @@ impl Drop for DropWitness {
     }
 }
 
-/// Parameters the body never mentions: one by name, one in a pattern, one the key reads, and
-/// `self` by value.
-#[locked(key = "drops:{id}", locker = locker)]
+impl std::fmt::Display for DropWitness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+/// Parameters the body never mentions: one by a `_` name, one in a pattern, one the key's
+/// format string reads, a `_` one, and `self` by value.
+#[locked(key = "drops:{id}:{keyed}", locker = locker)]
 async fn leaves_its_parameters(
     locker: &Locker,
     id: u64,
-    unused: DropWitness,
-    (in_pattern, _n): (DropWitness, u8),
+    _guard: DropWitness,
+    (_in_pattern, _n): (DropWitness, u8),
     keyed: DropWitness,
     _: DropWitness,
 ) -> Result<(), Error> {
@@ -379,8 +385,8 @@ impl DropWitness {
     }
 }
 
-/// Every named parameter is dropped when the body ends, under the lease, as the macro's docs
-/// promise; only a `_` one, which has no name to take, is dropped after the release.
+/// The parameters the body never mentions are dropped when it ends, under the lease, as the
+/// macro's docs promise; only a `_` one, which has no name to take, after the release.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parameters_the_body_leaves_are_dropped_under_the_lease() {
     let locker = Locker::memory();
@@ -389,8 +395,8 @@ async fn parameters_the_body_leaves_are_dropped_under_the_lease() {
     leaves_its_parameters(
         &locker,
         1,
-        w("unused"),
-        (w("in_pattern"), 0),
+        w("_guard"),
+        (w("_in_pattern"), 0),
         w("keyed"),
         w("_"),
     )
@@ -403,12 +409,38 @@ async fn parameters_the_body_leaves_are_dropped_under_the_lease() {
         seen,
         [
             ("_", false),
-            ("in_pattern", true),
+            ("_guard", true),
+            ("_in_pattern", true),
             ("keyed", true),
-            ("self", true),
-            ("unused", true)
+            ("self", true)
         ]
     );
+}
+
+/// A key made by an expression that takes a parameter by value.
+fn order_key(order: String) -> String {
+    format!("order:{order}")
+}
+
+/// A parameter moved by the key expression, and one `#[cfg]`'d away, both named as the body
+/// would otherwise be made to own them (`_`): it is not (it could not be: the first is gone
+/// before the body runs, the second never was), and the function compiles.
+#[locked(key = order_key(_order), locker = locker)]
+async fn parameters_the_body_cannot_own(
+    locker: &Locker,
+    _order: String,
+    #[cfg(any())] _gone: u32,
+) -> Result<Option<String>, Error> {
+    Ok(current_lease().map(|l| l.key().to_owned()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parameters_moved_by_the_key_or_cfgd_away_still_compile() {
+    let locker = Locker::memory();
+    let key = parameters_the_body_cannot_own(&locker, "7".to_owned())
+        .await
+        .expect("ran");
+    assert_eq!(key.as_deref(), Some("order:7"));
 }
 
 /// `current_fence()` is task-local, as documented: a task the body spawns does not see it

@@ -280,6 +280,7 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
         )
     })?;
     let sig = &func.sig;
+    let taken = taken_params(sig, &args);
     if sig.asyncness.is_none() {
         return Err(syn::Error::new(
             sig.fn_token.span,
@@ -387,11 +388,10 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
     let inner_attrs = &func.inner_attrs;
     // An `async move` block takes only the names its body mentions; the other parameters would
     // stay with the function's own future and be dropped after the release, outside the lease
-    // (a transaction guard committing on drop would commit unprotected). Naming each one moves
-    // it in, so every parameter is dropped with the body, under the lease, as a plain `async fn`
-    // drops its parameters when its body ends.
-    let owned = owned_params(&func.sig);
-    let take_params = quote!(#(let _ = &#owned;)*);
+    // (a guard `_tx` committing on drop would commit unprotected). Naming them moves them in,
+    // to be dropped with the body, under the lease, as a plain `async fn` drops its parameters
+    // when its body ends. Which ones: `taken_params`.
+    let take_params = quote!(#(let _ = &#taken;)*);
     let mut run_body = proc_macro2::Group::new(
         proc_macro2::Delimiter::Brace,
         quote!(#take_params #pin_type #stmts),
@@ -430,9 +430,88 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
     Ok(quote!(#(#outer_attrs)* #vis #sig #body))
 }
 
+/// The parameters the body is made to own, beside those it mentions: `self` taken by value,
+/// and owned names (see [`owned_params`]) that start with `_` or that the key's format string
+/// captures (`format!` only borrows them). Left out, to be dropped after the release as
+/// before:
+/// - a name an argument expression mentions (`key = into_key(order)`): the expression may
+///   move it, before the body runs, and a later borrow would not compile;
+/// - a parameter with an attribute (`#[cfg(...)]`): it may not exist;
+/// - a name used nowhere, without a leading `_`: named in the body, it would no longer be
+///   unused, and rustc's warning (or the user's `#[expect(unused_variables)]`) would go.
+fn taken_params(sig: &Signature, args: &Args) -> Vec<Ident> {
+    let mut in_exprs = Vec::new();
+    let exprs = [
+        match &args.key {
+            Some(Key::Expr(e)) => Some(e.to_token_stream()),
+            _ => None,
+        },
+        args.locker.as_ref().map(ToTokens::to_token_stream),
+        args.renew.as_ref().map(ToTokens::to_token_stream),
+        match &args.ttl {
+            Some(Dur::Expr(e)) => Some(e.to_token_stream()),
+            _ => None,
+        },
+        match &args.wait {
+            Some(Dur::Expr(e)) => Some(e.to_token_stream()),
+            _ => None,
+        },
+    ];
+    for tokens in exprs.into_iter().flatten() {
+        idents_in(tokens, &mut in_exprs);
+    }
+    let captured = match &args.key {
+        Some(Key::Format(lit)) => format_captures(&lit.value()),
+        _ => Vec::new(),
+    };
+    owned_params(sig)
+        .into_iter()
+        .filter(|name| {
+            let text = name.to_string();
+            let bare = text.strip_prefix("r#").unwrap_or(&text);
+            !in_exprs.contains(&text)
+                && (text == "self" || bare.starts_with('_') || captured.iter().any(|c| c == bare))
+        })
+        .collect()
+}
+
+/// Every identifier in `tokens`, groups included, as text.
+fn idents_in(tokens: TokenStream2, out: &mut Vec<String>) {
+    for tree in tokens {
+        match tree {
+            TokenTree::Ident(i) => out.push(i.to_string()),
+            TokenTree::Group(g) => idents_in(g.stream(), out),
+            _ => {}
+        }
+    }
+}
+
+/// The names a format string captures: `{name}` and `{name:spec}`, not `{{` nor positions.
+fn format_captures(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '{' {
+            continue;
+        }
+        if chars.peek() == Some(&'{') {
+            chars.next();
+            continue;
+        }
+        let inside: String = chars.by_ref().take_while(|&c| c != '}').collect();
+        let name = inside.split(':').next().unwrap_or("").trim();
+        let name = name.strip_prefix("r#").unwrap_or(name);
+        if name.starts_with(|c: char| c == '_' || c.is_alphabetic()) {
+            out.push(name.to_owned());
+        }
+    }
+    out
+}
+
 /// The names of the parameters the function owns: those bound by value (not `ref`), in any
-/// pattern, and `self` taken by value. A `_` owns its value unnamed, so it is not among them.
-fn owned_params(sig: &Signature) -> Vec<TokenStream2> {
+/// pattern, and `self` taken by value; not those of a parameter with an attribute (it may be
+/// `#[cfg]`'d away). A `_` owns its value unnamed, so it is not among them.
+fn owned_params(sig: &Signature) -> Vec<Ident> {
     fn bound(pat: &Pat, out: &mut Vec<Ident>) {
         match pat {
             Pat::Ident(p) => {
@@ -454,15 +533,16 @@ fn owned_params(sig: &Signature) -> Vec<TokenStream2> {
         }
     }
     let mut out = Vec::new();
-    let mut names = Vec::new();
     for arg in &sig.inputs {
         match arg {
-            FnArg::Receiver(r) if r.reference.is_none() => out.push(r.self_token.to_token_stream()),
+            FnArg::Receiver(r) if r.reference.is_none() && r.attrs.is_empty() => {
+                out.push(Ident::from(r.self_token));
+            }
             FnArg::Receiver(_) => {}
-            FnArg::Typed(t) => bound(&t.pat, &mut names),
+            FnArg::Typed(t) if t.attrs.is_empty() => bound(&t.pat, &mut out),
+            FnArg::Typed(_) => {}
         }
     }
-    out.extend(names.iter().map(ToTokens::to_token_stream));
     out
 }
 
@@ -544,26 +624,39 @@ mod tests {
         assert!(out.contains("renew:::core::option::Option::None"), "{out}");
     }
 
-    /// Every parameter the function owns is named in the body, so the body owns it: by name,
-    /// in a pattern, under `mut`; not one bound by `ref`, nor a reference `self`.
+    /// Which parameters the body is made to own: owned names (by name, in a pattern, under
+    /// `mut`; not `ref`, not a reference `self`, not one under an attribute) that start with `_`
+    /// or that the key's format string captures, and `self` by value; never one an argument
+    /// expression mentions, nor one used nowhere (rustc's unused warning stays).
     #[test]
-    fn the_body_names_the_owned_parameters() {
+    fn the_body_is_made_to_own_the_right_parameters() {
+        let taken = |args: TokenStream2, sig: Signature| -> Vec<String> {
+            let args = parse_args(args).expect("args");
+            taken_params(&sig, &args)
+                .iter()
+                .map(ToString::to_string)
+                .collect()
+        };
         let sig: Signature = syn::parse_quote!(
-            async fn f(mut a: A, (b, ref c): (B, C), S { d, .. }: S, _: E, x @ y: u8)
+            async fn f(mut _a: A, (_b, ref _c): (B, C), S { _d, .. }: S, _: E, _x @ _y: u8,
+                #[cfg(any())] _gone: G, id: u64, unused: U, r#type: T)
         );
-        let names: Vec<String> = owned_params(&sig).iter().map(|t| t.to_string()).collect();
-        assert_eq!(names, ["a", "b", "d", "x", "y"]);
+        assert_eq!(
+            taken(quote!(key = "k:{id}:{type:?}:{0}"), sig.clone()),
+            ["_a", "_b", "_d", "_x", "_y", "id", "r#type"]
+        );
+        // Mentioned by an argument expression, which may move it: left where it is.
+        assert_eq!(
+            taken(quote!(key = into_key(_a, id), ttl = ttl_of(&_b)), sig),
+            ["_d", "_x", "_y"]
+        );
         let by_value: Signature = syn::parse_quote!(async fn m(self, z: Z));
-        let names: Vec<String> = owned_params(&by_value)
-            .iter()
-            .map(|t| t.to_string())
-            .collect();
-        assert_eq!(names, ["self", "z"]);
-        let by_ref: Signature = syn::parse_quote!(async fn m(&self, z: Z));
-        let names: Vec<String> = owned_params(&by_ref)
-            .iter()
-            .map(|t| t.to_string())
-            .collect();
-        assert_eq!(names, ["z"]);
+        assert_eq!(taken(quote!(key = "k"), by_value), ["self"]);
+        let by_ref: Signature = syn::parse_quote!(async fn m(&self, _z: Z));
+        assert_eq!(taken(quote!(key = "k"), by_ref), ["_z"]);
+        assert_eq!(
+            format_captures("{{a}}:{b}:{ c :>4}:{}:{1}:{r#d}"),
+            ["b", "c", "d"]
+        );
     }
 }
