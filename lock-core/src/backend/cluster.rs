@@ -719,9 +719,9 @@ impl ClusterBackend {
         // included: a quarter for each would let a slow fetch make it a half, and a renewal
         // that fails then is retried too late to land.
         let deadline = Instant::now() + ttl / 4;
-        // Bounded as the renewal is: the node asked may be the stalled one. Without a map the
-        // leases are renewed slot by slot, routed by the client.
-        let map = tokio::time::timeout_at(deadline, self.slot_map())
+        // The fetch gets half of that, as the node asked may be the stalled one: without a map
+        // the leases are renewed slot by slot, routed by the client, in the time left.
+        let map = tokio::time::timeout(ttl / 8, self.slot_map())
             .await
             .ok()
             .flatten();
