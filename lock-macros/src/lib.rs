@@ -150,34 +150,8 @@ fn parse_args(args: TokenStream2) -> syn::Result<Args> {
 /// its captures write: its fixed text (the literal less its `{...}` captures) is what every key
 /// it makes contains.
 fn check_key_literal(lit: &LitStr) -> syn::Result<()> {
-    let value = lit.value();
-    let mut fixed = String::new();
-    let mut captures = 0;
-    let mut chars = value.chars().peekable();
-    while let Some(c) = chars.next() {
-        match c {
-            '{' if chars.peek() == Some(&'{') => {
-                chars.next();
-                fixed.push('{');
-            }
-            '{' => {
-                captures += 1;
-                for c in chars.by_ref() {
-                    if c == '}' {
-                        break;
-                    }
-                }
-            }
-            '}' if chars.peek() == Some(&'}') => {
-                chars.next();
-                fixed.push('}');
-            }
-            // A lone `}` is `format!`'s to report.
-            '}' => {}
-            c => fixed.push(c),
-        }
-    }
-    let problem = if fixed.is_empty() && captures == 0 {
+    let (fixed, captures) = format_parts(&lit.value());
+    let problem = if fixed.is_empty() && captures.is_empty() {
         "the key is empty"
     } else if fixed.contains(['{', '}']) {
         "the key contains `{` or `}` (written `{{` or `}}`), which would break its hash tag"
@@ -486,26 +460,42 @@ fn idents_in(tokens: TokenStream2, out: &mut Vec<String>) {
     }
 }
 
-/// The names a format string captures: `{name}` and `{name:spec}`, not `{{` nor positions.
-fn format_captures(text: &str) -> Vec<String> {
-    let mut out = Vec::new();
+/// A format string's fixed text (`{{` and `}}` read as one brace) and what each of its
+/// captures holds before any `:spec`, trimmed (`{name}` gives `name`, `{}` gives ``). A lone
+/// `}` is left out, for `format!` to report.
+fn format_parts(text: &str) -> (String, Vec<String>) {
+    let mut fixed = String::new();
+    let mut captures = Vec::new();
     let mut chars = text.chars().peekable();
     while let Some(c) = chars.next() {
-        if c != '{' {
-            continue;
-        }
-        if chars.peek() == Some(&'{') {
-            chars.next();
-            continue;
-        }
-        let inside: String = chars.by_ref().take_while(|&c| c != '}').collect();
-        let name = inside.split(':').next().unwrap_or("").trim();
-        let name = name.strip_prefix("r#").unwrap_or(name);
-        if name.starts_with(|c: char| c == '_' || c.is_alphabetic()) {
-            out.push(name.to_owned());
+        match c {
+            '{' if chars.peek() == Some(&'{') => {
+                chars.next();
+                fixed.push('{');
+            }
+            '{' => {
+                let inside: String = chars.by_ref().take_while(|&c| c != '}').collect();
+                captures.push(inside.split(':').next().unwrap_or("").trim().to_owned());
+            }
+            '}' if chars.peek() == Some(&'}') => {
+                chars.next();
+                fixed.push('}');
+            }
+            '}' => {}
+            c => fixed.push(c),
         }
     }
-    out
+    (fixed, captures)
+}
+
+/// The names a format string captures: `{name}` and `{name:spec}`, not `{{` nor positions.
+fn format_captures(text: &str) -> Vec<String> {
+    format_parts(text)
+        .1
+        .into_iter()
+        .map(|c| c.strip_prefix("r#").map(str::to_owned).unwrap_or(c))
+        .filter(|c| c.starts_with(|c: char| c == '_' || c.is_alphabetic()))
+        .collect()
 }
 
 /// The names of the parameters the function owns: those bound by value (not `ref`), in any
