@@ -243,9 +243,15 @@ async fn waiter_woken_after_resubscribe(flavor: Flavor) {
     });
     let k = holder_side.lock_key("gap").expect("key");
     assert!(subscribed(&cluster, k.channel()).await, "never subscribed");
+    // Past the attempt a waiter makes once subscribed: it now waits on its wake-up or on its
+    // timer (the holder's 20 s), not on an answer.
+    sleep(Duration::from_millis(500)).await;
+    assert!(!waiter.is_finished(), "the waiter did not wait");
     let _: i64 = cluster.cmd(&["DEL", k.lock_key()]);
-    // Every client connection of every node: the client reconnects and resubscribes.
+    // Every client connection of every node: the client reconnects and resubscribes. A RESP3
+    // connection with subscriptions is of type pubsub, not normal, to `CLIENT KILL`.
     for node in &cluster.nodes {
+        let _: i64 = node.cmd(&["CLIENT", "KILL", "TYPE", "pubsub"]);
         let _: i64 = node.cmd(&["CLIENT", "KILL", "TYPE", "normal"]);
     }
     let (fence, waited) = waiter.await.expect("waiter task");
