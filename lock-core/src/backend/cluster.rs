@@ -1017,9 +1017,7 @@ async fn subscriber(
             }
         }
     };
-    for channel in wakeups.channels() {
-        subscribe(&mut conn, &channel, patience).await;
-    }
+    subscribe_all(&conn, wakeups.channels(), patience).await;
     wakeups.wake_all();
     loop {
         tokio::select! {
@@ -1070,9 +1068,7 @@ async fn subscriber(
                     // that broke together cost one round.
                     (PushKind::Disconnection, _) => {
                         while pushes.try_recv().is_ok() {}
-                        for channel in wakeups.channels() {
-                            subscribe(&mut conn, &channel, patience).await;
-                        }
+                        subscribe_all(&conn, wakeups.channels(), patience).await;
                         reach_every_master(&commands, patience).await;
                         wakeups.wake_all();
                     }
@@ -1106,6 +1102,18 @@ async fn reach_every_master(commands: &ClusterConn, patience: Duration) {
             }
         }
     }
+}
+
+/// Subscribes every channel of `channels` at once, each on a handle of its own to `conn` (they
+/// share its node connections): a stalled master then costs the round its patience once, not
+/// once for each of its channels, and the waiters of every other master are not kept waiting
+/// for it one channel after another. All are subscribes, so their order does not matter.
+async fn subscribe_all(conn: &ClusterConnection, channels: Vec<String>, patience: Duration) {
+    let each = channels.iter().map(|channel| {
+        let mut conn = conn.clone();
+        async move { subscribe(&mut conn, channel, patience).await }
+    });
+    futures_util::future::join_all(each).await;
 }
 
 /// Subscribes `channel`. One refused unrun, or whose connection dropped or timed out, is sent
