@@ -1218,6 +1218,38 @@ async fn bad_member_lists_are_refused() {
         "{other_db} accepted beside {}",
         u[0]
     );
+    // One server whatever the spelling of its host: an IPv4 address in a short form, a host
+    // name in other letters or with a trailing dot.
+    let port = |url: &str| {
+        url.rsplit(':')
+            .next()
+            .unwrap_or_default()
+            .trim_end_matches('/')
+            .to_owned()
+    };
+    let p0 = port(&u[0]);
+    for [a, b] in [
+        [
+            format!("redis://127.0.0.1:{p0}/"),
+            format!("redis://127.1:{p0}/"),
+        ],
+        [
+            format!("redis://localhost:{p0}/"),
+            format!("redis://LocalHost:{p0}/1"),
+        ],
+        [
+            format!("redis://localhost:{p0}/"),
+            format!("redis://localhost.:{p0}/"),
+        ],
+    ] {
+        assert!(
+            matches!(
+                Locker::redlock(&[a.as_str(), b.as_str(), u[1].as_str()]).await,
+                Err(Error::InvalidQuorum { .. })
+            ),
+            "{b} accepted beside {a}"
+        );
+    }
 }
 
 /// Starting while a minority is down works, and the missing member joins when it comes up.

@@ -60,8 +60,9 @@
 //! - **Timeouts.** A member that timed out may still have granted; the failure path releases it
 //!   (token-checked), and a release that does not arrive leaves the key to expire with its TTL.
 //! - **Members are distinct servers.** The same address listed twice is refused (under two
-//!   database numbers too), but two names for one server (a host name and its IP) cannot be
-//!   told apart and would count twice.
+//!   database numbers too, and however its host is spelt: `Redis-A` and `redis-a`, `127.1`
+//!   and `127.0.0.1`), but two names for one server (a host name and its IP, two host names)
+//!   cannot be told apart and would count twice.
 //!
 //! # Wake-ups
 //!
@@ -243,6 +244,25 @@ enum Round {
     Refused(Error),
 }
 
+/// A member's server address in one spelling, so that one server written two ways is seen
+/// listed twice: host names compared without case or a trailing dot, IP addresses in their
+/// canonical form (`127.1`, `0x7f.0.0.1` and `127.0.0.1` are one address), as a browser reads
+/// a URL's host. A host name and its IP still cannot be told apart without asking a resolver.
+fn member_address(addr: &redis::ConnectionAddr) -> String {
+    match addr {
+        redis::ConnectionAddr::Tcp(host, port)
+        | redis::ConnectionAddr::TcpTls { host, port, .. } => {
+            let host = match url::Host::parse(host) {
+                Ok(url::Host::Domain(name)) => name.trim_end_matches('.').to_owned(),
+                Ok(ip) => ip.to_string(),
+                Err(_) => host.to_ascii_lowercase(),
+            };
+            format!("{host}:{port}")
+        }
+        other => other.to_string(),
+    }
+}
+
 impl QuorumBackend {
     /// Connects to every member (`redis://host:port/db`) with default settings.
     ///
@@ -303,7 +323,7 @@ impl QuorumBackend {
             let info = client.get_connection_info();
             // The address alone: two database numbers of one server are still one server,
             // which would vote twice and fail (or restart empty) as two members at once.
-            let id = info.addr().to_string();
+            let id = member_address(info.addr());
             if seen.contains(&id) {
                 return Err(Error::InvalidQuorum {
                     reason: "a server is listed twice; it would vote twice",
