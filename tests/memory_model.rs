@@ -39,13 +39,13 @@ proptest! {
                     Op::Acquire(h) => {
                         let reply = backend.acquire(&key, &tokens[h], ttl).await.expect("acquire");
                         match (owner, reply) {
-                            (None, AcquireReply::Granted { fence }) => {
+                            (None, AcquireReply::Granted { fence, .. }) => {
                                 prop_assert!(fence > last_fence);
                                 last_fence = fence;
                                 owner = Some(h);
                             }
                             // Re-acquiring with one's own token is the lost-reply retry: same fence.
-                            (Some(o), AcquireReply::Granted { fence }) if o == h => {
+                            (Some(o), AcquireReply::Granted { fence, .. }) if o == h => {
                                 prop_assert_eq!(fence, last_fence);
                             }
                             (Some(o), AcquireReply::Held { remaining }) if o != h => {

@@ -361,7 +361,7 @@ async fn run<B: Backend>(
                 }
             };
             match reply.expect("acquire") {
-                AcquireReply::Granted { fence } => {
+                AcquireReply::Granted { fence, .. } => {
                     // Whether this is the holder's own lease, answered with its fence.
                     let same = model.keys[*key]
                         .lease
@@ -634,7 +634,7 @@ fn retry_after_the_keep<B: Backend>(
     std::thread::sleep(ms(400));
     let retried = rt.block_on(backend.acquire(key, &token, ms(5_000)));
     match (granted.expect("acquire"), retried.expect("acquire")) {
-        (AcquireReply::Granted { fence: a }, AcquireReply::Granted { fence: b }) => (a, b),
+        (AcquireReply::Granted { fence: a, .. }, AcquireReply::Granted { fence: b, .. }) => (a, b),
         other => panic!("{other:?}"),
     }
 }

@@ -1819,3 +1819,49 @@ async fn a_wait_cancelled_while_subscribing_leaves_no_registration() {
     }
     held.release().await.expect("release");
 }
+
+/// A lease won by a later round counts its validity from that round, not from the first
+/// (reliability.md: "validity measured from the first retry instead of the successful
+/// attempt"): every vote of the winning round set the lease's TTL anew on its member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_won_by_a_retry_counts_from_the_round_that_won() {
+    let servers = start(Flavor::Redis, 3);
+    let config = QuorumConfig::default()
+        .retries(3)
+        .retry_delay(Duration::from_secs(2));
+    let locker = redlock(&urls(&servers), config).await;
+    let k = locker.lock_key("retried").expect("key");
+    // The first round splits: a rival holds member 0, member 1's key is of a foreign type, and
+    // only member 2 votes yes.
+    let _: () = servers[0].cmd(&["SET", k.lock_key(), "rival", "PX", "60000"]);
+    let _: i64 = servers[1].cmd(&["HSET", k.lock_key(), "f", "v"]);
+    let ttl = Duration::from_secs(20);
+    let acquire = tokio::spawn({
+        let locker = locker.clone();
+        async move {
+            let started = Instant::now();
+            let lease = locker
+                .try_acquire("retried", &LockOptions::new().ttl(ttl).renew(false))
+                .await;
+            (lease, started.elapsed())
+        }
+    });
+    // The rival leaves during the pause before the second round (1 to 2 s).
+    sleep(Duration::from_millis(300)).await;
+    let _: i64 = servers[0].cmd(&["DEL", k.lock_key()]);
+    let (lease, took) = acquire.await.expect("acquire task");
+    let lease = lease.expect("granted by a later round");
+    let remaining = lease.remaining();
+    assert!(
+        took >= Duration::from_secs(1),
+        "granted in {took:?}, without a pause between rounds: nothing tested"
+    );
+    // Counted from the first round, at most the TTL less the drift allowance (1% + 2 ms) less
+    // the whole call; from the round that won, that less only its own few round trips.
+    let floor = ttl - ttl / 100 - Duration::from_millis(400);
+    assert!(
+        remaining > floor,
+        "{remaining:?} left of a {ttl:?} lease granted in {took:?}"
+    );
+    lease.release().await.expect("release");
+}

@@ -107,7 +107,13 @@ async fn fence_ahead_of_the_clock_rises_by_one(flavor: Flavor) {
                 .acquire(&k, &token, Duration::from_secs(5))
                 .await;
             assert!(
-                matches!(reply, Ok(AcquireReply::Granted { fence: u64::MAX })),
+                matches!(
+                    reply,
+                    Ok(AcquireReply::Granted {
+                        fence: u64::MAX,
+                        ..
+                    })
+                ),
                 "{attempt} grant: {reply:?}"
             );
             assert_eq!(server.cmd::<i64>(&["EXISTS", k.lock_key()]), 1);

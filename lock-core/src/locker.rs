@@ -962,7 +962,8 @@ impl<B: Backend + Clone> Locker<B> {
         abandoned.armed = false;
         match reply? {
             AcquireReply::Held { remaining } => Ok(Attempt::Held(remaining)),
-            AcquireReply::Granted { fence } => {
+            AcquireReply::Granted { fence, valid_from } => {
+                let start = valid_from.map_or(start, |from| from.max(start));
                 let state =
                     LeaseState::new(start + opts.ttl - drift(opts.ttl), warn_ahead(opts.ttl));
                 if retried {

@@ -287,9 +287,15 @@ impl MemoryBackend {
                     slot.forget_at = keep
                         .map(|keep| keep.min(crate::types::MAX_KEEP_FENCE).max(ttl))
                         .and_then(|keep| now.checked_add(keep));
-                    return Ok(AcquireReply::Granted { fence: slot.fence });
+                    return Ok(AcquireReply::Granted {
+                        fence: slot.fence,
+                        valid_from: None,
+                    });
                 }
-                return Ok(AcquireReply::Granted { fence });
+                return Ok(AcquireReply::Granted {
+                    fence,
+                    valid_from: None,
+                });
             }
             // 0 in the lease's last millisecond, as `PTTL` answers then.
             return Ok(AcquireReply::Held {
@@ -319,7 +325,10 @@ impl MemoryBackend {
                     .checked_add(ahead)
             })
             .and_then(|keep| now.checked_add(keep));
-        Ok(AcquireReply::Granted { fence: slot.fence })
+        Ok(AcquireReply::Granted {
+            fence: slot.fence,
+            valid_from: None,
+        })
     }
 }
 
@@ -522,7 +531,13 @@ pub(crate) mod tests {
         for attempt in ["first", "retried"] {
             let reply = at_once(memory.acquire(&last, &token, Duration::from_secs(1)));
             assert!(
-                matches!(reply, Ok(AcquireReply::Granted { fence: u64::MAX })),
+                matches!(
+                    reply,
+                    Ok(AcquireReply::Granted {
+                        fence: u64::MAX,
+                        ..
+                    })
+                ),
                 "{attempt} grant: {reply:?}"
             );
             assert!(memory.is_held(&last));
@@ -664,7 +679,7 @@ pub(crate) mod tests {
         let token = Token::generate();
         let ms = Duration::from_millis;
         let fence = |reply| match reply {
-            AcquireReply::Granted { fence } => fence,
+            AcquireReply::Granted { fence, .. } => fence,
             other => panic!("{other:?}"),
         };
         let first = fence(
@@ -723,7 +738,7 @@ pub(crate) mod tests {
                 keep,
             ));
             assert!(
-                matches!(granted, Ok(AcquireReply::Granted { fence: f }) if f == fence + 1),
+                matches!(granted, Ok(AcquireReply::Granted { fence: f, .. }) if f == fence + 1),
                 "{granted:?}"
             );
             let forget_at = memory.state().keys.get(&key).expect("slot").forget_at;

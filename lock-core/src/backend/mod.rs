@@ -4,6 +4,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use crate::error::Result;
 use crate::types::{LockKey, Token};
 use crate::wake::{Wakeups, Watch};
@@ -40,6 +42,11 @@ pub enum AcquireReply {
     Granted {
         /// The fence of this grant.
         fence: u64,
+        /// When the grant's validity counts from, if later than the call: a quorum that retried
+        /// counts from the round that won, whose votes each set the lease's TTL anew on their
+        /// member (the failed rounds' grants were given back first). `None`: from the call,
+        /// before anything was sent.
+        valid_from: Option<Instant>,
     },
     /// Another holder has it; its remaining TTL if it has one.
     Held {

@@ -17,7 +17,10 @@
 //! 3. on any failure releases the key on every member that might hold it (all but those that
 //!    answered "held by another"), then retries after a random delay
 //!    ([`QuorumConfig::retries`], [`QuorumConfig::retry_delay`]) while the first half of the TTL
-//!    lasts. A quorum of "held by another" is an ordinary busy answer and is not retried.
+//!    lasts. A lease won by a retry counts its validity from the start of the round that won
+//!    it (step 1 of that round), not of the first: each vote of that round set the TTL anew on
+//!    its member, and the failed rounds' grants were given back before it began. A quorum of
+//!    "held by another" is an ordinary busy answer and is not retried.
 //!    Nor is a round whose release a member did not answer: that release may still land,
 //!    checked against this token, and would take back the vote a next round with the same
 //!    token won there (the grant then held by fewer members than it was counted with). The
@@ -873,14 +876,21 @@ impl Backend for QuorumBackend {
         let span = debug_span!("quorum_acquire", key = key.key(), members = self.members());
         async move {
             let started = Instant::now();
-            let valid_until = started + ttl.saturating_sub(drift(ttl));
             let mut round = 0;
             loop {
+                // Each round's validity counts from its own start: its votes set the lease's
+                // TTL on each member anew, and a failed round gave its grants back before the
+                // next began (none is tried after a give-back that went unanswered).
+                let round_started = Instant::now();
+                let valid_until = round_started + ttl.saturating_sub(drift(ttl));
                 let (agreed, answered, held, settled) =
                     match self.round(key, token, ttl, valid_until).await {
                         Round::Granted(fence) => {
                             debug!(fence, rounds = round + 1, "quorum granted");
-                            return Ok(AcquireReply::Granted { fence });
+                            return Ok(AcquireReply::Granted {
+                                fence,
+                                valid_from: Some(round_started),
+                            });
                         }
                         Round::Held(remaining) => return Ok(AcquireReply::Held { remaining }),
                         Round::Refused(e) => return Err(e),

@@ -773,6 +773,7 @@ pub(super) mod ops {
         match int(status) {
             Some(1) => Ok(AcquireReply::Granted {
                 fence: fence_value(value).ok_or_else(unexpected)?,
+                valid_from: None,
             }),
             // Held: the holder's PTTL, -1 when it has no expiry. Anything but an integer is
             // no PTTL: read as "held for ever", it would hide a reply the script never gives.
@@ -1609,7 +1610,10 @@ mod tests {
         let text = |s: &str| Value::BulkString(s.as_bytes().to_vec());
         assert!(matches!(
             read(1, Value::Int(7)),
-            Ok(AcquireReply::Granted { fence: 7 })
+            Ok(AcquireReply::Granted {
+                fence: 7,
+                valid_from: None
+            })
         ));
         let held = read(0, Value::Int(1500));
         assert!(
