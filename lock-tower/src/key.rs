@@ -228,7 +228,8 @@ impl KeyExtractor {
     /// string, so it arrives quoted (`"abc"`); the quotes and escapes are removed, and
     /// parameters after it (`"abc";v=1`) are checked and left out of the key. A bare value
     /// without quotes (as some senders use) is accepted as it is. Keys longer than
-    /// [`MAX_IDEMPOTENCY_KEY_LEN`] are refused.
+    /// [`MAX_IDEMPOTENCY_KEY_LEN`] are refused, and so are empty ones and ones of spaces alone
+    /// (`""`, `"  "`), which every client sending one would share.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};
@@ -453,9 +454,12 @@ impl KeyExtractor {
                 let raw = header_text(parts, &HeaderName::from_static("idempotency-key"))?
                     .ok_or_else(|| missing("the `Idempotency-Key` header is missing"))?;
                 let key = parse_sf_string(&raw).map_err(invalid)?;
-                if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY_LEN {
+                // Spaces alone are as empty as "": as a blank header counts as none, so that
+                // clients sending one do not all share one key.
+                if key.trim().is_empty() || key.len() > MAX_IDEMPOTENCY_KEY_LEN {
                     return Err(invalid(format!(
-                        "the `Idempotency-Key` must have 1 to {MAX_IDEMPOTENCY_KEY_LEN} characters"
+                        "the `Idempotency-Key` must have 1 to {MAX_IDEMPOTENCY_KEY_LEN} characters, \
+                         not only spaces"
                     )));
                 }
                 Ok(key)

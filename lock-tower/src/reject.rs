@@ -468,6 +468,12 @@ impl Rejections {
         match &self.responder {
             Some(f) => {
                 let mut res = f(&rejection);
+                // A refusal answered as a success would tell the client its request ran, and a
+                // `DedupeLayer` outside would store it as the request's answer: a responder
+                // that leaves the status as it found it (200) gets the rejection's.
+                if !(res.status().is_client_error() || res.status().is_server_error()) {
+                    *res.status_mut() = rejection.status;
+                }
                 // Senders' retries and a `DedupeLayer` outside (which stores a 4xx without it as
                 // the request's final answer) count on it, whatever body the responder chose.
                 if let Some(after) = rejection.retry_after

@@ -702,7 +702,14 @@ async fn oversized_bodies(h: Harness) {
                 let (runs, big) = (r2.clone(), big.clone());
                 async move {
                     runs.fetch_add(1, Ordering::SeqCst);
-                    (StatusCode::ACCEPTED, big)
+                    let described = [
+                        ("etag", "\"v1\""),
+                        ("last-modified", "Wed, 02 Dec 2026 10:00:00 GMT"),
+                        ("cache-control", "public, max-age=600"),
+                        ("content-location", "/exports/1"),
+                        ("content-type", "text/plain"),
+                    ];
+                    (StatusCode::ACCEPTED, described, big)
                 }
             }),
         )
@@ -749,6 +756,18 @@ async fn oversized_bodies(h: Harness) {
     assert_eq!(dup.header("idempotent-replayed"), Some("true"));
     assert_eq!(dup.header("idempotent-body-omitted"), Some("true"));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // The empty replay does not claim to be the representation the first caller got: a cache
+    // would otherwise keep it under the original's validators.
+    assert_eq!(first.header("etag"), Some("\"v1\""));
+    for gone in ["etag", "last-modified", "content-location"] {
+        assert_eq!(
+            dup.header(gone),
+            None,
+            "{gone} replayed beside an omitted body"
+        );
+    }
+    assert_eq!(dup.header("cache-control"), Some("no-store"));
+    assert_eq!(dup.header("content-type"), Some("text/plain"));
 }
 
 async fn missing_or_malformed_keys(h: Harness) {
@@ -763,7 +782,8 @@ async fn missing_or_malformed_keys(h: Harness) {
     let r = send(addr, Method::POST, "/hooks/a", &[], "{}").await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     assert!(r.text().contains("Idempotency-Key"), "{}", r.text());
-    for bad in [r#""open"#, r#""a"b"#, "\"\""] {
+    // A key of spaces alone is as empty as "": every client sending one would share it.
+    for bad in [r#""open"#, r#""a"b"#, "\"\"", "\"  \"", "\" \""] {
         let r = deliver(addr, bad, "{}").await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "key {bad}: {}", r.text());
     }

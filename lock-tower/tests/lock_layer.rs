@@ -917,6 +917,30 @@ async fn rejections_can_be_customised() {
     assert_eq!(first.await.expect("join").status, StatusCode::OK);
 }
 
+/// A responder that leaves the status as `Response::new` made it (200) still answers with the
+/// rejection's status: a refusal sent as a success would tell the client its request ran, and
+/// a `DedupeLayer` outside would store it as the request's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responder_without_a_status_still_refuses() {
+    let locker = lock_core::Locker::memory();
+    let layer =
+        LockLayer::new(locker.clone(), KeyExtractor::route_param("id")).rejection_response(|r| {
+            http::Response::new(http_body_util::Full::new(Bytes::from(
+                r.detail().to_owned(),
+            )))
+        });
+    let (tx, _entered) = mpsc::unbounded_channel();
+    let addr = serve(gated(layer, tx, Arc::new(Semaphore::new(1)))).await;
+    let held = locker
+        .try_acquire("7", &lock_core::LockOptions::new())
+        .await
+        .expect("holder");
+    let r = post_to(addr, "/accounts/7/withdraw").await;
+    assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.text());
+    assert!(r.header("retry-after").is_some());
+    held.release().await.expect("release");
+}
+
 /// A TTL out of lock-core's range is the layer's own misconfiguration: every request gets a
 /// 500 naming it, not a 503 that reads like an outage, and the handler never runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

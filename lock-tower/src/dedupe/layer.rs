@@ -170,7 +170,7 @@ impl DedupeConfig {
 /// | a backend with no result store (a Redlock quorum), an empty [`methods`](Self::methods) list, a JSON-body key with a [`request_body_limit`](Self::request_body_limit) of 0, or a [`reject_status`](Self::reject_status) that is not 4xx/5xx | 500 ([`Reason::Misconfigured`], no `Retry-After`), logged at `error`; the handler does not run |
 /// | request with a key, body above the cap (1 MiB) | 413 (the body is read only for a keyed request's fingerprint: without a key in the request head (header, path, route parameter, closure), the request is answered or passed through unread; a JSON-body key is looked for in the body, up to the cap) |
 /// | response body fails while the layer reads it, or ends before its declared `Content-Length` | 500 ([`Reason::ResponseFailed`]); nothing stored, claim released (past the cap: the caller sees a cut-off body) |
-/// | response body above the stored cap (256 KiB) | the first caller gets the full body; once it ended well (before the caller sees its end), the stored result keeps status and headers only, and replays carry an empty body with `Idempotent-Body-Omitted: true`; if it fails past the cap, nothing is stored and the claim is released |
+/// | response body above the stored cap (256 KiB) | the first caller gets the full body; once it ended well (before the caller sees its end), the stored result keeps status and headers only, and replays carry an empty body with `Idempotent-Body-Omitted: true` and `Cache-Control: no-store`, without the headers that describe the missing bytes (`Content-Encoding`, `ETag`, `Last-Modified`, `Content-Location`, `Content-Range`, digests); if it fails past the cap, nothing is stored and the claim is released |
 ///
 /// Keys are scoped by [`scope`](Self::scope) and hashed (SHA-256) before they become storage
 /// keys, and the claims are taken in a lock-core namespace of their own
@@ -533,7 +533,8 @@ impl DedupeLayer {
     /// let first = app.call(export().body(Body::empty())?).await?;
     /// let body = axum::body::to_bytes(first.into_body(), 1024).await?;
     /// assert_eq!(body, "a body longer than 8 bytes");
-    /// // The replay keeps status and headers, and says the body was not kept.
+    /// // The replay keeps status and headers (not those describing the missing bytes), and
+    /// // says the body was not kept.
     /// let replay = app.call(export().body(Body::empty())?).await?;
     /// assert_eq!(replay.headers()["idempotent-body-omitted"], "true");
     /// assert!(axum::body::to_bytes(replay.into_body(), 1024).await?.is_empty());
@@ -620,7 +621,10 @@ impl DedupeLayer {
     /// A rejection that says when to come back ([`Rejection::retry_after`]) gets its
     /// `Retry-After` header even where `f` leaves it out: senders' retries count on it, and so
     /// does a `DedupeLayer` outside, which would otherwise store the refusal as the request's
-    /// answer. A `Retry-After` that `f` sets is kept.
+    /// answer. A `Retry-After` that `f` sets is kept. A response whose status is not an error
+    /// (4xx or 5xx; `Response::new` leaves 200) goes out with the rejection's status
+    /// ([`Rejection::status`]) instead: a refusal answered as a success would tell the client
+    /// its request ran.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};

@@ -3,7 +3,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode, header};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full};
 use lock_core::{AnyBackend, Lease};
@@ -627,6 +627,21 @@ impl Completion {
     }
 }
 
+/// Headers that describe a response's bytes, left off a replay whose body was not stored: with
+/// them the empty stand-in would pass for the original representation (its validators, its
+/// encoding, its location), to a cache above all.
+const DESCRIBE_THE_BODY: [&str; 9] = [
+    "content-encoding",
+    "content-range",
+    "content-location",
+    "etag",
+    "last-modified",
+    "cache-control",
+    "content-digest",
+    "repr-digest",
+    "digest",
+];
+
 /// The stored answer for a duplicate, or the mismatch rejection.
 fn replay<B>(cfg: &DedupeConfig, rec: &Record, fingerprint: &str) -> Response<LockBody<B>> {
     if rec.fingerprint != fingerprint {
@@ -640,6 +655,9 @@ fn replay<B>(cfg: &DedupeConfig, rec: &Record, fingerprint: &str) -> Response<Lo
     let mut res = Response::new(LockBody::local(Full::new(rec.body.clone())));
     *res.status_mut() = rec.status;
     for (name, value) in &rec.headers {
+        if rec.body_omitted && DESCRIBE_THE_BODY.contains(&name.as_str()) {
+            continue;
+        }
         res.headers_mut().append(name.clone(), value.clone());
     }
     res.headers_mut()
@@ -647,6 +665,9 @@ fn replay<B>(cfg: &DedupeConfig, rec: &Record, fingerprint: &str) -> Response<Lo
     if rec.body_omitted {
         res.headers_mut()
             .insert(BODY_OMITTED, HeaderValue::from_static("true"));
+        // An empty stand-in for the original's bytes: no cache may keep it as the resource.
+        res.headers_mut()
+            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     }
     res
 }

@@ -398,7 +398,10 @@ impl LockLayer {
     /// A rejection that says when to come back ([`Rejection::retry_after`]) gets its
     /// `Retry-After` header even where `f` leaves it out: senders' retries count on it, and so
     /// does a `DedupeLayer` outside, which would otherwise store the refusal as the request's
-    /// answer. A `Retry-After` that `f` sets is kept.
+    /// answer. A `Retry-After` that `f` sets is kept. A response whose status is not an error
+    /// (4xx or 5xx; `Response::new` leaves 200) goes out with the rejection's status
+    /// ([`Rejection::status`]) instead: a refusal answered as a success would tell the client
+    /// its request ran.
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};
