@@ -20,14 +20,18 @@
 //!    lasts. A lease won by a retry counts its validity from the start of the round that won
 //!    it (step 1 of that round), not of the first: each vote of that round set the TTL anew on
 //!    its member, and the failed rounds' grants were given back before it began. A quorum of
-//!    "held by another" is an ordinary busy answer and is not retried.
+//!    "held by another" is an ordinary busy answer and is not retried; it is answered as soon
+//!    as that quorum has, without waiting for the other members or for the give-backs of what
+//!    they may have granted, which go on in the background.
 //!    Nor is a round whose release a member did not answer: that release may still land,
 //!    checked against this token, and would take back the vote a next round with the same
 //!    token won there (the grant then held by fewer members than it was counted with). The
 //!    acquire ends with the round's answer, and a waiting [`Locker`](crate::Locker) tries again
 //!    with a fresh token.
 //!
-//! Extend needs a quorum of members to renew within the validity; release runs on every member.
+//! Extend needs a quorum of members to renew within the validity; release runs on every member,
+//! and both answer as soon as enough members have to decide (a hung member's call still runs to
+//! the end in the background).
 //!
 //! # Fences on a quorum
 //!
@@ -538,19 +542,7 @@ impl QuorumBackend {
                         (Some(call), Some(member)) => {
                             match tokio::time::timeout(limit, call).await {
                                 Ok(r) => r,
-                                Err(_) => {
-                                    // Cut off before the connection's own response timeout
-                                    // could fire (and start its check): a member whose
-                                    // connection went silent is made again all the same.
-                                    member.connection().check();
-                                    Err(Error::Unavailable(
-                                        std::io::Error::new(
-                                            std::io::ErrorKind::TimedOut,
-                                            "quorum member did not answer in time",
-                                        )
-                                        .into(),
-                                    ))
-                                }
+                                Err(_) => Err(timed_out(member)),
                             }
                         }
                         _ => Err(member_error("quorum member not connected")),
@@ -678,10 +670,11 @@ impl QuorumBackend {
         // grant wrote to), but only until half the validity is gone: a slow or silent member
         // must not keep a short lease waiting until none of it is left. A quorum's votes alone
         // hold every earlier grant's fence, as each was written to a quorum.
+        // A quorum of "held by another" reports no fence to use: nothing more is waited for.
         let now = Instant::now();
         let patient_until = now + valid_until.saturating_duration_since(now) / 2;
-        loop {
-            let next = if yes >= quorum || no >= quorum {
+        while no < quorum {
+            let next = if yes >= quorum {
                 match tokio::time::timeout_at(patient_until, calls.next()).await {
                     Ok(next) => next,
                     Err(_) => break,
@@ -745,6 +738,14 @@ impl QuorumBackend {
         if let Some(e) = &refusal {
             self.inner.foreign_member(e, foreign);
         }
+        if held >= quorum {
+            // Contention, decided, and no next round follows with this token (a waiting
+            // locker draws a fresh one): the give-backs are not waited for, so a hung member
+            // costs a busy answer nothing. Token-checked, so members that never granted are
+            // untouched.
+            self.give_back_in_background(may_hold, key, token);
+            return Round::Held(shortest.flatten());
+        }
         let mut agreed = granted.len();
         if granted.len() >= quorum && max_stored == u64::MAX {
             // No higher fence exists: refuse, taking the votes back, rather than hand out a
@@ -782,9 +783,6 @@ impl QuorumBackend {
                 .iter()
                 .any(|(_, r)| r.as_ref().is_err_and(in_doubt));
         }
-        if held >= quorum {
-            return Round::Held(shortest.flatten());
-        }
         if let Some(e) = refusal
             && granted.len() < quorum
         {
@@ -802,6 +800,35 @@ impl QuorumBackend {
             settled,
         }
     }
+
+    /// Releases `which` members' copies of the lease, token-checked, on a task of its own that
+    /// nobody waits for.
+    fn give_back_in_background(&self, which: Vec<usize>, key: &LockKey, token: &Token) {
+        if which.is_empty() {
+            return;
+        }
+        let (this, key, token) = (self.clone(), key.clone(), token.clone());
+        let limit = self.inner.config.member_timeout;
+        tokio::spawn(async move {
+            let _ = this
+                .on_members(&which, limit, |m| m.release(&key, &token))
+                .await;
+        });
+    }
+}
+
+/// The error of a member cut off by the quorum's own bound. Cut off before the connection's own
+/// response timeout could fire (and start its check): a member whose connection went silent is
+/// made again all the same.
+fn timed_out(member: &RedisBackend) -> Error {
+    member.connection().check();
+    Error::Unavailable(
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "quorum member did not answer in time",
+        )
+        .into(),
+    )
 }
 
 impl Inner {
@@ -929,7 +956,7 @@ impl Backend for QuorumBackend {
         .await
     }
 
-    /// Runs on every member. `false` when the members that answered show the lease was not
+    /// Runs on every member, and answers as soon as the answers so far decide it. `false` when the members that answered show the lease was not
     /// held by a quorum (however many copies it still had, deleted here: a holder cut off from
     /// most members, whose key a rival took there, is told `NotHeld`, not `Released`). `true`
     /// when a quorum deleted it. [`Error::NoQuorum`] when fewer did and the members that did
@@ -949,40 +976,67 @@ impl Backend for QuorumBackend {
         in_line: impl FnOnce() + Send + 'static,
     ) -> Result<bool> {
         let limit = self.inner.config.member_timeout;
-        // Counted as the calls are made: every call is made before any is polled, so the
-        // count is complete before the first can be in line.
-        let left = Arc::new(AtomicUsize::new(0));
-        let in_line = Arc::new(Mutex::new(Some(in_line)));
         // Not a member that never connected: it was sent no grant, so it holds none, and
         // counted as one that did not answer it would turn a `NotHeld` into `NoQuorum`.
-        let answers = self
-            .on_members(&self.connected(), limit, |m| {
-                left.fetch_add(1, Ordering::AcqRel);
+        let members: Vec<(usize, RedisBackend)> = self
+            .connected()
+            .into_iter()
+            .filter_map(|i| self.inner.members.get(i)?.get().cloned().map(|m| (i, m)))
+            .collect();
+        // Counted before any call is made, so that only the last one in line calls `in_line`.
+        let left = Arc::new(AtomicUsize::new(members.len()));
+        let in_line = Arc::new(Mutex::new(Some(in_line)));
+        // Each member's release is a task of its own: the answer is decided once enough
+        // members have answered, and a hung member's release still goes out and lands when it
+        // can, without the holder waiting for it.
+        let mut calls: futures_util::stream::FuturesUnordered<_> = members
+            .into_iter()
+            .map(|(i, member)| {
+                let (key, token) = (key.clone(), token.clone());
                 let (left, in_line) = (left.clone(), in_line.clone());
-                m.release_in_line(key, token, move || {
-                    if left.fetch_sub(1, Ordering::AcqRel) == 1 {
-                        let last = in_line
-                            .lock()
-                            .unwrap_or_else(PoisonError::into_inner)
-                            .take();
-                        if let Some(f) = last {
-                            f();
+                let task = tokio::spawn(async move {
+                    let release = member.release_in_line(&key, &token, move || {
+                        if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                            let last = in_line
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .take();
+                            if let Some(f) = last {
+                                f();
+                            }
                         }
+                    });
+                    match tokio::time::timeout(limit, release).await {
+                        Ok(r) => r,
+                        Err(_) => Err(timed_out(&member)),
                     }
-                })
+                });
+                async move { (i, task.await) }
             })
-            .await;
-        let answered = answers.iter().filter(|(_, a)| a.is_ok()).count();
-        let released = answers
-            .iter()
-            .filter(|(_, a)| matches!(a, Ok(true)))
-            .count();
-        let unknown = answers.len() - answered;
-        if released >= self.inner.quorum {
-            return Ok(true);
-        }
-        if released + unknown < self.inner.quorum {
-            return Ok(false);
+            .collect();
+        let quorum = self.inner.quorum;
+        // Unknown: failed or cut off, so it may have deleted its copy or not.
+        let (mut released, mut unknown, mut outstanding) = (0, 0, calls.len());
+        loop {
+            if released >= quorum {
+                return Ok(true);
+            }
+            if released + unknown + outstanding < quorum {
+                return Ok(false);
+            }
+            let Some((i, answer)) = calls.next().await else {
+                break;
+            };
+            outstanding -= 1;
+            match answer {
+                Ok(Ok(true)) => released += 1,
+                Ok(Ok(false)) => {}
+                Ok(Err(e)) => {
+                    debug!(member = i, error = %e, "quorum release failed");
+                    unknown += 1;
+                }
+                Err(_) => unknown += 1,
+            }
         }
         Err(self.no_quorum("release", key.key(), released))
     }
