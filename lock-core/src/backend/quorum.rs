@@ -75,7 +75,9 @@
 //!
 //! A waiter subscribes on every connected member: any release publishes on each member it
 //! reaches, so one live member is enough to wake it, and a reconnecting member's subscriber
-//! wakes everyone. A member that stays down only costs its share; waiters also have a timer.
+//! wakes everyone. Its wait begins once a quorum of members has subscribed (a lease is deleted,
+//! and published, on a quorum, one of which is then always among them); a slower member's
+//! subscription joins when it comes. A member that stays down only costs its share; waiters also have a timer.
 //!
 //! # Fence gates
 //!
@@ -1142,23 +1144,59 @@ impl Backend for QuorumBackend {
             .config
             .member_timeout
             .max(crate::wake::LONGEST_CONFIRM_WAIT + Duration::from_millis(500));
-        let member_watches: Vec<Watch> = self
-            .on_members(&self.all(), limit, |m| m.watch(key))
-            .await
-            .into_iter()
-            .filter_map(|(_, w)| w.ok())
-            .collect();
+        // Each member subscribes on a task of its own, and the watch is ready once a quorum
+        // has: a release is published by each member that deletes the lease, a quorum of them,
+        // so one is always among these. A slower member's watch joins the others when it
+        // comes, and a hung one keeps no waiter from its first try after subscribing.
+        let (arrive, mut arrived) = tokio::sync::mpsc::unbounded_channel::<Watch>();
+        for slot in &self.inner.members {
+            let Some(member) = slot.get().cloned() else {
+                continue;
+            };
+            let (key, arrive) = (key.clone(), arrive.clone());
+            tokio::spawn(async move {
+                if let Ok(Ok(w)) = tokio::time::timeout(limit, member.watch(&key)).await {
+                    let _ = arrive.send(w);
+                }
+            });
+        }
+        drop(arrive);
+        let mut member_watches = Vec::new();
+        while member_watches.len() < self.inner.quorum {
+            match arrived.recv().await {
+                Some(w) => member_watches.push(w),
+                // Every member answered or gave up: fewer than a quorum subscribed.
+                None => break,
+            }
+        }
         let wakeups = self.inner.wakeups.clone();
         let forward_to = channel;
         let forwarder = tokio::spawn(async move {
             let mut member_watches = member_watches;
-            if member_watches.is_empty() {
-                return;
-            }
+            let mut more = true;
             loop {
-                let changes = member_watches.iter_mut().map(|w| Box::pin(w.changed()));
-                futures_util::future::select_all(changes).await;
-                wakeups.wake(&forward_to);
+                let late = {
+                    let changes = async {
+                        if member_watches.is_empty() {
+                            std::future::pending::<()>().await;
+                        }
+                        let changes = member_watches.iter_mut().map(|w| Box::pin(w.changed()));
+                        futures_util::future::select_all(changes).await;
+                    };
+                    tokio::select! {
+                        w = arrived.recv(), if more => Some(w),
+                        () = changes => {
+                            wakeups.wake(&forward_to);
+                            None
+                        }
+                    }
+                };
+                match late {
+                    Some(Some(w)) => member_watches.push(w),
+                    Some(None) if member_watches.is_empty() => return,
+                    Some(None) => more = false,
+                    None => {}
+                }
             }
         });
         // The channel is this watch's alone, so it is always its last watcher.
