@@ -114,12 +114,12 @@ enum Hold {
         /// is never seen; the frame that completes the length counts as the end instead.
         left: Option<u64>,
     },
-    /// The inner body ended; the final frame (if any) waits until the release is done, so a
-    /// client that reads the whole response and sends the next request never finds its own
-    /// lease still in place.
+    /// The inner body ended, or failed; the final frame or the error (if any) waits until the
+    /// release is done, so a client that reads the whole response, or sees it cut off, and
+    /// sends the next request never finds its own lease still in place.
     Releasing {
         release: BoxFuture,
-        pending: Option<Frame<Bytes>>,
+        pending: Option<Result<Frame<Bytes>, BoxError>>,
     },
 }
 
@@ -330,7 +330,7 @@ where
                 ready!(release.as_mut().poll(cx));
                 let frame = pending.take();
                 *this.hold = None;
-                return Poll::Ready(frame.map(Ok));
+                return Poll::Ready(frame);
             }
             if let Some(Hold::Holding { lease, lost, .. }) = this.hold.as_deref_mut()
                 && lost.as_mut().poll(cx).is_ready()
@@ -373,10 +373,6 @@ where
                 },
             };
             match frame {
-                Some(Err(e)) => {
-                    *this.hold = None;
-                    return Poll::Ready(Some(Err(e)));
-                }
                 // Trailers are a body's last frame: servers send them and drop the body without
                 // polling it again, whatever `is_end_stream` says.
                 Some(Ok(f))
@@ -385,12 +381,10 @@ where
                     return Poll::Ready(Some(Ok(f)));
                 }
                 // The body is complete (it ended, its declared length is reached, or its
-                // trailers came): release first (if holding), then hand on the last frame.
+                // trailers came) or failed: release first (if holding), then hand on the last
+                // frame or the error.
                 end => {
-                    let pending = match end {
-                        Some(Ok(f)) => Some(f),
-                        _ => None,
-                    };
+                    let pending = end;
                     match this.hold.take().map(|hold| *hold) {
                         Some(Hold::Holding { lease, .. }) => {
                             *this.hold = Some(Box::new(Hold::Releasing {
@@ -404,7 +398,7 @@ where
                                 pending,
                             }));
                         }
-                        _ => return Poll::Ready(pending.map(Ok)),
+                        _ => return Poll::Ready(pending),
                     }
                 }
             }
@@ -441,9 +435,9 @@ where
             let mut shifted = SizeHint::new();
             // Upper first: `set_lower` refuses a lower bound above the current upper one.
             if let Some(u) = hint.upper() {
-                shifted.set_upper(u + n);
+                shifted.set_upper(u.saturating_add(n));
             }
-            shifted.set_lower(hint.lower() + n);
+            shifted.set_lower(hint.lower().saturating_add(n));
             hint = shifted;
         }
         hint

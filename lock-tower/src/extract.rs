@@ -255,3 +255,33 @@ impl Fence {
         held(ext).map(|h| Fence(h.fence))
     }
 }
+
+impl HeldLease {
+    /// The lease's information (key, fence, time left, loss) from a request's extensions, for
+    /// non-axum Tower services, as [`Fence::from_extensions`] gives the fence.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, extract::Request, routing::post};
+    /// use lock_tower::{HeldLease, KeyExtractor, LockLayer};
+    /// use tower_service::Service;
+    ///
+    /// async fn export(req: Request) -> String {
+    ///     let HeldLease(lease) = HeldLease::from_extensions(req.extensions()).expect("under a LockLayer");
+    ///     format!("{} with {} s left", lease.key(), lease.remaining().as_secs())
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lock_tower::BoxError> {
+    /// let layer = LockLayer::new(lock_core::Locker::memory(), KeyExtractor::path_segment(1));
+    /// let mut app: Router = Router::new().route("/exports/{id}", post(export)).layer(layer);
+    /// let res = app.call(http::Request::post("/exports/7").body(Body::empty())?).await?;
+    /// let body = axum::body::to_bytes(res.into_body(), 64).await?;
+    /// assert!(body.starts_with(b"7 with "), "{body:?}");
+    /// // Without the layer there is none.
+    /// assert!(HeldLease::from_extensions(&http::Extensions::new()).is_none());
+    /// # Ok(()) }
+    /// ```
+    pub fn from_extensions(ext: &http::Extensions) -> Option<HeldLease> {
+        held(ext).map(|h| HeldLease(h.info.clone()))
+    }
+}

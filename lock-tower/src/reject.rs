@@ -46,15 +46,18 @@ pub enum Reason {
     /// The lease was lost while the handler ran; the handler was cancelled (default 503).
     LeaseLost,
     /// The lock backend could not be reached (default 503, with `Retry-After`), or can never
-    /// lock this key (its stored fence is 2^64 - 1, `Error::FenceExhausted`: 503 without
-    /// `Retry-After`, logged at `error`), or (dedupe) a stored result changed from outside
-    /// cannot be read (the same: 503 without `Retry-After`, logged at `error`).
+    /// lock this key (its stored fence is 2^64 - 1, `Error::FenceExhausted`, or the key holds
+    /// a value of another type, `Error::WrongType`: 503 without `Retry-After`, logged at
+    /// `error`), or (dedupe) a stored result changed from outside cannot be read (the same:
+    /// 503 without `Retry-After`, logged at `error`).
     Unavailable,
     /// Dedupe only: the key was seen before with a different request (method, path or body;
     /// default 422).
     KeyReused,
-    /// The layer's own settings are out of range (a TTL below `MIN_TTL` or above `MAX_TTL`, a
-    /// retention below 1 ms or above a year, a `LockLayer` key prefix no key can follow), or a
+    /// The layer's own settings are out of range or cannot work (a TTL below `MIN_TTL` or above
+    /// `MAX_TTL`, a retention below 1 ms or above a year, a `LockLayer` key prefix no key can
+    /// follow, an empty methods list, a body limit of 0 with a JSON-body key, a route parameter
+    /// the route does not have, a `reject_status` that is not an error status), or a
     /// `DedupeLayer` runs on a backend with no
     /// result store (a Redlock quorum): every request would fail the same way, so this is a
     /// server error (default 500, no `Retry-After`), logged at `error` level.
@@ -248,7 +251,8 @@ impl Rejection {
         self.status
     }
     /// When the client may usefully try again, for `Busy`, `WaitTimeout` and `Unavailable`
-    /// (but not for a key whose fence is exhausted, which no retry can lock).
+    /// (but not for a key whose fence is exhausted or that holds a value of another type,
+    /// which no retry can lock, nor for an unreadable stored result).
     ///
     /// ```
     /// use axum::{Router, body::Body, routing::post};

@@ -1411,6 +1411,40 @@ async fn a_response_without_a_body_frees_the_lease_before_it_goes_out(h: Harness
     drop(res);
 }
 
+/// A body that fails midway ends there: the lease is released before the error is handed on,
+/// as before a last frame, so a client that sees the response cut off and sends its request
+/// again does not meet its own lease (it was released in the background after the error went
+/// out). On a current-thread runtime, where a background release cannot run before the test
+/// asks.
+#[tokio::test]
+async fn a_body_that_fails_frees_the_lease_before_the_error_goes_out() {
+    use http_body_util::BodyExt;
+    use tower_service::Service;
+    let locker = lock_core::Locker::memory();
+    let mut app: Router = Router::new()
+        .route(
+            "/exports/{id}",
+            post(|| async { Body::new(common::ThenError(0)) }),
+        )
+        .route_layer(LockLayer::new(
+            locker.clone(),
+            KeyExtractor::route_param("id"),
+        ));
+    let req = http::Request::post("/exports/9")
+        .body(Body::empty())
+        .expect("request");
+    let mut body = app.call(req).await.expect("infallible").into_body();
+    let data = body.frame().await.expect("a frame").expect("no error");
+    assert!(data.is_data());
+    let failed = body.frame().await.expect("a frame");
+    assert!(failed.is_err(), "the body's error was not handed on");
+    let free = locker
+        .try_acquire("9", &lock_core::LockOptions::new())
+        .await;
+    assert!(free.is_ok(), "still held once the error went out: {free:?}");
+    drop(body);
+}
+
 /// A body that ends with trailers (and does not say it ended after them, as a stream body
 /// does not): the lease is released before the trailers are handed on, since the server sends
 /// them and drops the body without polling it again.

@@ -319,7 +319,10 @@ pub(crate) fn declared_len<B: Body>(
         // The body failed at once; it ends there, whatever its size said.
         Some(Err(_)) => return None,
     };
-    body.size_hint().exact().map(|rest| rest + taken)
+    // A size past `u64::MAX` is no size to declare.
+    body.size_hint()
+        .exact()
+        .and_then(|rest| rest.checked_add(taken))
 }
 
 /// The JSON-body path: reads the body up to the cap, finds the key in it, and hands the same

@@ -379,3 +379,23 @@ pub async fn assert_repeated_key_headers_refused(
         }
     }
 }
+
+/// A response body that yields `x`, then fails: a handler whose stream broke midway.
+pub struct ThenError(pub u8);
+
+impl Body for ThenError {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        self.0 += 1;
+        match self.0 {
+            1 => Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"x"))))),
+            2 => Poll::Ready(Some(Err(std::io::Error::other("the stream broke")))),
+            _ => Poll::Ready(None),
+        }
+    }
+}
