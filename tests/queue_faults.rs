@@ -251,6 +251,26 @@ async fn corrupt_attempts(flavor: Flavor) {
             c.complete().await.expect("complete");
         }
     }
+    // Attempts changed from outside while the job is leased, and its holder settles it: told
+    // its lease is over (as by a reap), not a server fault, which a worker would keep
+    // retrying until its lease ran out.
+    for found in ["-5", "2.5", "nan", "1e30"] {
+        let leased = q.enqueue(b"settled").await.expect("enqueue");
+        let got = q.claim(ms(5_000)).await.expect("claim").expect("job");
+        assert_eq!(got.id(), leased);
+        let jk = format!("{{leasehold:ca}}:job:{leased}");
+        let _: i64 = server.cmd(&["HSET", &jk, "attempts", found]);
+        for step in ["extend", "complete"] {
+            let settled = match step {
+                "extend" => q.extend(leased, 1, ms(5_000)).await.map(|_| ()),
+                _ => q.complete(leased, 1).await,
+            };
+            assert!(
+                matches!(settled, Err(leasehold::Error::LeaseLost { .. })),
+                "{step} with attempts {found}: {settled:?}"
+            );
+        }
+    }
     // A job hash whose payload was deleted: handed out, it would run on an empty payload and
     // be completed with its data gone. It dies with the reason; its attempts are untouched.
     let emptied = q.enqueue(b"data").await.expect("enqueue");
