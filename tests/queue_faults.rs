@@ -470,6 +470,19 @@ async fn a_counter_far_behind_costs_a_few_probes(flavor: Flavor) {
         next > id,
         "ids go on rising from the new one: {next:?} after {id:?}"
     );
+    // A search that gives up (keys planted at every power-of-two distance from the second
+    // payload's id) fails the whole call with nothing stored: the first payload is not left
+    // behind for the caller's retry to store twice.
+    let before = q.counts().await.expect("counts").pending;
+    let _: () = server.cmd(&["SET", "{leasehold:cb}:seq", "1000000"]);
+    for k in 0..42 {
+        let planted = 1_000_002u64 + (1u64 << k) - 1;
+        let _: () = server.cmd(&["SET", &format!("{{leasehold:cb}}:job:{planted}"), "x"]);
+    }
+    let refused = q.enqueue_many(["first", "second"]).await;
+    assert!(refused.is_err(), "{refused:?}");
+    let after = q.counts().await.expect("counts").pending;
+    assert_eq!(after, before, "a job of the refused call was stored");
 }
 
 /// The same for a `Worker`: after the server lost its writes and another worker claimed the

@@ -2,6 +2,8 @@
 local bad = check_keys()
 if bad then return bad end
 local out = {1}
+-- Every id is found before any job is written: a search that gives up (below) then leaves no
+-- job of this call stored, so the caller's retry after the error stores none twice.
 for i = 4, #ARGV do
   local id = redis.call('INCR', KEYS[5])
   -- A counter behind its jobs (reset by hand, evicted, rolled back by a failover) must never
@@ -17,11 +19,15 @@ for i = 4, #ARGV do
     id = id + step
     step = step * 2
   end
+  -- The next INCR starts past this id, so ids found in one call never repeat.
   if step > 1 then redis.call('SET', KEYS[5], s(id)) end
+  out[#out + 1] = id
+end
+for i = 4, #ARGV do
+  local id = out[i - 2]
   redis.call('HSET', ARGV[1] .. s(id), 'state', 'pending', 'attempts', 0, 'max', ARGV[3],
     'payload', ARGV[i])
   redis.call('ZADD', KEYS[1], id, s(id))
-  out[#out + 1] = id
 end
 wake('enqueued')
 return out
