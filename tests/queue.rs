@@ -1173,6 +1173,35 @@ async fn bad_input(h: Harness) {
         q.claim_wait(Duration::ZERO, ms(10)).await,
         Err(Error::InvalidTtl { .. })
     ));
+    // Either side of lock-core's range, not only zero: refused before anything is claimed.
+    let (over, under) = (leasehold::MAX_TTL + ms(1), leasehold::MIN_TTL / 2);
+    q.enqueue(b"untouched").await.expect("enqueue");
+    for ttl in [over, under] {
+        assert!(
+            matches!(q.claim(ttl).await, Err(Error::InvalidTtl { .. })),
+            "{ttl:?}"
+        );
+        assert!(
+            matches!(
+                q.claim_wait(ttl, ms(10)).await,
+                Err(Error::InvalidTtl { .. })
+            ),
+            "{ttl:?}"
+        );
+        let refused = Worker::new(q.clone())
+            .ttl(ttl)
+            .start(|_job| async { Ok(()) });
+        assert!(matches!(refused, Err(Error::InvalidTtl { .. })), "{ttl:?}");
+    }
+    let c = q.counts().await.expect("counts");
+    assert_eq!((c.pending, c.active), (1, 0), "a refused TTL claimed a job");
+    q.claim(ms(5_000))
+        .await
+        .expect("claim")
+        .expect("the job")
+        .complete()
+        .await
+        .expect("complete");
     let big = vec![7u8; MAX_PAYLOAD + 1];
     assert!(matches!(
         q.enqueue(&big).await,

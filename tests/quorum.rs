@@ -1953,3 +1953,26 @@ async fn a_waiter_does_not_wait_for_a_hung_members_subscription() {
         "{fence:?} after {waited:?}"
     );
 }
+
+/// A quorum of "held by another" is an ordinary busy answer, not retried (the module docs):
+/// with five retries a second apart allowed, it comes back from the first round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_held_by_another_is_not_retried() {
+    let servers = start(Flavor::Redis, 3);
+    let config = QuorumConfig::default()
+        .retries(5)
+        .retry_delay(Duration::from_secs(1));
+    let locker = redlock(&urls(&servers), config).await;
+    let k = locker.lock_key("contended").expect("key");
+    for s in &servers {
+        let _: () = s.cmd(&["SET", k.lock_key(), "rival", "PX", "60000"]);
+    }
+    let t = Instant::now();
+    let busy = locker.try_acquire("contended", &opts(10_000)).await;
+    let took = t.elapsed();
+    assert!(matches!(busy, Err(Error::Busy { .. })), "{busy:?}");
+    assert!(
+        took < Duration::from_millis(400),
+        "busy after {took:?}: retried"
+    );
+}

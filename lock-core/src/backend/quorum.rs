@@ -1234,3 +1234,25 @@ fn in_doubt(e: &Error) -> bool {
 fn member_error(what: &'static str) -> Error {
     Error::Unavailable(redis::RedisError::from((redis::ErrorKind::Io, what)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pause before a retry is drawn from the upper half of its bound (the retry delay,
+    /// at most a quarter of the TTL at the call site), never past it.
+    #[test]
+    fn a_retry_pause_is_in_the_upper_half_of_its_bound() {
+        for max in [
+            Duration::from_millis(1),
+            Duration::from_millis(200),
+            Duration::from_secs(3),
+        ] {
+            for _ in 0..1_000 {
+                let p = pause(max);
+                assert!(p >= max / 2 && p <= max, "{p:?} for {max:?}");
+            }
+        }
+        assert_eq!(pause(Duration::ZERO), Duration::ZERO);
+    }
+}
