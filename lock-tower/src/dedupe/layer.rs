@@ -182,6 +182,11 @@ impl DedupeConfig {
 /// restart of the service; on the memory backend they live with the memory store, so every
 /// layer over one store shares them, as every layer over one server does.
 ///
+/// Put capacity limits (tower's `ConcurrencyLimit`, `Buffer`, `RateLimit`) outside this layer,
+/// not inside it: the inner service made ready in `poll_ready` is called only once the claim
+/// is taken, so a slot reserved inside would be held through a duplicate's wait and the read
+/// of the request body.
+///
 /// ```
 /// use axum::{Router, routing::post};
 /// use lock_tower::{DedupeLayer, KeyExtractor};

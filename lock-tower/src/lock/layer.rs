@@ -90,6 +90,12 @@ impl LockConfig {
 /// Every status is configurable ([`reject_status`](Self::reject_status)); bodies are
 /// `application/problem+json` unless a [`rejection_response`](Self::rejection_response) is set.
 ///
+/// Put capacity limits (tower's `ConcurrencyLimit`, `Buffer`, `RateLimit`) outside this layer,
+/// not inside it: as every Tower middleware, the layer calls the inner service it made ready
+/// in `poll_ready`, and that happens only once the lease is granted, so a slot reserved inside
+/// would be held through the whole wait for the key (up to [`wait`](Self::wait)) and through
+/// the read of a JSON body, keeping requests for other keys out.
+///
 /// ```
 /// use axum::{Router, routing::post};
 /// use lock_tower::{Fence, KeyExtractor, LockLayer};
