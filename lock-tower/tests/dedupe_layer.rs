@@ -1370,6 +1370,52 @@ async fn raw_deliver(addr: std::net::SocketAddr, path: &str, key: &str) -> TcpSt
     s
 }
 
+/// A body above the stored cap that never ends (a stream, a heartbeat), whose caller hung up:
+/// the layer reads on for one claim TTL, then stores nothing and releases the claim, so the
+/// sender's retry runs the handler again instead of getting 409 for ever (the claim stayed
+/// renewed while the body streamed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endless_body_after_a_hang_up_frees_the_claim() {
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let app = Router::new()
+        .route(
+            "/hooks/stream",
+            post(move || {
+                let tx = tx.clone();
+                async move {
+                    let _ = tx.send(());
+                    Response::new(Body::new(Drip::new(Duration::from_millis(50), usize::MAX)))
+                }
+            }),
+        )
+        .layer(
+            DedupeLayer::new(lock_core::Locker::memory())
+                .claim_ttl(Duration::from_secs(1))
+                .stored_body_limit(10),
+        );
+    let addr = serve(app).await;
+    let key = r#""endless""#;
+    let conn = raw_deliver(addr, "/hooks/stream", key).await;
+    entered.recv().await.expect("entered");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(conn);
+    let hung_up = std::time::Instant::now();
+    // Retries, each left open long enough for its request to reach the handler (a connection
+    // closed at once can end the request before it does), until one runs the handler again.
+    let again = eventually(Duration::from_secs(8), async || {
+        let retry = raw_deliver(addr, "/hooks/stream", key).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        drop(retry);
+        entered.try_recv().is_ok()
+    })
+    .await;
+    assert!(
+        again,
+        "the claim was still held {:?} after the caller hung up",
+        hung_up.elapsed()
+    );
+}
+
 /// The client hangs up after the handler answered, while the layer still reads the answer's
 /// body to store it. The handler's work is done, so its result is still stored and the claim
 /// released: the sender's retry gets the replay instead of a second run (or a 409 until the

@@ -524,6 +524,11 @@ impl Completion {
     {
         let mut tx = Some(tx);
         let mut last = None;
+        // Once the caller hangs up, the rest is read on only for as long as the claim's TTL:
+        // a body that never ends (a stream, a heartbeat) would otherwise keep the claim
+        // renewed, and every retry of the delivery refused, for ever.
+        let read_on = self.cfg.claim.ttl_value();
+        let mut give_up: Option<tokio::time::Instant> = None;
         // As below the cap: a claim lost while the body streams cuts it.
         let info = self.claim.info();
         let mut lost = std::pin::pin!(info.lost());
@@ -537,6 +542,15 @@ impl Completion {
             let next = tokio::select! {
                 biased;
                 () = &mut lost => return self.cut_off(tx, lost_error()).await,
+                () = sleep_until_some(give_up) => {
+                    tracing::warn!(
+                        ?read_on,
+                        "response body still streaming a claim TTL after the caller hung up; \
+                         nothing stored, claim released"
+                    );
+                    let cut = "the response body outlasted the caller by a claim TTL".into();
+                    return self.cut_off(tx, cut).await;
+                }
                 next = next_frame(&mut body) => next,
             };
             match next {
@@ -569,6 +583,7 @@ impl Completion {
                             // The caller hung up; the rest is read all the same, so that a body
                             // that ends well is still recorded.
                             tx = None;
+                            give_up = Some(tokio::time::Instant::now() + read_on);
                         }
                     }
                 }
@@ -670,6 +685,14 @@ fn replay<B>(cfg: &DedupeConfig, rec: &Record, fingerprint: &str) -> Response<Lo
             .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     }
     res
+}
+
+/// Sleeps until `deadline`, or for ever without one.
+async fn sleep_until_some(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// The body's next frame, its error converted at once: the inner error type need not be
