@@ -9,8 +9,9 @@
 //!    token, reading the member's stored fence and its clock), each bounded by a per-member
 //!    timeout much smaller than the TTL ([`QuorumConfig::member_timeout`], 250 ms by default,
 //!    and never past the validity, since a later answer cannot count); once a quorum has
-//!    granted (or found the key held), the rest are waited for only until half the validity is
-//!    gone, so that one slow member cannot leave a lease shorter than the timeout no time;
+//!    granted, the rest are waited for only until half the validity is gone, so that one slow
+//!    member cannot leave a lease shorter than the timeout no time (once a quorum found the key
+//!    held, nothing more is waited for: step 3);
 //! 2. with a quorum of grants and validity left (`ttl - elapsed - drift`, drift = 1% of the TTL
 //!    plus 2 ms, elapsed counted from step 1), picks the fence `F` and writes it back to the
 //!    granting members (below), and needs a quorum of those writes, still within the validity;
@@ -31,7 +32,8 @@
 //!
 //! Extend needs a quorum of members to renew within the validity; release runs on every member,
 //! and both answer as soon as enough members have to decide (a hung member's call still runs to
-//! the end in the background).
+//! the end in the background, while the runtime runs: a program that exits at once after a
+//! release may leave a minority member's copy to expire with its TTL).
 //!
 //! # Fences on a quorum
 //!
@@ -666,13 +668,13 @@ impl QuorumBackend {
             .collect();
         let mut votes = Vec::with_capacity(self.members());
         let (mut yes, mut no) = (0, 0);
-        // Once the round is decided (a quorum granted, or found the key held), the other
-        // members' answers are still waited for, since every fence they report makes the next
-        // one safer (a member that restarted empty may be the only one of a quorum another
-        // grant wrote to), but only until half the validity is gone: a slow or silent member
-        // must not keep a short lease waiting until none of it is left. A quorum's votes alone
-        // hold every earlier grant's fence, as each was written to a quorum.
-        // A quorum of "held by another" reports no fence to use: nothing more is waited for.
+        // Once a quorum has granted, the other members' answers are still waited for, since
+        // every fence they report makes the next one safer (a member that restarted empty may
+        // be the only one of a quorum another grant wrote to), but only until half the validity
+        // is gone: a slow or silent member must not keep a short lease waiting until none of it
+        // is left. A quorum's votes alone hold every earlier grant's fence, as each was written
+        // to a quorum. A quorum of "held by another" reports no fence to use: nothing more is
+        // waited for.
         let now = Instant::now();
         let patient_until = now + valid_until.saturating_duration_since(now) / 2;
         while no < quorum {
@@ -1145,9 +1147,11 @@ impl Backend for QuorumBackend {
             .member_timeout
             .max(crate::wake::LONGEST_CONFIRM_WAIT + Duration::from_millis(500));
         // Each member subscribes on a task of its own, and the watch is ready once a quorum
-        // has: a release is published by each member that deletes the lease, a quorum of them,
-        // so one is always among these. A slower member's watch joins the others when it
-        // comes, and a hung one keeps no waiter from its first try after subscribing.
+        // has: a lease held on a quorum is deleted, and published, by a quorum of members at
+        // its release, so one is always among these. A slower member's watch joins the others
+        // when it comes, and a hung one keeps no waiter from its first try after subscribing.
+        // (A key held on a minority only, by a round that is still giving its votes back, may
+        // publish only on a member not yet joined: that waiter wakes on its timer.)
         let (arrive, mut arrived) = tokio::sync::mpsc::unbounded_channel::<Watch>();
         for slot in &self.inner.members {
             let Some(member) = slot.get().cloned() else {

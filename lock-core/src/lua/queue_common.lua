@@ -13,7 +13,8 @@
 -- {-3, attempts} stale caller; {-4, why} the caller's lease ended without a newer grant
 -- (why: the job's state, reaped, retried or failed), or the job under this id and attempt was
 -- claimed by another holder ('held by another claim': the server lost writes and reused the
--- id); {-5, attempts} the caller named an attempt above the job's latest, one never granted.
+-- id), or its attempt count was changed from outside to none a reply can carry ('attempts
+-- corrupt'); {-5, attempts} the caller named an attempt above the job's latest, one never granted.
 -- A job key of a foreign type met while claiming or reaping is no error: nobody asked for that
 -- job by name, and refusing would stall every job behind it. Its id is set aside in the dead
 -- set, the key itself never read or written, and the reply lists it.
