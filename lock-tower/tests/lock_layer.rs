@@ -1411,20 +1411,19 @@ async fn a_response_without_a_body_frees_the_lease_before_it_goes_out(h: Harness
     drop(res);
 }
 
-/// A body that fails midway ends there: the lease is released before the error is handed on,
-/// as before a last frame, so a client that sees the response cut off and sends its request
-/// again does not meet its own lease (it was released in the background after the error went
-/// out). On a current-thread runtime, where a background release cannot run before the test
-/// asks.
-#[tokio::test]
-async fn a_body_that_fails_frees_the_lease_before_the_error_goes_out() {
+/// `POST /exports/9` through a `LockLayer` on `locker` keyed by the route's `id`, the handler
+/// answering `make()`: the response body, its first frame (data) read.
+async fn export_past_its_first_frame<B>(locker: &lock_core::Locker, make: fn() -> B) -> Body
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<axum::BoxError>,
+{
     use http_body_util::BodyExt;
     use tower_service::Service;
-    let locker = lock_core::Locker::memory();
     let mut app: Router = Router::new()
         .route(
             "/exports/{id}",
-            post(|| async { Body::new(common::ThenError(0)) }),
+            post(move || async move { Body::new(make()) }),
         )
         .route_layer(LockLayer::new(
             locker.clone(),
@@ -1436,6 +1435,19 @@ async fn a_body_that_fails_frees_the_lease_before_the_error_goes_out() {
     let mut body = app.call(req).await.expect("infallible").into_body();
     let data = body.frame().await.expect("a frame").expect("no error");
     assert!(data.is_data());
+    body
+}
+
+/// A body that fails midway ends there: the lease is released before the error is handed on,
+/// as before a last frame, so a client that sees the response cut off and sends its request
+/// again does not meet its own lease (it was released in the background after the error went
+/// out). On a current-thread runtime, where a background release cannot run before the test
+/// asks.
+#[tokio::test]
+async fn a_body_that_fails_frees_the_lease_before_the_error_goes_out() {
+    use http_body_util::BodyExt;
+    let locker = lock_core::Locker::memory();
+    let mut body = export_past_its_first_frame(&locker, || common::ThenError(0)).await;
     let failed = body.frame().await.expect("a frame");
     assert!(failed.is_err(), "the body's error was not handed on");
     let free = locker
@@ -1450,23 +1462,8 @@ async fn a_body_that_fails_frees_the_lease_before_the_error_goes_out() {
 /// them and drops the body without polling it again.
 async fn a_body_ending_in_trailers_frees_the_lease_before_they_go_out(h: Harness) {
     use http_body_util::BodyExt;
-    use tower_service::Service;
     let locker = h.locker().await;
-    let mut app: Router = Router::new()
-        .route(
-            "/exports/{id}",
-            post(|| async { Body::new(common::ThenTrailers(0)) }),
-        )
-        .route_layer(LockLayer::new(
-            locker.clone(),
-            KeyExtractor::route_param("id"),
-        ));
-    let req = http::Request::post("/exports/9")
-        .body(Body::empty())
-        .expect("request");
-    let mut body = app.call(req).await.expect("infallible").into_body();
-    let data = body.frame().await.expect("a frame").expect("no error");
-    assert!(data.is_data());
+    let mut body = export_past_its_first_frame(&locker, || common::ThenTrailers(0)).await;
     let held = locker
         .try_acquire("9", &lock_core::LockOptions::new())
         .await;
