@@ -806,6 +806,10 @@ async fn slow_fence_write_back_no_lease(flavor: Flavor) {
     for p in &proxies {
         p.delay_replies(Duration::from_secs(1));
     }
+    let delayed_before: Vec<usize> = proxies
+        .iter()
+        .map(|p| p.delayed.load(Ordering::SeqCst))
+        .collect();
     let t = Instant::now();
     let attempt = {
         let locker = locker.clone();
@@ -816,15 +820,28 @@ async fn slow_fence_write_back_no_lease(flavor: Flavor) {
                 .map(|l| l.fence())
         })
     };
-    // The vote replies are already on their way (their delay was read when they arrived).
-    sleep(Duration::from_millis(500)).await;
+    // The write-back's replies are slowed only once every vote reply is on its way with its
+    // 1 s delay (read when it arrived). Switching at a fixed instant instead let a vote that
+    // reached its proxy late on a loaded machine take the 6 s delay: that member timed out
+    // at 3 s, the write-back went out then and timed out at 6 s, and the copies went at 6 s
+    // (seen in two loaded runs, and reproduced by slowing one member's votes from the start).
+    while proxies
+        .iter()
+        .zip(&delayed_before)
+        .any(|(p, &before)| p.delayed.load(Ordering::SeqCst) == before)
+    {
+        assert!(
+            t.elapsed() < Duration::from_millis(2_500),
+            "the votes did not reach every proxy within 2.5 s (the member timeout is 3 s)"
+        );
+        sleep(Duration::from_millis(5)).await;
+    }
     for p in &proxies {
         p.delay_replies(Duration::from_secs(6));
     }
     // Write-back timed out at ~4 s and the release ran on every member right then: every
-    // copy is gone well before the TTL (8 s) would have taken it. Polled rather than read at
-    // one instant, with a second of the TTL to spare: on a loaded machine the release has
-    // been seen to land later than 5.5 s (two runs of the whole binary in one session).
+    // copy is gone well before the TTL (8 s) would have taken it. Polled until a second
+    // before the TTL, so that a slow check on a loaded machine is not taken for a copy kept.
     let holding = |servers: &[Server]| -> Vec<usize> {
         (0..servers.len())
             .filter(|&i| holds(&servers[i], &locker, "late-write"))
