@@ -1261,6 +1261,19 @@ async fn argument_patterns() {
     held.release().await.expect("release");
 }
 
+/// A key template in parentheses is still a template (read as an expression it would be the
+/// literal text `ticket:{n}`, refused on every call).
+#[locked(key = ("ticket:{n}"), ttl = ("5s"), locker = locker)]
+async fn ticket(locker: &Locker, n: u32) -> Result<bool, Error> {
+    Ok(is_held(locker, &format!("ticket:{n}")).await)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_in_parentheses() {
+    let locker = Locker::memory();
+    assert!(ticket(&locker, 4).await.expect("ran"));
+}
+
 /// `mut` parameters (and a pattern binding one): the key is read from the values passed in,
 /// before the body changes them, and the body may change them.
 #[locked(key = "countdown:{n}", locker = locker)]

@@ -169,10 +169,13 @@ fn check_key_literal(lit: &LitStr) -> syn::Result<()> {
 }
 
 /// An argument as written: a `macro_rules!` fragment (`$t:expr`) arrives wrapped in an
-/// invisible group, and a literal passed through one must still be read as a literal.
+/// invisible group, and a literal passed through one must still be read as a literal; so must
+/// one in parentheses (`key = ("order:{id}")` read as an expression would be the literal text
+/// `order:{id}`, a key lock-core refuses on every call).
 fn ungroup(e: Expr) -> Expr {
     match e {
         Expr::Group(g) => ungroup(*g.expr),
+        Expr::Paren(p) => ungroup(*p.expr),
         e => e,
     }
 }
