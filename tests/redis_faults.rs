@@ -404,19 +404,45 @@ async fn queued_waiters_end_with_the_first_error(flavor: Flavor) {
         .expect("warm");
     warm.release().await.expect("release");
     let _: () = server.cmd(&["CLIENT", "PAUSE", "10000", "ALL"]);
-    let waiters: Vec<_> = (0..6)
-        .map(|_| {
-            let locker = locker.clone();
-            tokio::spawn(async move {
-                let wait = opts(1_000).wait(Duration::from_secs(2));
-                locker.acquire("silent", &wait).await
-            })
+    let started = Instant::now();
+    let spawn_waiter = |wait: Duration| {
+        let locker = locker.clone();
+        tokio::spawn(async move {
+            let r = locker.acquire("silent", &opts(1_000).wait(wait)).await;
+            (r, started.elapsed())
         })
+    };
+    let waiters: Vec<_> = (0..6)
+        .map(|_| spawn_waiter(Duration::from_secs(2)))
         .collect();
+    // Queued behind them, with a wait that ends before the first one's error (300 ms response
+    // timeout) comes.
+    let short = spawn_waiter(Duration::from_millis(100));
+    let mut queued_behind = 0;
     for w in waiters {
-        let r = w.await.expect("waiter");
+        let (r, took) = w.await.expect("waiter");
         assert!(matches!(r, Err(ref e) if e.is_transient()), "{r:?}");
+        // Each waiting its own response timeout in turn would take 6 x 300 ms.
+        assert!(
+            took < Duration::from_millis(1_200),
+            "ended after {took:?}: {r:?}"
+        );
+        if let Err(e @ Error::Unavailable(_)) = &r
+            && e.to_string().contains("ahead of this one")
+        {
+            queued_behind += 1;
+        }
     }
+    // One waiter is first in line and meets the silence itself; the others end with its error.
+    assert!(
+        queued_behind >= 5,
+        "{queued_behind} waiters ended by the one ahead"
+    );
+    let (r, took) = short.await.expect("short waiter");
+    assert!(
+        matches!(r, Err(Error::WaitTimeout { .. })),
+        "{r:?} after {took:?}"
+    );
 }
 
 /// Releases missed while the subscription connection was down still wake waiters: after it
