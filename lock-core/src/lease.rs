@@ -35,8 +35,9 @@ pub enum Release {
 ///
 /// While it lives (and renewal is on) the lease is renewed at about a third of its TTL. When
 /// renewal is refused, or none gets through in time, [`lost`](Lease::lost) resolves before the
-/// local deadline: the lease counts as lost 2.5% of its TTL + 3 ms ahead of it, which leaves
-/// room for a late timer and a busy CPU (a process starved for longer hears of it late). Dropping the guard stops renewal at once and releases it in the
+/// local deadline: the lease counts as lost 2.5% of its TTL + 3 ms ahead of it (the TTL of the
+/// request that set the deadline: after an unanswered short extend, that short TTL's), which
+/// leaves room for a late timer and a busy CPU (a process starved for longer hears of it late). Dropping the guard stops renewal at once and releases it in the
 /// background; [`release`](Lease::release) does so in the foreground and reports what it found.
 /// Either way, the next waiter of the same [`Locker`](crate::Locker) takes its turn once the
 /// release is in line ahead of its acquire (see [`release`](Lease::release)), or answered on
