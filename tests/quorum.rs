@@ -1649,6 +1649,53 @@ async fn a_waiter_is_not_sent_back_by_its_own_give_back(flavor: Flavor) {
     assert_eq!(lease.release().await.expect("release"), Release::Released);
 }
 
+/// A waiter on a quorum pauses after each busy attempt (about 10 ms, doubling to about 500 ms)
+/// before it waits again; a release by the holder during that pause still wakes it when the
+/// pause ends, rather than leaving it to its timer (the holder's remaining TTL). Each wake-up
+/// here is a bare `PUBLISH` on the key's channel: the holder keeps every member, so the
+/// waiter's attempts win no votes and give none back (their give-backs would wake it too).
+async fn a_release_in_a_waiters_pause_still_wakes_it(flavor: Flavor) {
+    let servers = start(flavor, 3);
+    let holder = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let lease = holder
+        .try_acquire("paused", &opts(30_000).renew(false))
+        .await
+        .expect("holder");
+    let channel = holder.lock_key("paused").expect("key").channel().to_owned();
+    let waiter = redlock(&urls(&servers), QuorumConfig::default()).await;
+    warm_up(&waiter).await;
+    let waiting = tokio::spawn(async move {
+        let lease = waiter
+            .acquire("paused", &opts(5_000).wait(Duration::from_secs(25)))
+            .await;
+        (lease.map(|l| l.fence()), Instant::now())
+    });
+    servers[0].wait_for_subscriber(&channel).await;
+    // Its attempt right after subscribing, then a pause of about 10 ms.
+    sleep(Duration::from_millis(300)).await;
+    // Each wake-up is one more busy attempt and a pause twice as long, up to about 500 ms
+    // (250 to 750 ms with its jitter): seven take it there, an eighth to be sure.
+    for _ in 0..8 {
+        let _: i64 = servers[0].cmd(&["PUBLISH", &channel, "1"]);
+        sleep(Duration::from_millis(800)).await;
+    }
+    assert!(!waiting.is_finished(), "the waiter got a held key");
+    let _: i64 = servers[0].cmd(&["PUBLISH", &channel, "1"]);
+    // Its attempt is a round trip; then it pauses at least 250 ms.
+    sleep(Duration::from_millis(100)).await;
+    let released = Instant::now();
+    assert_eq!(lease.release().await.expect("release"), Release::Released);
+    let (fence, granted) = waiting.await.expect("waiter");
+    fence.expect("the waiter got the key");
+    let took = granted - released;
+    // At least the rest of the pause (so the release came in it), and well before the timer
+    // (the holder had about 20 s left).
+    assert!(
+        took >= Duration::from_millis(100) && took < Duration::from_millis(1_500),
+        "granted {took:?} after the release"
+    );
+}
+
 macro_rules! suite {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -1776,6 +1823,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_waiter_is_not_sent_back_by_its_own_give_back() {
                 super::a_waiter_is_not_sent_back_by_its_own_give_back($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_release_in_a_waiters_pause_still_wakes_it() {
+                super::a_release_in_a_waiters_pause_still_wakes_it($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn fence_write_back_only_where_the_token_holds() {
