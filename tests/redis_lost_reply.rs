@@ -441,6 +441,42 @@ async fn renewal_keeps_a_lease_over_a_slow_link(flavor: Flavor) {
     assert_eq!(lease.release().await.expect("release"), Release::Released);
 }
 
+/// The bound docs/RELIABILITY.md gives: a lease has one renewal in flight at a time, so it is
+/// kept while a round trip stays under roughly half the TTL, and lost above that although the
+/// server would have kept it. At 0.4 x TTL (800 ms at 2 s) it is kept for three TTLs; at
+/// 0.6 x TTL (1.2 s) `lost()` fires within the TTL, with the key still held on the server.
+async fn renewal_keeps_a_lease_below_half_the_ttl_not_above(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let proxy = Proxy::start(server.port).await;
+    let locker = Locker::redis(&proxy.url()).await.expect("connect");
+    let ttl = Duration::from_secs(2);
+    let o = LockOptions::new().ttl(ttl);
+    // Every script loaded before the slow link.
+    let warm = locker.try_acquire("warm", &o).await.expect("warm");
+    warm.extend(ttl).await.expect("extend");
+    warm.release().await.expect("release");
+    proxy.set_latency(ttl.mul_f64(0.2));
+    let kept = locker.try_acquire("below-half", &o).await.expect("grant");
+    sleep(ttl * 3).await;
+    assert!(
+        !kept.is_lost(),
+        "renewal over an 800 ms round trip lost a 2 s lease"
+    );
+    proxy.set_latency(ttl.mul_f64(0.3));
+    // Renewals of the lease above still in flight at the old latency are done by now.
+    let lost = locker.try_acquire("above-half", &o).await.expect("grant");
+    let told = tokio::time::timeout(ttl, lost.lost()).await;
+    assert!(told.is_ok(), "a 1.2 s round trip kept a 2 s lease");
+    let key = locker.lock_key("above-half").expect("key");
+    assert_eq!(
+        server.cmd::<i64>(&["EXISTS", key.lock_key()]),
+        1,
+        "the key was gone from the server when the holder was told"
+    );
+    proxy.set_latency(Duration::ZERO);
+    assert_eq!(kept.release().await.expect("release"), Release::Released);
+}
+
 /// A stalled link: renewals go out and no reply comes back. Every holder hears of the loss
 /// before its lease's local deadline (`now + remaining()` read once the stall began).
 async fn stalled_renewals_are_told_before_the_deadline(flavor: Flavor) {
@@ -1038,6 +1074,10 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn renewal_keeps_a_lease_over_a_slow_link() {
                 super::renewal_keeps_a_lease_over_a_slow_link($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn renewal_keeps_a_lease_below_half_the_ttl_not_above() {
+                super::renewal_keeps_a_lease_below_half_the_ttl_not_above($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn stalled_renewals_are_told_before_the_deadline() {
