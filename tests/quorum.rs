@@ -1696,6 +1696,72 @@ async fn a_release_in_a_waiters_pause_still_wakes_it(flavor: Flavor) {
     );
 }
 
+/// Each member's subscription goes silent without closing (black-holed: its peer gone, a
+/// half-open connection): as on one server, a `PING` every 5 s finds it out, each is replaced,
+/// and once subscribed again the waiter is woken, so a release sent into the silent ones costs
+/// it seconds rather than the holder's whole TTL.
+async fn a_silent_member_subscription_is_replaced(flavor: Flavor) {
+    let servers = start(flavor, 3);
+    let mut proxies = Vec::new();
+    for s in &servers {
+        proxies.push(Proxy::start(s.port).await);
+    }
+    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
+    let quick = leasehold::RedisConfig::default().response_timeout(Duration::from_millis(500));
+    let waiting = redlock(&proxy_urls, QuorumConfig::default().redis(quick)).await;
+    warm_up(&waiting).await;
+    // Each member's connections through its proxy: the shared one, then the subscription's.
+    let started = Instant::now();
+    while proxies.iter().any(|p| p.connections() < 2) {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the subscription connections were not made"
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+    let holding = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let lease = holding
+        .try_acquire("silent-sub", &opts(30_000).renew(false))
+        .await
+        .expect("holder");
+    let channel = holding
+        .lock_key("silent-sub")
+        .expect("key")
+        .channel()
+        .to_owned();
+    let waiter = tokio::spawn(async move {
+        let lease = waiting
+            .acquire("silent-sub", &opts(5_000).wait(Duration::from_secs(25)))
+            .await;
+        (lease.map(|l| l.fence()), Instant::now())
+    });
+    for s in &servers {
+        s.wait_for_subscriber(&channel).await;
+    }
+    // Past its attempt right after subscribing and the short pause after it.
+    sleep(Duration::from_millis(300)).await;
+    for p in &proxies {
+        p.black_hole(1);
+    }
+    let released = Instant::now();
+    assert_eq!(lease.release().await.expect("release"), Release::Released);
+    let (fence, granted) = waiter.await.expect("waiter");
+    fence.expect("the waiter got the key");
+    let waited = granted - released;
+    // Within the 5 s check and the response timeout (0.5 s), plus the reconnect and
+    // resubscribe; its timer would have waited out the holder's 30 s.
+    assert!(
+        waited < Duration::from_secs(7),
+        "woken {waited:?} after the release: not within the 5 s check and the response timeout"
+    );
+    for (i, p) in proxies.iter().enumerate() {
+        assert!(
+            p.connections() >= 3,
+            "member {i}: no new subscription connection was made"
+        );
+    }
+}
+
 macro_rules! suite {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -1811,6 +1877,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_silent_member_connection_is_replaced() {
                 super::a_silent_member_connection_is_replaced($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_silent_member_subscription_is_replaced() {
+                super::a_silent_member_subscription_is_replaced($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn renewal_without_a_majority_is_lost() {
