@@ -220,7 +220,7 @@ struct Link {
     checking: AtomicBool,
     /// After a check that kept the connection (a master answers neither it nor a new one):
     /// no check before this instant, and the pause after the next such check.
-    pause: Mutex<(Option<Instant>, Duration)>,
+    pause: Mutex<CheckPause>,
     /// Makes the client of each connection.
     builder: MakeBuilder,
     now: Mutex<Connected>,
@@ -380,14 +380,12 @@ impl ClusterConn {
             return;
         };
         let current = self.current();
-        let paused = {
-            let pause = self
-                .link
-                .pause
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            pause.0.is_some_and(|until| Instant::now() < until)
-        };
+        let paused = self
+            .link
+            .pause
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .paused(Instant::now());
         if current.generation != generation
             || paused
             || self.link.checking.swap(true, Ordering::AcqRel)
@@ -406,15 +404,13 @@ impl ClusterConn {
             if map.is_some() && before.iter().all(|a| *a) {
                 // Healthy again: the next trouble starts from the first pause, not from where
                 // an earlier one left it.
-                *link.pause.lock().unwrap_or_else(PoisonError::into_inner) =
-                    (None, FIRST_CHECK_PAUSE);
+                *link.pause.lock().unwrap_or_else(PoisonError::into_inner) = CheckPause::new();
                 return;
             }
             let kept = |why: &str| {
                 let mut pause = link.pause.lock().unwrap_or_else(PoisonError::into_inner);
-                warn!(pause = ?pause.1, "a cluster node stopped answering, and {why}; the connection is kept");
-                pause.0 = Some(Instant::now() + pause.1);
-                pause.1 = (pause.1 * 2).min(LAST_CHECK_PAUSE);
+                let paused_for = pause.kept(Instant::now());
+                warn!(pause = ?paused_for, "a cluster node stopped answering, and {why}; the connection is kept");
             };
             // A connect may wait out the connection timeout twice (on the first nodes, then on
             // the masters of the slot map they give) where a node does not answer, and the
@@ -451,7 +447,7 @@ impl ClusterConn {
                 fresh.generation = generation + 1;
                 *now = fresh;
             }
-            *link.pause.lock().unwrap_or_else(PoisonError::into_inner) = (None, FIRST_CHECK_PAUSE);
+            *link.pause.lock().unwrap_or_else(PoisonError::into_inner) = CheckPause::new();
         });
     }
 }
@@ -460,6 +456,38 @@ impl ClusterConn {
 /// while checks keep finding nothing better.
 const FIRST_CHECK_PAUSE: Duration = Duration::from_secs(1);
 const LAST_CHECK_PAUSE: Duration = Duration::from_secs(30);
+
+/// When connection checks may run again: none runs before `until`; `next` is the pause after
+/// the next check that keeps the connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct CheckPause {
+    until: Option<Instant>,
+    next: Duration,
+}
+
+impl CheckPause {
+    /// No pause, and the first one next: at the start, and after a check that helped or found
+    /// every master answering (the next trouble starts from the first pause).
+    fn new() -> CheckPause {
+        CheckPause {
+            until: None,
+            next: FIRST_CHECK_PAUSE,
+        }
+    }
+
+    fn paused(&self, now: Instant) -> bool {
+        self.until.is_some_and(|until| now < until)
+    }
+
+    /// A check kept the connection at `now`: no check for the next pause, and the one after it
+    /// twice as long. Returns the pause begun.
+    fn kept(&mut self, now: Instant) -> Duration {
+        let pause = self.next;
+        self.until = Some(now + pause);
+        self.next = (pause * 2).min(LAST_CHECK_PAUSE);
+        pause
+    }
+}
 
 /// The slot map as `conn` gets it from the first master to answer `CLUSTER SLOTS`. Every master
 /// is asked: the map is wanted after a node stopped answering, and a node picked at random may
@@ -646,7 +674,7 @@ impl ClusterBackend {
                 patience,
                 check_patience,
                 checking: AtomicBool::new(false),
-                pause: Mutex::new((None, FIRST_CHECK_PAUSE)),
+                pause: Mutex::new(CheckPause::new()),
                 builder,
                 now: Mutex::new(connected),
                 reconnecting: tokio::sync::Mutex::new(()),
@@ -1140,6 +1168,29 @@ async fn subscribe(conn: &mut ClusterConnection, channel: &str, patience: Durati
 mod tests {
     use super::*;
     use crate::error::error_reply as reply;
+
+    /// The pause between connection checks the docs give: 1 s after a check that kept the
+    /// connection, doubling to 30 s while checks keep finding nothing better, back to 1 s once
+    /// one helped (or found every master answering).
+    #[test]
+    fn check_pauses_double_to_thirty_seconds_and_start_over() {
+        let t0 = Instant::now();
+        let mut pause = CheckPause::new();
+        assert!(!pause.paused(t0));
+        let mut now = t0;
+        let mut seen = Vec::new();
+        for _ in 0..7 {
+            let p = pause.kept(now);
+            assert!(pause.paused(now + p - Duration::from_millis(1)));
+            assert!(!pause.paused(now + p));
+            seen.push(p.as_secs());
+            now += p;
+        }
+        assert_eq!(seen, [1, 2, 4, 8, 16, 30, 30]);
+        pause = CheckPause::new();
+        assert!(!pause.paused(now));
+        assert_eq!(pause.kept(now), Duration::from_secs(1));
+    }
 
     /// A `CLUSTER SLOTS` entry: slots `start..=end` served by the master `host:port` (`None`:
     /// a null host) with node id `id` (`None`: an old server that sends none).
