@@ -924,8 +924,9 @@ async fn queue_keeps_its_jobs_through_a_moving_slot(flavor: Flavor) {
     }
     let long = Duration::from_secs(30);
     let a = q.claim(long).await.expect("claim").expect("a");
+    // 300 ms: its reply on a loaded machine still comes within it.
     let b = q
-        .claim(Duration::from_millis(50))
+        .claim(Duration::from_millis(300))
         .await
         .expect("claim")
         .expect("b");
@@ -935,8 +936,8 @@ async fn queue_keeps_its_jobs_through_a_moving_slot(flavor: Flavor) {
     let (a_id, b_id, d_id) = (a.id(), b.id(), d.id());
     a.retry(Duration::from_millis(1)).await.expect("retry");
     // Every queue key exists now (e pending, a delayed, b and d active, c dead): a script whose
-    // declared keys are all still on the old owner runs there.
-    sleep(Duration::from_millis(100)).await;
+    // declared keys are all still on the old owner runs there. (And b's lease is over.)
+    sleep(Duration::from_millis(400)).await;
 
     let tag = "{leasehold:mq}";
     let (slot, src) = slot_and_owner(&cluster, tag);

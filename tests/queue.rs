@@ -288,16 +288,17 @@ async fn aborted_worker_is_reaped(h: Harness) {
 async fn lapsed_lease_is_refused(h: Harness) {
     let q = h.open(Queue::builder("lapse")).await;
     let id = q.enqueue(b"x").await.expect("enqueue");
-    let mut first = q.claim(ms(100)).await.expect("claim").expect("job");
+    // Leases of 300 ms: a claim's reply on a loaded machine still comes within them.
+    let mut first = q.claim(ms(300)).await.expect("claim").expect("job");
     // Extend moves the deadline: a reap after the first deadline moves nothing.
     first.extend(ms(5_000)).await.expect("extend");
-    sleep(ms(300)).await;
+    sleep(ms(500)).await;
     assert!(q.reap().await.expect("reap").is_empty());
     // Claimed again with a short lease that nobody renews.
     q.retry(id, 1, Duration::ZERO).await.expect("retry");
-    let second = q.claim(ms(100)).await.expect("claim").expect("job");
+    let second = q.claim(ms(300)).await.expect("claim").expect("job");
     assert_eq!(second.attempts(), 2);
-    sleep(ms(300)).await;
+    sleep(ms(500)).await;
     let reaped = q.reap().await.expect("reap");
     assert_eq!(reaped.len(), 1);
     assert_eq!(
@@ -437,10 +438,12 @@ async fn long_errors_are_stored_cut(h: Harness) {
 async fn reaper_sends_to_dead_after_max_attempts(h: Harness) {
     let q = h.open(Queue::builder("reapdead").max_attempts(2)).await;
     let id = q.enqueue(b"hangs").await.expect("enqueue");
+    // Leases long enough that a claim's reply, on a loaded machine, still comes within them
+    // (a reply after its lease is refused as `LeaseLost`).
     for attempt in 1..=2u64 {
-        let c = q.claim(ms(50)).await.expect("claim").expect("job");
+        let c = q.claim(ms(300)).await.expect("claim").expect("job");
         assert_eq!(c.attempts(), attempt);
-        sleep(ms(250)).await;
+        sleep(ms(500)).await;
         let reaped = q.reap().await.expect("reap");
         let to = if attempt == 2 {
             JobState::Dead
@@ -1544,10 +1547,12 @@ async fn concurrent_reaps_move_each_job_once(h: Harness) {
     for i in 0..40u8 {
         ids.push(q.enqueue(vec![i]).await.expect("enqueue"));
     }
+    // Leases long enough that each claim's reply, on a loaded machine, still comes within
+    // them (a reply after its lease is refused as `LeaseLost`).
     for _ in 0..40 {
-        q.claim(ms(50)).await.expect("claim").expect("job");
+        q.claim(ms(400)).await.expect("claim").expect("job");
     }
-    sleep(ms(200)).await;
+    sleep(ms(600)).await;
     let mut reapers = Vec::new();
     for _ in 0..4 {
         let r = h.open(Queue::builder("reapers")).await;

@@ -75,7 +75,8 @@ async fn foreign_types(flavor: Flavor) {
 
     // A claimed job's key replaced by a string: complete and job refuse, and the active set
     // keeps the id.
-    let claim = q.claim(ms(50)).await.expect("claim").expect("job");
+    // Leases of 300 ms here: a claim's reply on a loaded machine still comes within them.
+    let claim = q.claim(ms(300)).await.expect("claim").expect("job");
     let _: () = server.cmd(&["SET", "{leasehold:wt}:job:2", "clobbered"]);
     assert!(matches!(
         q.complete(claim.id(), 1).await,
@@ -93,9 +94,9 @@ async fn foreign_types(flavor: Flavor) {
     // Its lease expires beside a healthy one: the reaper returns the healthy job and sets the
     // foreign one aside in the dead set, without touching its key.
     let healthy = q.enqueue(b"healthy").await.expect("enqueue");
-    let lapsed = q.claim(ms(50)).await.expect("claim").expect("job");
+    let lapsed = q.claim(ms(300)).await.expect("claim").expect("job");
     assert_eq!(lapsed.id(), healthy);
-    sleep(ms(200)).await;
+    sleep(ms(500)).await;
     let mut reaped = q
         .reap()
         .await
@@ -236,11 +237,12 @@ async fn corrupt_attempts(flavor: Flavor) {
         ("1e30", JobState::Dead),
     ] {
         let leased = q.enqueue(b"leased").await.expect("enqueue");
-        let got = q.claim(ms(50)).await.expect("claim").expect("job");
+        // 300 ms: the claim's reply on a loaded machine still comes within it.
+        let got = q.claim(ms(300)).await.expect("claim").expect("job");
         assert_eq!(got.id(), leased);
         let jk = format!("{{leasehold:ca}}:job:{leased}");
         let _: i64 = server.cmd(&["HSET", &jk, "attempts", found]);
-        sleep(ms(150)).await;
+        sleep(ms(450)).await;
         let reaped = q.reap().await.expect("reap");
         let seen: Vec<_> = reaped.iter().map(|r| (r.id, r.to)).collect();
         assert_eq!(seen, vec![(leased, to)], "{found}");

@@ -1357,6 +1357,7 @@ async fn waiter_woken_when_a_member_resubscribes() {
         .try_acquire("gap", &opts(20_000))
         .await
         .expect("holder");
+    let votes_before: Vec<u64> = servers.iter().map(script_calls).collect();
     let waiter = tokio::spawn(async move {
         let started = Instant::now();
         let lease = waiter_side
@@ -1368,8 +1369,22 @@ async fn waiter_woken_when_a_member_resubscribes() {
     for s in &servers {
         s.wait_for_subscriber(k.channel()).await;
     }
-    // Past the attempt the waiter makes right after subscribing: it now sleeps on the TTL.
-    sleep(Duration::from_millis(300)).await;
+    // Past the attempt the waiter makes right after subscribing (its votes counted on every
+    // member, the one before subscribing and that one): it now sleeps on the TTL.
+    let counting = Instant::now();
+    while servers
+        .iter()
+        .zip(&votes_before)
+        .any(|(s, &before)| script_calls(s) < before + 2)
+    {
+        assert!(
+            counting.elapsed() < Duration::from_secs(10),
+            "the waiter's votes did not reach every member"
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+    // And past the short pause after it.
+    sleep(Duration::from_millis(100)).await;
     assert!(
         !waiter.is_finished(),
         "the waiter got the key while it was held"

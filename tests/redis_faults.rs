@@ -457,6 +457,7 @@ async fn waiters_woken_after_resubscribe(flavor: Flavor) {
         .try_acquire("gap", &opts(20_000))
         .await
         .expect("holder");
+    let attempts_before = calls(&server, "evalsha");
     let waiter = tokio::spawn(async move {
         let started = Instant::now();
         let lease = waiter_side
@@ -474,8 +475,16 @@ async fn waiters_woken_after_resubscribe(flavor: Flavor) {
     // Subscribed, the waiter asks once more at once (a release in between would otherwise go
     // unseen). Let that attempt find the key held: deleted before it, the key is simply taken,
     // the subscription closes, and there is no gap to test (seen in CI as "no pub/sub client
-    // to kill"). After it the waiter sleeps on the holder's 20 s TTL.
-    sleep(Duration::from_millis(300)).await;
+    // to kill"). After it the waiter sleeps on the holder's 20 s TTL. Its two attempts (before
+    // and after subscribing) are counted at the server rather than given a fixed time.
+    let counting = Instant::now();
+    while calls(&server, "evalsha") < attempts_before + 2 {
+        assert!(
+            counting.elapsed() < Duration::from_secs(10),
+            "the waiter's attempts did not reach the server"
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
     assert!(
         !waiter.is_finished(),
         "the waiter got the key while it was held"
