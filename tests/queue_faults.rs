@@ -855,9 +855,21 @@ async fn slow_link_keeps_the_lease(flavor: Flavor) {
 /// A queue through a proxy, whose claim, retry and complete scripts are loaded (as in
 /// `slow_link_keeps_the_lease`), and one job enqueued.
 async fn warm_queue_through_proxy(flavor: Flavor, name: &str) -> (Server, Proxy, Queue, JobId) {
+    warm_queue_through_proxy_with(flavor, name, RedisConfig::default()).await
+}
+
+/// [`warm_queue_through_proxy`] with a connection configuration of the test's own.
+async fn warm_queue_through_proxy_with(
+    flavor: Flavor,
+    name: &str,
+    config: RedisConfig,
+) -> (Server, Proxy, Queue, JobId) {
     let server = Server::start(flavor);
     let proxy = Proxy::start(server.port).await;
-    let q = Queue::redis(&proxy.url(), name).await.expect("connect");
+    let backend = leasehold::RedisBackend::connect_with(&proxy.url(), config)
+        .await
+        .expect("connect through the proxy");
+    let q = Queue::builder(name).on_redis(backend).expect("queue");
     q.enqueue(b"warm").await.expect("enqueue");
     let warm = q.claim(ms(900)).await.expect("claim").expect("job");
     warm.retry(Duration::ZERO).await.expect("retry");
@@ -1125,6 +1137,55 @@ async fn a_settle_whose_reply_went_wrong_is_in_doubt(flavor: Flavor, reply: Repl
         !text.contains("the lease was lost before it landed"),
         "{text}"
     );
+}
+
+/// A worker whose settle meets a short outage (the link cut for 4 s just as the handler
+/// returns) tries it again while the lease lasts, with the lease renewed meanwhile, and it
+/// lands once the link is back: the job is done, its handler run once. (Five tries in a row
+/// gave up within the outage, and the reaper would have run the job again.) Quick timeouts,
+/// so that each try fails well within the outage rather than waiting most of it out.
+async fn a_settle_waits_out_a_short_outage(flavor: Flavor) {
+    let quick = RedisConfig::default()
+        .response_timeout(ms(300))
+        .connection_timeout(ms(300));
+    let (_server, proxy, q, id) = warm_queue_through_proxy_with(flavor, "outage", quick).await;
+    let proxy = Arc::new(proxy);
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let worker = {
+        let (proxy, runs) = (proxy.clone(), runs.clone());
+        Worker::new(q.clone())
+            .ttl(ms(20_000))
+            .reap_every(Duration::from_secs(3_600))
+            .start(move |_| {
+                let (proxy, runs) = (proxy.clone(), runs.clone());
+                async move {
+                    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    proxy.cut(true);
+                    Ok(())
+                }
+            })
+            .expect("start")
+    };
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while runs.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < give_up, "the job was not run");
+        sleep(ms(10)).await;
+    }
+    sleep(ms(4_000)).await;
+    proxy.cut(false);
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while worker.report().completed + worker.report().lost == 0 {
+        assert!(
+            Instant::now() < give_up,
+            "not settled: {:?}",
+            worker.report()
+        );
+        sleep(ms(20)).await;
+    }
+    let report = worker.shutdown(Duration::from_secs(5)).await;
+    assert_eq!((report.completed, report.lost), (1, 0), "{report:?}");
+    assert_eq!(q.job(id).await.expect("job").state, JobState::Done);
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
 /// A claim whose complete fails on a transient error (the link to the server cut) is not
@@ -1470,6 +1531,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_claim_settles_again_after_a_transient_error() {
                 super::a_claim_settles_again_after_a_transient_error($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_settle_waits_out_a_short_outage() {
+                super::a_settle_waits_out_a_short_outage($flavor).await
             }
             // One thread: the worker's tasks log to this thread's captured subscriber.
             #[tokio::test]

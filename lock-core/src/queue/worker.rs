@@ -350,7 +350,9 @@ pub struct WorkerReport {
     /// Jobs failed for good by their handler.
     pub failed: u64,
     /// Jobs whose lease was lost: the handler was cancelled, or its result was refused as
-    /// stale or could not be settled. The reaper returns them; another worker runs them again.
+    /// stale or could not be settled (a settle that fails on a transient error is tried again,
+    /// its lease renewed meanwhile, until the lease is lost). The reaper returns them; another
+    /// worker runs them again.
     /// So does a settle (complete, retry or fail) whose reply was lost or unreadable when its
     /// repeat is then refused, though the first may have landed (a repeated retry or fail finds
     /// the job no longer held; a repeated complete, on a queue with `keep_done` zero, finds no
@@ -932,17 +934,19 @@ where
                 Err(JobError::retry(format!("handler panicked: {}", panic_text(&*panic))))
             }),
         };
-        drop(renewal);
+        // The renewal goes on while the result is settled: a settle that meets a transient
+        // error (a failover, a restart of a second or two) is tried again for as long as the
+        // lease lasts, not for a fixed few tries after which the reaper would run the job again.
         let mut in_doubt = false;
         let settled = match &outcome {
-            Ok(()) => with_retries(&mut in_doubt, || {
+            Ok(()) => while_held(&mut renewal, &mut in_doubt, || {
                 queue.complete_as(id, attempts, holder.as_str())
             })
             .await
             .map(|_| {
                 bump(&stats.completed);
             }),
-            Err(e) if e.is_permanent() => with_retries(&mut in_doubt, || {
+            Err(e) if e.is_permanent() => while_held(&mut renewal, &mut in_doubt, || {
                 queue.fail_as(id, attempts, holder.as_str(), &e.message)
             })
             .await
@@ -951,7 +955,7 @@ where
             }),
             Err(e) => {
                 let delay = worker.delay_for(attempts);
-                with_retries(&mut in_doubt, || {
+                while_held(&mut renewal, &mut in_doubt, || {
                     queue.retry_as(id, attempts, holder.as_str(), delay, &e.message)
                 })
                 .await
@@ -964,6 +968,7 @@ where
                 })
             }
         };
+        drop(renewal);
         match settled {
             Ok(()) => {}
             Err(e @ (Error::Stale { .. } | Error::LeaseLost { .. } | Error::UnknownJob { .. }))
@@ -1004,29 +1009,43 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
 
 /// Settling is idempotent per attempt (a repeated complete succeeds while the done marker is
 /// kept; a repeated retry or fail is refused as no longer held, which the caller then reports),
-/// so transient failures are worth a few more tries before the reaper has to step in.
+/// so a settle that fails on a transient error is tried again, with a pause doubling from
+/// 20 ms to 1 s, while the lease lasts: `renewal` (still extending it) ends when it is lost,
+/// and its error is returned then. Past that the reaper returns the job.
 ///
 /// Sets `in_doubt` when a try's outcome is unknown (its reply was lost, or came unreadable):
 /// that try may have landed, so a refusal of a later one does not show that the lease was
 /// lost.
-async fn with_retries<T, Fut>(in_doubt: &mut bool, mut op: impl FnMut() -> Fut) -> Result<T>
+async fn while_held<T, Fut>(
+    renewal: &mut AbortOnDrop<Error>,
+    in_doubt: &mut bool,
+    mut op: impl FnMut() -> Fut,
+) -> Result<T>
 where
     Fut: Future<Output = Result<T>>,
 {
     let mut pause = Duration::from_millis(20);
-    for _ in 0..4 {
+    loop {
         match op().await {
             Err(e) if e.is_transient() => {
-                debug!(error = %e, "settle failed; trying again");
+                debug!(error = %e, ?pause, "settle failed; trying again while the lease lasts");
                 *in_doubt |= e.may_have_landed();
-                sleep(pause).await;
-                pause *= 2;
+                tokio::select! {
+                    biased;
+                    // Lost: no try is worth more than the reaper. Its error (the lease lost, an
+                    // extend refused once an unanswered try landed) says more than this one.
+                    lost = &mut renewal.0 => return Err(lost.unwrap_or(e)),
+                    () = sleep(pause) => {}
+                }
+                pause = (pause * 2).min(SETTLE_PAUSE_CAP);
             }
             other => return other,
         }
     }
-    op().await
 }
+
+/// The longest pause between two tries of a settle that failed on a transient error.
+const SETTLE_PAUSE_CAP: Duration = Duration::from_secs(1);
 
 /// A task aborted when its handle is dropped: a job's renewal task when the job ended (or its
 /// slot was aborted); the worker itself when a shutdown is given up on.
