@@ -895,9 +895,12 @@ async fn slow_minority_still_grants(flavor: Flavor) {
 /// all, every time).
 async fn a_slow_member_does_not_hold_up_a_short_lease(flavor: Flavor) {
     let servers = start(flavor, 3);
-    let (proxies, locker) = through_proxies(&servers).await;
-    let ttl = Duration::from_millis(200);
-    proxies[2].delay_replies(Duration::from_secs(2));
+    // A 1 s lease against a 5 s member timeout (it was 200 ms against the default, which left
+    // the grant and its write-back 90 ms to spare on a loaded machine).
+    let config = QuorumConfig::default().member_timeout(Duration::from_secs(5));
+    let (proxies, locker) = through_proxies_with(&servers, config).await;
+    let ttl = Duration::from_secs(1);
+    proxies[2].delay_replies(Duration::from_secs(10));
     let t = Instant::now();
     let lease = locker
         .try_acquire("short", &LockOptions::new().ttl(ttl).renew(false))
