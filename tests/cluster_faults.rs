@@ -652,7 +652,8 @@ async fn renewal_follows_a_moved_slot(flavor: Flavor) {
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     let locker = Locker::redis_cluster(&urls).await.expect("connect");
     let other = Locker::redis_cluster(&urls).await.expect("connect");
-    let ttl = Duration::from_millis(600);
+    // Long enough that each renewal (a third of it) fits on a loaded 2-core machine.
+    let ttl = Duration::from_millis(1_500);
     let lease = locker
         .try_acquire("renew-moved", &LockOptions::new().ttl(ttl))
         .await
@@ -660,13 +661,22 @@ async fn renewal_follows_a_moved_slot(flavor: Flavor) {
     let key = locker.lock_key("renew-moved").expect("key");
     let (slot, src) = slot_and_owner(&cluster, key.lock_key());
     let dst = (src + 1) % cluster.nodes.len();
-    // Past the first renewal (a third of the TTL), which fetches the slot map it then keeps.
-    sleep(ttl / 2).await;
+    // Past the first renewal (a third of the TTL), which fetches the slot map it then keeps:
+    // counted as it lands on the owner, rather than given a fixed time.
+    let scripts_before = command_stat(&cluster, src, "evalsha", "calls");
+    let waiting = Instant::now();
+    while command_stat(&cluster, src, "evalsha", "calls") == scripts_before {
+        assert!(
+            waiting.elapsed() < ttl,
+            "no renewal reached the owner within the TTL"
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
     let refused_before = failed_scripts(&cluster, src);
     start_slot_move(&cluster, &slot, src, dst);
     migrate_rest(&cluster, &slot, src, dst);
     end_slot_move(&cluster, &slot, dst);
-    sleep(ttl * 4).await;
+    sleep(ttl * 3).await;
     assert!(
         failed_scripts(&cluster, src) > refused_before,
         "no renewal batch went to the old owner: the slot map was not stale"
