@@ -1038,8 +1038,10 @@ async fn with_lock_holds_renews_and_releases(h: Harness) {
         held_mid_body.load(Ordering::SeqCst),
         "the key was not held (or counted lost) three TTLs into the body"
     );
+    // Held far past the wait below without renewal: a renewing 300 ms lease had about 200 ms
+    // to spare per renewal on a loaded machine.
     let next = other
-        .try_acquire("scope", &opts(300))
+        .try_acquire("scope", &opts(30_000).renew(false))
         .await
         .expect("free as soon as with_lock returned");
     let r = locker
