@@ -639,12 +639,23 @@ impl Worker {
                 reason: "above MAX_RETRY_DELAY (a year)",
             });
         }
-        let stop = CancellationToken::new();
+        let (stop, cut) = (CancellationToken::new(), CancellationToken::new());
         let stats = Arc::new(Stats::default());
         let worker = Arc::new(self);
         let handler = Arc::new(handler);
-        let task = tokio::spawn(run(worker, handler, stop.clone(), stats.clone()));
-        Ok(WorkerHandle { stop, stats, task })
+        let task = tokio::spawn(run(
+            worker,
+            handler,
+            stop.clone(),
+            cut.clone(),
+            stats.clone(),
+        ));
+        Ok(WorkerHandle {
+            stop,
+            cut,
+            stats,
+            task,
+        })
     }
 }
 
@@ -667,6 +678,8 @@ impl Worker {
 /// ```
 pub struct WorkerHandle {
     stop: CancellationToken,
+    /// Cancelled when a shutdown's grace ran out: the running handlers are dropped.
+    cut: CancellationToken,
     stats: Arc<Stats>,
     task: JoinHandle<()>,
 }
@@ -717,8 +730,9 @@ impl WorkerHandle {
     /// no longer be stopped. Claiming stops when `shutdown` is called, not when it is first
     /// polled.
     ///
-    /// Cutting off drops each handler at its next `.await`: one that blocks its thread at that
-    /// moment runs on until it yields, after this returns.
+    /// Cutting off drops each handler at its next `.await`, and this returns once they are
+    /// dropped (their guards with them). One that blocks its thread at that moment is waited
+    /// for up to a second, then runs on until it yields, after this returns.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
@@ -755,12 +769,22 @@ impl WorkerHandle {
         // Here, not in the future: one dropped unpolled must still stop the worker.
         self.stop.cancel();
         let mut task = AbortOnDrop(self.task);
-        let stats = self.stats;
+        let (cut, stats) = (self.cut, self.stats);
         async move {
             if tokio::time::timeout(grace, &mut task.0).await.is_err() {
                 warn!("handlers still running at the shutdown deadline; cutting them off");
-                task.0.abort();
-                let _ = (&mut task.0).await;
+                // The worker drops its handlers and waits until each is gone, so that none
+                // holds its guards past the return (aborting the worker's task alone only asks
+                // for them to be dropped, which a current-thread runtime does later). A handler
+                // that blocks its thread is waited for a moment, then left to end on its own.
+                cut.cancel();
+                if tokio::time::timeout(CUT_PATIENCE, &mut task.0)
+                    .await
+                    .is_err()
+                {
+                    task.0.abort();
+                    let _ = (&mut task.0).await;
+                }
             }
             stats.report()
         }
@@ -798,10 +822,14 @@ impl WorkerHandle {
     }
 }
 
+/// How long a shutdown whose grace ran out waits for the cut-off handlers to be dropped.
+const CUT_PATIENCE: Duration = Duration::from_secs(1);
+
 async fn run<F, Fut>(
     worker: Arc<Worker>,
     handler: Arc<F>,
     stop: CancellationToken,
+    cut: CancellationToken,
     stats: Arc<Stats>,
 ) where
     F: Fn(Job) -> Fut + Send + Sync + 'static,
@@ -837,7 +865,22 @@ async fn run<F, Fut>(
             }
         }
     });
-    while tasks.join_next().await.is_some() {}
+    loop {
+        tokio::select! {
+            biased;
+            () = cut.cancelled() => {
+                tasks.abort_all();
+                // Each returns once its task was dropped, guards and all.
+                while tasks.join_next().await.is_some() {}
+                return;
+            }
+            next = tasks.join_next() => {
+                if next.is_none() {
+                    return;
+                }
+            }
+        }
+    }
 }
 
 async fn slot_loop<F, Fut>(
@@ -1112,6 +1155,45 @@ async fn keep_alive(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A handler cut off at the end of a shutdown's grace is dropped, guards and all, before
+    /// the shutdown returns (aborting the worker's task only asked for the handlers to be
+    /// dropped: on another thread, a guard whose drop takes a while was still held after the
+    /// return).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cut_off_handler_is_dropped_before_shutdown_returns() {
+        struct Guard(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Guard {
+            fn drop(&mut self) {
+                // A guard with work to do as it goes (a rollback, a file flushed).
+                std::thread::sleep(Duration::from_millis(200));
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let queue = Queue::memory("cut").expect("queue");
+        queue.enqueue(b"slow").await.expect("enqueue");
+        let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = dropped.clone();
+        let worker = Worker::new(queue.clone())
+            .start(move |_| {
+                let guard = Guard(flag.clone());
+                async move {
+                    let _guard = guard;
+                    sleep(Duration::from_secs(3_600)).await;
+                    Ok(())
+                }
+            })
+            .expect("start");
+        while worker.report().in_flight == 0 {
+            sleep(Duration::from_millis(1)).await;
+        }
+        let report = worker.shutdown(Duration::from_millis(50)).await;
+        assert_eq!(report.in_flight, 1);
+        assert!(
+            dropped.load(Ordering::SeqCst),
+            "the cut-off handler still held its guard when shutdown returned"
+        );
+    }
 
     /// `backoff × 2^(attempts-1)`, capped at `max_backoff`, at every attempt count: also a far
     /// cap reached only after more than 30 doublings, and attempts past any shift width.
