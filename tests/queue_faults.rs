@@ -880,6 +880,22 @@ async fn warm_queue_through_proxy_with(
     (server, proxy, q, id)
 }
 
+/// Waits until `done` counts something in `worker`'s report (10 s at most), and returns it.
+async fn report_once(
+    worker: &leasehold::queue::WorkerHandle,
+    done: impl Fn(&leasehold::queue::WorkerReport) -> u64,
+) -> leasehold::queue::WorkerReport {
+    let give_up = Instant::now() + Duration::from_secs(10);
+    loop {
+        let report = worker.report();
+        if done(&report) > 0 {
+            return report;
+        }
+        assert!(Instant::now() < give_up, "not settled: {report:?}");
+        sleep(ms(20)).await;
+    }
+}
+
 /// Job `id` once it has had `attempts` claims and is active no more (given back in the
 /// background), or as it stands after 5 s.
 async fn once_settled(q: &Queue, id: JobId, attempts: u64) -> leasehold::queue::JobInfo {
@@ -1106,15 +1122,7 @@ async fn a_settle_whose_reply_went_wrong_is_in_doubt(flavor: Flavor, reply: Repl
         .reap_every(Duration::from_secs(3_600))
         .start(|_| async { Err(leasehold::queue::JobError::permanent("bad payload")) })
         .expect("start");
-    let give_up = Instant::now() + Duration::from_secs(10);
-    while worker.report().failed + worker.report().lost == 0 {
-        assert!(
-            Instant::now() < give_up,
-            "not settled: {:?}",
-            worker.report()
-        );
-        sleep(ms(20)).await;
-    }
+    report_once(&worker, |r| r.failed + r.lost).await;
     let report = worker.shutdown(Duration::from_secs(5)).await;
     assert_eq!(
         proxy.dropped.load(std::sync::atomic::Ordering::SeqCst),
@@ -1174,15 +1182,7 @@ async fn a_settle_waits_out_a_short_outage(flavor: Flavor) {
     }
     sleep(ms(4_000)).await;
     proxy.cut(false);
-    let give_up = Instant::now() + Duration::from_secs(10);
-    while worker.report().completed + worker.report().lost == 0 {
-        assert!(
-            Instant::now() < give_up,
-            "not settled: {:?}",
-            worker.report()
-        );
-        sleep(ms(20)).await;
-    }
+    report_once(&worker, |r| r.completed + r.lost).await;
     let report = worker.shutdown(Duration::from_secs(5)).await;
     assert_eq!((report.completed, report.lost), (1, 0), "{report:?}");
     assert_eq!(q.job(id).await.expect("job").state, JobState::Done);

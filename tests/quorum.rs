@@ -63,6 +63,19 @@ async fn through_proxies_with(servers: &[Server], config: QuorumConfig) -> (Vec<
     (proxies, locker)
 }
 
+/// Waits until each member's subscription connection is made through its proxy (each
+/// member's connections: the shared one, then the subscription's).
+async fn subscriptions_made(proxies: &[Proxy]) {
+    let started = Instant::now();
+    while proxies.iter().any(|p| p.connections() < 2) {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the subscription connections were not made"
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+}
+
 fn stored_fence(server: &Server, locker: &Locker, key: &str) -> Option<u64> {
     let k = locker.lock_key(key).expect("key");
     server
@@ -746,18 +759,12 @@ async fn slow_majority_no_lease_no_leftovers(flavor: Flavor) {
 /// the TTL left, never the full TTL.
 async fn slow_replies_shorten_validity(flavor: Flavor) {
     let servers = start(flavor, 5);
-    let mut proxies = Vec::new();
-    for s in &servers {
-        proxies.push(Proxy::start(s.port).await);
-    }
-    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
     // The connections' own response timeout (2 s by default) would cut the slow replies too.
     let slow_ok = leasehold::RedisConfig::default().response_timeout(Duration::from_secs(10));
     let config = QuorumConfig::default()
         .member_timeout(Duration::from_secs(10))
         .redis(slow_ok);
-    let locker = redlock(&proxy_urls, config).await;
-    warm_up(&locker).await;
+    let (proxies, locker) = through_proxies_with(&servers, config).await;
     let ttl = Duration::from_secs(5);
     let delay = ttl.mul_f64(0.4);
     for p in &proxies {
@@ -1556,15 +1563,9 @@ async fn a_silent_member_connection_is_replaced(flavor: Flavor) {
 /// (500 ms) later.
 async fn a_handoff_overlaps_the_release(flavor: Flavor) {
     let servers = start(flavor, 3);
-    let mut proxies = Vec::new();
-    for s in &servers {
-        proxies.push(Proxy::start(s.port).await);
-    }
-    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
     // Members answer after a round trip of 500 ms, past the default member timeout.
     let config = QuorumConfig::default().member_timeout(Duration::from_secs(3));
-    let locker = redlock(&proxy_urls, config).await;
-    warm_up(&locker).await;
+    let (proxies, locker) = through_proxies_with(&servers, config).await;
     let wait = opts(10_000).renew(false).wait(Duration::from_secs(10));
     let one_way = Duration::from_millis(250);
     let slow = || {
@@ -1720,23 +1721,10 @@ async fn a_release_in_a_waiters_pause_still_wakes_it(flavor: Flavor) {
 /// it seconds rather than the holder's whole TTL.
 async fn a_silent_member_subscription_is_replaced(flavor: Flavor) {
     let servers = start(flavor, 3);
-    let mut proxies = Vec::new();
-    for s in &servers {
-        proxies.push(Proxy::start(s.port).await);
-    }
-    let proxy_urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
     let quick = leasehold::RedisConfig::default().response_timeout(Duration::from_millis(500));
-    let waiting = redlock(&proxy_urls, QuorumConfig::default().redis(quick)).await;
-    warm_up(&waiting).await;
-    // Each member's connections through its proxy: the shared one, then the subscription's.
-    let started = Instant::now();
-    while proxies.iter().any(|p| p.connections() < 2) {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the subscription connections were not made"
-        );
-        sleep(Duration::from_millis(10)).await;
-    }
+    let (proxies, waiting) =
+        through_proxies_with(&servers, QuorumConfig::default().redis(quick)).await;
+    subscriptions_made(&proxies).await;
     let holding = redlock(&urls(&servers), QuorumConfig::default()).await;
     let lease = holding
         .try_acquire("silent-sub", &opts(30_000).renew(false))
@@ -1934,15 +1922,7 @@ suite!(valkey, Flavor::Valkey);
 async fn a_wait_cancelled_while_subscribing_leaves_no_registration() {
     let servers = start(Flavor::Redis, 3);
     let (proxies, locker) = through_proxies(&servers).await;
-    // Each member's connections: the shared one, then the subscription's.
-    let started = Instant::now();
-    while proxies.iter().any(|p| p.connections() < 2) {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the subscription connections were not made"
-        );
-        sleep(Duration::from_millis(10)).await;
-    }
+    subscriptions_made(&proxies).await;
     let holder = redlock(&urls(&servers), QuorumConfig::default()).await;
     let held = holder
         .try_acquire("slow-sub", &opts(20_000))
