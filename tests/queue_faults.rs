@@ -1149,21 +1149,70 @@ async fn a_settle_whose_reply_went_wrong_is_in_doubt(flavor: Flavor, reply: Repl
 }
 
 /// A worker whose settle meets a short outage (the link cut for 4 s just as the handler
-/// returns) tries it again while the lease lasts, with the lease renewed meanwhile, and it
+/// returns) tries it again while the lease lasts, with the 6 s lease renewed meanwhile (its
+/// first extend is due at 2 s, in the outage, and goes through once it ends), and the settle
 /// lands once the link is back: the job is done, its handler run once. (Five tries in a row
-/// gave up within the outage, and the reaper would have run the job again.) Quick timeouts,
-/// so that each try fails well within the outage rather than waiting most of it out.
+/// gave up within the outage, and the reaper would have run the job again.)
 async fn a_settle_waits_out_a_short_outage(flavor: Flavor) {
+    let o = settle_through_an_outage(flavor, "outage", ms(6_000)).await;
+    sleep(ms(4_000)).await;
+    o.proxy.cut(false);
+    report_once(&o.worker, |r| r.completed + r.lost).await;
+    let report = o.worker.shutdown(Duration::from_secs(5)).await;
+    assert_eq!((report.completed, report.lost), (1, 0), "{report:?}");
+    assert_eq!(o.queue.job(o.id).await.expect("job").state, JobState::Done);
+    assert_eq!(o.runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// The same with an outage longer than the lease (2 s): the worker stops trying once the lease
+/// is lost (its renewal fails through the outage), well before the link is back, and counts
+/// the job lost; it is left active for the reaper, its handler run once.
+async fn a_settle_gives_up_when_the_lease_is_lost(flavor: Flavor) {
+    let o = settle_through_an_outage(flavor, "gone", ms(2_000)).await;
+    let cut_at = Instant::now();
+    let report = report_once(&o.worker, |r| r.completed + r.lost).await;
+    let gave_up = cut_at.elapsed();
+    assert_eq!((report.completed, report.lost), (0, 1), "{report:?}");
+    assert!(
+        gave_up < ms(3_500),
+        "gave up {gave_up:?} into the outage, past the 2 s lease"
+    );
+    sleep(ms(4_000).saturating_sub(cut_at.elapsed())).await;
+    o.proxy.cut(false);
+    let report = o.worker.shutdown(Duration::from_secs(5)).await;
+    assert_eq!((report.completed, report.lost), (0, 1), "{report:?}");
+    // Read on a link of its own: the proxied one may still be reconnecting.
+    let direct = Queue::redis(&o.server.url(), "gone")
+        .await
+        .expect("connect");
+    assert_eq!(direct.job(o.id).await.expect("job").state, JobState::Active);
+    assert_eq!(o.runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// What `settle_through_an_outage` set up.
+struct Outage {
+    server: Server,
+    proxy: Arc<Proxy>,
+    queue: Queue,
+    id: JobId,
+    runs: Arc<std::sync::atomic::AtomicUsize>,
+    worker: leasehold::queue::WorkerHandle,
+}
+
+/// A warm queue through a proxy (quick timeouts, so that each try fails well within the
+/// outage rather than waiting most of it out) and a worker with leases of `ttl` whose handler
+/// cuts the link as it returns; returns once the handler ran, with the link cut.
+async fn settle_through_an_outage(flavor: Flavor, name: &str, ttl: Duration) -> Outage {
     let quick = RedisConfig::default()
         .response_timeout(ms(300))
         .connection_timeout(ms(300));
-    let (_server, proxy, q, id) = warm_queue_through_proxy_with(flavor, "outage", quick).await;
+    let (server, proxy, queue, id) = warm_queue_through_proxy_with(flavor, name, quick).await;
     let proxy = Arc::new(proxy);
     let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let worker = {
         let (proxy, runs) = (proxy.clone(), runs.clone());
-        Worker::new(q.clone())
-            .ttl(ms(20_000))
+        Worker::new(queue.clone())
+            .ttl(ttl)
             .reap_every(Duration::from_secs(3_600))
             .start(move |_| {
                 let (proxy, runs) = (proxy.clone(), runs.clone());
@@ -1180,13 +1229,14 @@ async fn a_settle_waits_out_a_short_outage(flavor: Flavor) {
         assert!(Instant::now() < give_up, "the job was not run");
         sleep(ms(10)).await;
     }
-    sleep(ms(4_000)).await;
-    proxy.cut(false);
-    report_once(&worker, |r| r.completed + r.lost).await;
-    let report = worker.shutdown(Duration::from_secs(5)).await;
-    assert_eq!((report.completed, report.lost), (1, 0), "{report:?}");
-    assert_eq!(q.job(id).await.expect("job").state, JobState::Done);
-    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    Outage {
+        server,
+        proxy,
+        queue,
+        id,
+        runs,
+        worker,
+    }
 }
 
 /// A claim whose complete fails on a transient error (the link to the server cut) is not
@@ -1536,6 +1586,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_settle_waits_out_a_short_outage() {
                 super::a_settle_waits_out_a_short_outage($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_settle_gives_up_when_the_lease_is_lost() {
+                super::a_settle_gives_up_when_the_lease_is_lost($flavor).await
             }
             // One thread: the worker's tasks log to this thread's captured subscriber.
             #[tokio::test]

@@ -351,8 +351,8 @@ pub struct WorkerReport {
     pub failed: u64,
     /// Jobs whose lease was lost: the handler was cancelled, or its result was refused as
     /// stale or could not be settled (a settle that fails on a transient error is tried again,
-    /// its lease renewed meanwhile, until the lease is lost). The reaper returns them; another
-    /// worker runs them again.
+    /// its lease renewed meanwhile, until the lease is lost or for one lease TTL at most). The
+    /// reaper returns them; another worker runs them again.
     /// So does a settle (complete, retry or fail) whose reply was lost or unreadable when its
     /// repeat is then refused, though the first may have landed (a repeated retry or fail finds
     /// the job no longer held; a repeated complete, on a queue with `keep_done` zero, finds no
@@ -982,14 +982,14 @@ where
         // lease lasts, not for a fixed few tries after which the reaper would run the job again.
         let mut in_doubt = false;
         let settled = match &outcome {
-            Ok(()) => while_held(&mut renewal, &mut in_doubt, || {
+            Ok(()) => while_held(&mut renewal, &mut in_doubt, worker.ttl, || {
                 queue.complete_as(id, attempts, holder.as_str())
             })
             .await
             .map(|_| {
                 bump(&stats.completed);
             }),
-            Err(e) if e.is_permanent() => while_held(&mut renewal, &mut in_doubt, || {
+            Err(e) if e.is_permanent() => while_held(&mut renewal, &mut in_doubt, worker.ttl, || {
                 queue.fail_as(id, attempts, holder.as_str(), &e.message)
             })
             .await
@@ -998,7 +998,7 @@ where
             }),
             Err(e) => {
                 let delay = worker.delay_for(attempts);
-                while_held(&mut renewal, &mut in_doubt, || {
+                while_held(&mut renewal, &mut in_doubt, worker.ttl, || {
                     queue.retry_as(id, attempts, holder.as_str(), delay, &e.message)
                 })
                 .await
@@ -1053,8 +1053,9 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
 /// Settling is idempotent per attempt (a repeated complete succeeds while the done marker is
 /// kept; a repeated retry or fail is refused as no longer held, which the caller then reports),
 /// so a settle that fails on a transient error is tried again, with a pause doubling from
-/// 20 ms to 1 s, while the lease lasts: `renewal` (still extending it) ends when it is lost,
-/// and its error is returned then. Past that the reaper returns the job.
+/// 20 ms to 1 s, while the lease lasts (`renewal`, still extending it, ends when it is lost,
+/// and its error is returned then) and for at most `patience` (the lease's TTL) after the
+/// first failure. Past that the reaper returns the job.
 ///
 /// Sets `in_doubt` when a try's outcome is unknown (its reply was lost, or came unreadable):
 /// that try may have landed, so a refusal of a later one does not show that the lease was
@@ -1062,22 +1063,38 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
 async fn while_held<T, Fut>(
     renewal: &mut AbortOnDrop<Error>,
     in_doubt: &mut bool,
+    patience: Duration,
     mut op: impl FnMut() -> Fut,
 ) -> Result<T>
 where
     Fut: Future<Output = Result<T>>,
 {
     let mut pause = Duration::from_millis(20);
+    let mut give_up = None;
     loop {
         match op().await {
             Err(e) if e.is_transient() => {
-                debug!(error = %e, ?pause, "settle failed; trying again while the lease lasts");
+                // Not for ever: a refusal the extends do not meet (an ACL rule denying the
+                // settle script alone) would keep the lease renewed and the slot taken.
                 *in_doubt |= e.may_have_landed();
+                let until = *give_up.get_or_insert_with(|| Instant::now() + patience);
+                if Instant::now() >= until {
+                    return Err(e);
+                }
+                debug!(error = %e, ?pause, "settle failed; trying again while the lease lasts");
                 tokio::select! {
                     biased;
-                    // Lost: no try is worth more than the reaper. Its error (the lease lost, an
-                    // extend refused once an unanswered try landed) says more than this one.
-                    lost = &mut renewal.0 => return Err(lost.unwrap_or(e)),
+                    lost = &mut renewal.0 => {
+                        // An unanswered try that landed settles the job, and the next extend
+                        // is then refused: one more try finds it settled (a complete is
+                        // answered again while its done marker is kept).
+                        if *in_doubt {
+                            return op().await;
+                        }
+                        // Lost: no try is worth more than the reaper, and the renewal's error
+                        // says more than this one.
+                        return Err(lost.unwrap_or(e));
+                    }
                     () = sleep(pause) => {}
                 }
                 pause = (pause * 2).min(SETTLE_PAUSE_CAP);
@@ -1173,18 +1190,22 @@ mod tests {
         let queue = Queue::memory("cut").expect("queue");
         queue.enqueue(b"slow").await.expect("enqueue");
         let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = dropped.clone();
+        let started = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (flag, running) = (dropped.clone(), started.clone());
         let worker = Worker::new(queue.clone())
             .start(move |_| {
                 let guard = Guard(flag.clone());
+                let running = running.clone();
                 async move {
                     let _guard = guard;
+                    running.store(true, Ordering::SeqCst);
                     sleep(Duration::from_secs(3_600)).await;
                     Ok(())
                 }
             })
             .expect("start");
-        while worker.report().in_flight == 0 {
+        // The handler running, not only counted in flight (counted before it is first polled).
+        while !started.load(Ordering::SeqCst) {
             sleep(Duration::from_millis(1)).await;
         }
         let report = worker.shutdown(Duration::from_millis(50)).await;
