@@ -1170,8 +1170,9 @@ mod tests {
     use crate::error::error_reply as reply;
 
     /// The pause between connection checks the docs give: 1 s after a check that kept the
-    /// connection, doubling to 30 s while checks keep finding nothing better, back to 1 s once
-    /// one helped (or found every master answering).
+    /// connection, doubling to 30 s while checks keep finding nothing better; a new
+    /// `CheckPause` (what the connection puts back once a check helped or found every master
+    /// answering) starts from 1 s again. That reset itself is not driven here.
     #[test]
     fn check_pauses_double_to_thirty_seconds_and_start_over() {
         let t0 = Instant::now();
