@@ -248,11 +248,12 @@ async fn waiter_woken_after_resubscribe(flavor: Flavor) {
     sleep(Duration::from_millis(500)).await;
     assert!(!waiter.is_finished(), "the waiter did not wait");
     let _: i64 = cluster.cmd(&["DEL", k.lock_key()]);
-    // Every client connection of every node: the client reconnects and resubscribes. A RESP3
-    // connection with subscriptions is of type pubsub, not normal, to `CLIENT KILL`.
+    // Every subscribed connection of every node: the client resubscribes. A RESP3 connection
+    // with subscriptions is of type pubsub, not normal, to `CLIENT KILL`. The command
+    // connections are left alone: one cut while the woken waiter's attempt is on it ends the
+    // wait with `OutcomeUnknown` (seen in CI, when they were killed too).
     for node in &cluster.nodes {
         let _: i64 = node.cmd(&["CLIENT", "KILL", "TYPE", "pubsub"]);
-        let _: i64 = node.cmd(&["CLIENT", "KILL", "TYPE", "normal"]);
     }
     let (fence, waited) = waiter.await.expect("waiter task");
     assert!(fence.expect("the waiter got the key") > held.fence());
