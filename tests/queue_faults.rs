@@ -1189,6 +1189,53 @@ async fn a_settle_gives_up_when_the_lease_is_lost(flavor: Flavor) {
     assert_eq!(o.runs.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
+/// A settle the server refuses every time while the extends still go through (an ACL rule
+/// denying the HDEL of the complete script and nothing the extend runs) is given up one lease
+/// TTL after its first refusal: the job is counted lost and left active for the reaper, where
+/// trying while the lease lasts would have kept it renewed, and the slot taken, for ever. The
+/// lease was renewed while the settle was tried.
+async fn a_settle_refused_for_good_gives_up_after_a_ttl(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let url = server.acl_user_url_for("leasehold-queue");
+    let queue = Queue::redis(&url, "denied").await.expect("connect");
+    let id = queue.enqueue(b"job").await.expect("enqueue");
+    let _: String = server.cmd(&["ACL", "SETUSER", "leasehold-queue", "-hdel"]);
+    let ttl = ms(1_500);
+    let returned = Arc::new(Mutex::new(None));
+    let worker = {
+        let returned = returned.clone();
+        Worker::new(queue.clone())
+            .ttl(ttl)
+            .reap_every(Duration::from_secs(3_600))
+            .start(move |_| {
+                let returned = returned.clone();
+                async move {
+                    *returned.lock().expect("lock") = Some(Instant::now());
+                    Ok(())
+                }
+            })
+            .expect("start")
+    };
+    let report = report_once(&worker, |r| r.completed + r.lost).await;
+    let returned = returned.lock().expect("lock").expect("the handler ran");
+    let gave_up = returned.elapsed();
+    assert_eq!((report.completed, report.lost), (0, 1), "{report:?}");
+    assert!(
+        gave_up >= ttl,
+        "gave up {gave_up:?} after the handler returned, before one lease TTL ({ttl:?})"
+    );
+    // Claimed at least a TTL ago: still held only because the extends went on.
+    let job = queue.job(id).await.expect("job");
+    assert_eq!(job.state, JobState::Active, "{job:?}");
+    let deadline = job.at_ms.expect("an active job has a deadline");
+    let now = server_ms(&server);
+    assert!(
+        deadline > now,
+        "the lease ran out ({deadline} <= {now} ms): it was not renewed while the settle was tried"
+    );
+    worker.shutdown(Duration::from_secs(5)).await;
+}
+
 /// What `settle_through_an_outage` set up.
 struct Outage {
     server: Server,
@@ -1590,6 +1637,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_settle_gives_up_when_the_lease_is_lost() {
                 super::a_settle_gives_up_when_the_lease_is_lost($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_settle_refused_for_good_gives_up_after_a_ttl() {
+                super::a_settle_refused_for_good_gives_up_after_a_ttl($flavor).await
             }
             // One thread: the worker's tasks log to this thread's captured subscriber.
             #[tokio::test]

@@ -185,6 +185,13 @@ pub enum Error {
         /// Replicas asked for.
         wanted: u32,
     },
+    /// A call that starts background tasks was made outside a tokio runtime, where nothing
+    /// could run them (a [`Worker`](crate::queue::Worker) started from plain `main`, say).
+    #[error("{what} needs a tokio runtime: call it from within one")]
+    NoRuntime {
+        /// What was called.
+        what: &'static str,
+    },
     /// The backend cannot do what the options ask (for example waiting for replicas on the
     /// in-memory backend).
     #[error("{what} is not supported by the {backend} backend")]

@@ -585,7 +585,8 @@ impl Worker {
     /// Starts claiming and running jobs on the current runtime. Fails at once with
     /// [`Error::InvalidTtl`] if the lease is out of range, [`Error::InvalidDuration`] if the
     /// reap interval is under a millisecond or the backoff cap is above [`MAX_RETRY_DELAY`], or
-    /// [`Error::InvalidCount`] if the concurrency is above [`MAX_CONCURRENCY`].
+    /// [`Error::InvalidCount`] if the concurrency is above [`MAX_CONCURRENCY`], or
+    /// [`Error::NoRuntime`] when called outside a tokio runtime.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
@@ -639,11 +640,18 @@ impl Worker {
                 reason: "above MAX_RETRY_DELAY (a year)",
             });
         }
+        // Outside a runtime `tokio::spawn` would panic; a typed error lets the caller say where
+        // the runtime went missing.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Err(Error::NoRuntime {
+                what: "Worker::start",
+            });
+        };
         let (stop, cut) = (CancellationToken::new(), CancellationToken::new());
         let stats = Arc::new(Stats::default());
         let worker = Arc::new(self);
         let handler = Arc::new(handler);
-        let task = tokio::spawn(run(
+        let task = runtime.spawn(run(
             worker,
             handler,
             stop.clone(),
@@ -1213,6 +1221,24 @@ mod tests {
         assert!(
             dropped.load(Ordering::SeqCst),
             "the cut-off handler still held its guard when shutdown returned"
+        );
+    }
+
+    /// Started from plain synchronous code, with no runtime to run it on: a typed error, not the
+    /// panic of `tokio::spawn`, and nothing claimed.
+    #[test]
+    fn a_start_outside_a_runtime_is_refused() {
+        let queue = Queue::memory("no-runtime").expect("queue");
+        let started = Worker::new(queue).start(|_| async { Ok(()) });
+        assert!(
+            matches!(
+                started,
+                Err(Error::NoRuntime {
+                    what: "Worker::start"
+                })
+            ),
+            "{:?}",
+            started.map(|_| ())
         );
     }
 
