@@ -1220,6 +1220,30 @@ async fn bad_input(h: Harness) {
             "extend {ttl:?}: {extended:?}"
         );
     }
+    // So does `extend_each`, and a held lease is left as it was: a TTL under the least would
+    // have expired it at once.
+    let held = locker
+        .try_acquire("direct-held", &o)
+        .await
+        .expect("acquire");
+    let item = [(
+        locker.lock_key("direct-held").expect("key"),
+        held.token().clone(),
+    )];
+    let too_short = leasehold::MIN_TTL.saturating_sub(Duration::from_millis(1));
+    for ttl in [Duration::ZERO, too_short, Duration::MAX] {
+        let extended = locker.backend().extend_each(&item, ttl).await;
+        assert!(
+            matches!(extended, Err(Error::InvalidTtl { .. })),
+            "extend_each {ttl:?}: {extended:?}"
+        );
+    }
+    tokio::time::sleep(leasehold::MIN_TTL * 2).await;
+    match locker.try_acquire("direct-held", &o).await {
+        Err(Error::Busy { .. }) => {}
+        other => panic!("the lease did not outlive refused extends: {other:?}"),
+    }
+    held.release().await.expect("release");
 }
 
 /// `try_acquire` never queues: a free key is taken at once even while a task of the same

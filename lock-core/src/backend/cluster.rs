@@ -412,10 +412,7 @@ impl ClusterConn {
                 let paused_for = pause.kept(Instant::now());
                 warn!(pause = ?paused_for, "a cluster node stopped answering, and {why}; the connection is kept");
             };
-            // A connect may wait out the connection timeout twice (on the first nodes, then on
-            // the masters of the slot map they give) where a node does not answer, and the
-            // response timeout for the map.
-            let connecting = 2 * patience + link.patience;
+            let connecting = connect_patience(patience, link.patience);
             let mut fresh = match tokio::time::timeout(connecting, open((link.builder)())).await {
                 Ok(Ok(fresh)) => fresh,
                 Ok(Err(e)) => return kept(&format!("a new connection failed ({e})")),
@@ -506,6 +503,16 @@ async fn fetch_slot_map(conn: &ClusterConnection) -> Option<SlotMap> {
         .await
         .ok()?;
     SlotMap::parse(&reply)
+}
+
+/// How long a new connection may take: the connection timeout twice (on the first nodes, then
+/// on the masters of the slot map they give) where a node does not answer, and the response
+/// timeout for the map. Saturating: either may be `Duration::MAX` ("no timeout"), and an
+/// overflow here would panic the check task at every silent spell.
+fn connect_patience(connection_timeout: Duration, response_timeout: Duration) -> Duration {
+    connection_timeout
+        .saturating_mul(2)
+        .saturating_add(response_timeout)
 }
 
 /// [`fetch_slot_map`] within `patience`.
@@ -991,6 +998,7 @@ impl Backend for ClusterBackend {
         items: &[(LockKey, Token)],
         ttl: Duration,
     ) -> Result<Vec<Option<bool>>> {
+        crate::types::validate_ttl(ttl)?;
         Ok(self.extend_all(items, ttl).await.0)
     }
 
@@ -1168,6 +1176,16 @@ async fn subscribe(conn: &mut ClusterConnection, channel: &str, patience: Durati
 mod tests {
     use super::*;
     use crate::error::error_reply as reply;
+
+    /// "No timeout" (`Duration::MAX`, which `RedisConfig` accepts) for either timeout gives a
+    /// connect no limit, not an overflow.
+    #[test]
+    fn a_connect_without_timeouts_has_no_limit() {
+        let s = Duration::from_secs;
+        assert_eq!(connect_patience(s(1), s(2)), s(4));
+        assert_eq!(connect_patience(Duration::MAX, s(2)), Duration::MAX);
+        assert_eq!(connect_patience(s(1), Duration::MAX), Duration::MAX);
+    }
 
     /// The pause between connection checks the docs give: 1 s after a check that kept the
     /// connection, doubling to 30 s while checks keep finding nothing better; a new
