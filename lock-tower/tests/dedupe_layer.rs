@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::routing::{any, post};
+use axum::routing::{any, get, post};
 use bytes::Bytes;
 use common::{Drip, Harness, Reply, claim_name, eventually, send, serve};
 use http::{HeaderName, Method, Response, StatusCode};
@@ -55,6 +55,7 @@ on_every_backend!(
     github_hooks_told_apart_by_a_query_are_two_hooks,
     json_ids_empty_long_or_numeric,
     only_the_filtered_methods_are_deduplicated,
+    a_head_request_is_deduplicated,
     replay_header_adds_to_the_allow_list,
     the_default_allow_list_is_replayed,
     caps_at_their_exact_boundaries,
@@ -1370,50 +1371,55 @@ async fn raw_deliver(addr: std::net::SocketAddr, path: &str, key: &str) -> TcpSt
     s
 }
 
-/// A body above the stored cap that never ends (a stream, a heartbeat), whose caller hung up:
-/// the layer reads on for one claim TTL, then stores nothing and releases the claim, so the
-/// sender's retry runs the handler again instead of getting 409 for ever (the claim stayed
-/// renewed while the body streamed).
+/// A body that never ends (a stream, a heartbeat), whose caller hung up: the layer reads on for
+/// one claim TTL, then stores nothing and releases the claim, so the sender's retry runs the
+/// handler again instead of getting 409 for ever (the claim stayed renewed while the body
+/// streamed). Above the stored cap (streamed to the caller as it came) and below it (buffered,
+/// the head not yet sent: a trickle under the default 256 KiB cap).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endless_body_after_a_hang_up_frees_the_claim() {
-    let (tx, mut entered) = mpsc::unbounded_channel();
-    let app = Router::new()
-        .route(
-            "/hooks/stream",
-            post(move || {
-                let tx = tx.clone();
-                async move {
-                    let _ = tx.send(());
-                    Response::new(Body::new(Drip::new(Duration::from_millis(50), usize::MAX)))
-                }
-            }),
-        )
-        .layer(
-            DedupeLayer::new(lock_core::Locker::memory())
-                .claim_ttl(Duration::from_secs(1))
-                .stored_body_limit(10),
+    for cap in [Some(10), None] {
+        let (tx, mut entered) = mpsc::unbounded_channel();
+        let layer = DedupeLayer::new(lock_core::Locker::memory()).claim_ttl(Duration::from_secs(1));
+        let layer = match cap {
+            Some(cap) => layer.stored_body_limit(cap),
+            None => layer,
+        };
+        let app = Router::new()
+            .route(
+                "/hooks/stream",
+                post(move || {
+                    let tx = tx.clone();
+                    async move {
+                        let _ = tx.send(());
+                        Response::new(Body::new(Drip::new(Duration::from_millis(50), usize::MAX)))
+                    }
+                }),
+            )
+            .layer(layer);
+        let addr = serve(app).await;
+        let key = r#""endless""#;
+        let conn = raw_deliver(addr, "/hooks/stream", key).await;
+        entered.recv().await.expect("entered");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        drop(conn);
+        let hung_up = std::time::Instant::now();
+        // Retries, each left open long enough for its request to reach the handler (a
+        // connection closed at once can end the request before it does), until one runs the
+        // handler again.
+        let again = eventually(Duration::from_secs(8), async || {
+            let retry = raw_deliver(addr, "/hooks/stream", key).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            drop(retry);
+            entered.try_recv().is_ok()
+        })
+        .await;
+        assert!(
+            again,
+            "cap {cap:?}: the claim was still held {:?} after the caller hung up",
+            hung_up.elapsed()
         );
-    let addr = serve(app).await;
-    let key = r#""endless""#;
-    let conn = raw_deliver(addr, "/hooks/stream", key).await;
-    entered.recv().await.expect("entered");
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    drop(conn);
-    let hung_up = std::time::Instant::now();
-    // Retries, each left open long enough for its request to reach the handler (a connection
-    // closed at once can end the request before it does), until one runs the handler again.
-    let again = eventually(Duration::from_secs(8), async || {
-        let retry = raw_deliver(addr, "/hooks/stream", key).await;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        drop(retry);
-        entered.try_recv().is_ok()
-    })
-    .await;
-    assert!(
-        again,
-        "the claim was still held {:?} after the caller hung up",
-        hung_up.elapsed()
-    );
+    }
 }
 
 /// The client hangs up after the handler answered, while the layer still reads the answer's
@@ -3248,6 +3254,59 @@ async fn only_the_filtered_methods_are_deduplicated(h: Harness) {
         let r = send(addr, Method::POST, "/things", &key, "").await;
         assert_eq!(r.text(), format!("run {n}"), "POST outside the filter");
         assert_eq!(r.header("idempotent-replayed"), None);
+    }
+}
+
+/// A HEAD request under a layer that covers GET (so HEAD too): axum runs the GET handler and
+/// sends its head, the body's length and no body. The layer stores that answer and replays it,
+/// both where axum drops the body outside the layer (a route of this router) and where it
+/// drops it inside (a router nested as a service under the layer). In the second the layer
+/// used to take the missing body for one cut short: 500, nothing stored, the handler run again
+/// on every retry.
+async fn a_head_request_is_deduplicated(h: Harness) {
+    let locker = h.locker().await;
+    for nested in [false, true] {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counted = runs.clone();
+        let export = get(move || {
+            let runs = counted.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                "data"
+            }
+        });
+        let app = if nested {
+            Router::new().nest_service("/api", Router::new().route("/export", export))
+        } else {
+            Router::new().route("/api/export", export)
+        };
+        let layer = DedupeLayer::new(locker.clone())
+            .methods([Method::GET])
+            .scope(if nested { "nested" } else { "route" });
+        let addr = serve(app.layer(layer)).await;
+        let key = [("idempotency-key", r#""head-1""#)];
+        let first = send(addr, Method::HEAD, "/api/export", &key, "").await;
+        assert_eq!(
+            first.status,
+            StatusCode::OK,
+            "nested {nested}: {}",
+            first.text()
+        );
+        assert_eq!(first.header("content-length"), Some("4"), "nested {nested}");
+        assert_eq!(first.header("idempotent-replayed"), None, "nested {nested}");
+        let dup = send(addr, Method::HEAD, "/api/export", &key, "").await;
+        assert_eq!(
+            dup.status,
+            StatusCode::OK,
+            "nested {nested}: {}",
+            dup.text()
+        );
+        assert_eq!(
+            dup.header("idempotent-replayed"),
+            Some("true"),
+            "nested {nested}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "nested {nested}");
     }
 }
 

@@ -161,7 +161,7 @@ impl DedupeConfig {
 /// | claim lost while the handler ran | handler cancelled, 503, nothing stored |
 /// | claim lost while the layer reads or relays the response body (the body may still be doing the handler's work) | the body dropped, nothing stored: a 503 while nothing went out, else a cut-off body ([`LeaseLostWhileStreaming`](crate::LeaseLostWhileStreaming)) |
 /// | client hangs up while the handler runs | handler cancelled (as axum does), claim released, nothing stored |
-/// | client hangs up after the handler answered | the result is still stored and the claim released (a task of its own finishes them), so the retry gets the replay; a body above the stored cap is read on for at most one [`claim_ttl`](Self::claim_ttl) after the hang-up, then cut off with nothing stored and the claim released |
+/// | client hangs up after the handler answered | the result is still stored and the claim released (a task of its own finishes them), so the retry gets the replay; the body is read on for at most one [`claim_ttl`](Self::claim_ttl) after the hang-up, then cut off with nothing stored and the claim released |
 /// | result store write fails (backend refuses it or is down) | the first caller still gets the handler's answer; nothing is stored; the claim is released (with the backend down, it expires with its TTL), so a retry runs the handler again |
 /// | result store unreachable when a request arrives | 503 with `Retry-After: 1`; the handler does not run |
 /// | stored result changed from outside (a status no response has, a field gone, a value of another type) | 503 ([`Reason::Unavailable`]) without `Retry-After`, logged at `error`; neither replayed nor run again until it expires or is deleted |

@@ -313,6 +313,9 @@ where
             info: info.clone(),
         },
     );
+    // axum answers a HEAD request with the GET handler's head: the length of a body it then
+    // drops, as a 304 names the length of one it never sends.
+    let head_request = parts.method == http::Method::HEAD;
     let handler = inner.call(Request::from_parts(parts, Either::Right(Full::new(bytes))));
     let res = tokio::select! {
         biased;
@@ -344,9 +347,13 @@ where
         result_key,
         fingerprint,
         in_process,
+        head_request,
     };
     let (head, body) = res.into_parts();
-    match tokio::spawn(job.run(head, body).in_current_span()).await {
+    // Dropped with this future when the caller hangs up, which the task sees as its receiver
+    // ending.
+    let (_caller, hung_up) = tokio::sync::oneshot::channel::<()>();
+    match tokio::spawn(job.run(head, body, hung_up).in_current_span()).await {
         Ok(res) => Ok(res),
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         // Only a runtime shutting down cancels the task; the claim expires with its TTL.
@@ -367,10 +374,19 @@ struct Completion {
     result_key: String,
     fingerprint: String,
     in_process: bool,
+    /// The request was a HEAD: no body is to come, whatever length the head declares.
+    head_request: bool,
 }
 
 impl Completion {
-    async fn run<B>(self, head: http::response::Parts, mut body: B) -> Response<LockBody<B>>
+    /// `hung_up` ends when the caller has gone: from then on the body is read for one claim
+    /// TTL at most, as above the cap.
+    async fn run<B>(
+        self,
+        head: http::response::Parts,
+        mut body: B,
+        mut hung_up: tokio::sync::oneshot::Receiver<()>,
+    ) -> Response<LockBody<B>>
     where
         B: Body<Data = Bytes> + Send + Unpin + 'static,
         B::Error: Into<BoxError>,
@@ -384,12 +400,18 @@ impl Completion {
         // there, so one that stays pending after it (a stream whose sender lingers) must not
         // hold up the answer, nor keep the claim for ever.
         // A status that carries no body (1xx, 204, 304) may still name the length of one
-        // (a 304's `Content-Length` is the representation's): nothing is to come.
-        let declared = declared_len(&head, &body, None).filter(|_| !bodiless(head.status));
+        // (a 304's `Content-Length` is the representation's), as may the answer to a HEAD
+        // request: nothing is to come.
+        let declared = declared_len(&head, &body, None)
+            .filter(|_| !bodiless(head.status) && !self.head_request);
         // The body may still be doing the handler's work; a claim lost meanwhile lets a
         // duplicate run beside it, so the body is dropped rather than answered as handled.
         let info = self.claim.info();
         let mut lost = std::pin::pin!(info.lost());
+        // A body that stalls or trickles below the cap (a heartbeat) after the caller left
+        // would keep the claim renewed, and every retry of the delivery refused, until it
+        // ended or reached the cap: days, at a few bytes a minute.
+        let mut give_up: Option<tokio::time::Instant> = None;
         loop {
             if declared.is_some_and(|d| buf.len() as u64 >= d) {
                 break;
@@ -397,6 +419,11 @@ impl Completion {
             let next = tokio::select! {
                 biased;
                 () = &mut lost => return self.lost_before_the_head(),
+                _ = &mut hung_up, if give_up.is_none() => {
+                    give_up = Some(tokio::time::Instant::now() + cfg.claim.ttl_value());
+                    continue;
+                }
+                () = sleep_until_some(give_up) => return self.outlasted_its_caller().await,
                 next = next_frame(&mut body) => next,
             };
             match next {
@@ -495,6 +522,24 @@ impl Completion {
             None,
             "the claim on this delivery was lost before the response was complete; the \
              response was dropped and nothing was stored",
+        )
+    }
+
+    /// The caller hung up while the body was read below the cap, and a claim TTL later it has
+    /// not ended: nothing is stored and the claim is freed, so the sender's retry runs the
+    /// handler again. Nobody reads the answer.
+    async fn outlasted_its_caller<B>(self) -> Response<LockBody<B>> {
+        tracing::warn!(
+            "response body still unfinished a claim TTL after the caller hung up; nothing \
+             stored, claim released"
+        );
+        release(self.claim, self.in_process).await;
+        reject(
+            &self.cfg.rejections,
+            Reason::ResponseFailed,
+            None,
+            "the handler's response body outlasted the caller by a claim TTL; nothing was \
+             stored, so a retry runs the handler again",
         )
     }
 
