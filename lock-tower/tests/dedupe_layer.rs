@@ -56,6 +56,7 @@ on_every_backend!(
     json_ids_empty_long_or_numeric,
     only_the_filtered_methods_are_deduplicated,
     a_head_request_is_deduplicated,
+    nested_layers_with_one_claim_dedupe_once,
     replay_header_adds_to_the_allow_list,
     the_default_allow_list_is_replayed,
     caps_at_their_exact_boundaries,
@@ -3255,6 +3256,39 @@ async fn only_the_filtered_methods_are_deduplicated(h: Harness) {
         assert_eq!(r.text(), format!("run {n}"), "POST outside the filter");
         assert_eq!(r.header("idempotent-replayed"), None);
     }
+}
+
+/// A router-wide `DedupeLayer` and a route's own on one locker, with the same scope and key
+/// source: the inner one finds the claim held by the outer one for this very request and lets
+/// it by, so the delivery is handled once and replayed after; it used to find the claim taken
+/// and answer 409, which the outer layer passed on unstored, to every delivery for ever.
+async fn nested_layers_with_one_claim_dedupe_once(h: Harness) {
+    let locker = h.locker().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let handler = post(move || {
+        let runs = counted.clone();
+        async move { format!("run {}", runs.fetch_add(1, Ordering::SeqCst) + 1) }
+    })
+    .layer(DedupeLayer::new(locker.clone()).stored_body_limit(1 << 20));
+    let app = Router::new()
+        .route("/orders", handler)
+        .layer(DedupeLayer::new(locker));
+    let addr = serve(app).await;
+    let key = [("idempotency-key", r#""nested-1""#)];
+    let first = send(addr, Method::POST, "/orders", &key, "{}").await;
+    assert_eq!(
+        (first.status, first.text()),
+        (StatusCode::OK, "run 1".to_owned())
+    );
+    assert_eq!(first.header("idempotent-replayed"), None);
+    let dup = send(addr, Method::POST, "/orders", &key, "{}").await;
+    assert_eq!(
+        (dup.status, dup.text()),
+        (StatusCode::OK, "run 1".to_owned())
+    );
+    assert_eq!(dup.header("idempotent-replayed"), Some("true"));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
 /// A HEAD request under a layer that covers GET (so HEAD too): axum runs the GET handler and

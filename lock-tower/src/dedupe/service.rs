@@ -162,6 +162,13 @@ where
     ))
 }
 
+/// The claims that the `DedupeLayer`s around a request hold for it, by lock key. A layer inside
+/// one that holds the same claim (the same scope and key on the same locker, as a router-wide
+/// layer and a route's own) lets the request by: taking the claim again, it would find it
+/// taken and answer every delivery 409, which the outer layer does not store, for ever.
+#[derive(Clone, Default)]
+struct ClaimsHeld(Vec<String>);
+
 /// SHA-256 of length-prefixed parts, so no two different part lists hash alike.
 fn digest(parts: &[&[u8]]) -> String {
     let mut h = Sha256::new();
@@ -276,6 +283,11 @@ where
         lock_key.strip_suffix(":lock").unwrap_or(&lock_key)
     );
 
+    if (parts.extensions.get::<ClaimsHeld>()).is_some_and(|held| held.0.contains(&lock_key)) {
+        tracing::debug!("a DedupeLayer outside this one holds the claim; passing through");
+        let req = Request::from_parts(parts, Either::Right(Full::new(bytes)));
+        return Ok(inner.call(req).await?.map(LockBody::pass));
+    }
     match cfg.store.get(&result_key).await {
         Ok(Some(rec)) => return Ok(replay(&cfg, &rec, &fingerprint)),
         Ok(None) => {}
@@ -316,6 +328,9 @@ where
     // axum answers a HEAD request with the GET handler's head: the length of a body it then
     // drops, as a 304 names the length of one it never sends.
     let head_request = parts.method == http::Method::HEAD;
+    let mut held = parts.extensions.remove::<ClaimsHeld>().unwrap_or_default();
+    held.0.push(lock_key.clone());
+    parts.extensions.insert(held);
     let handler = inner.call(Request::from_parts(parts, Either::Right(Full::new(bytes))));
     let res = tokio::select! {
         biased;
