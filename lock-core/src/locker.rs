@@ -301,13 +301,21 @@ impl<B: Backend + Clone> Drop for Core<B> {
     }
 }
 
-/// An acquire in flight: dropped before its answer came (the caller's future dropped), it
-/// releases what the acquire may have granted.
 /// The next pause of a waiter with no holder's TTL to go by: `backoff` doubled (to 500 ms at
 /// most), jittered between half and one and a half of it.
 fn next_backoff(backoff: &mut Duration) -> Duration {
     *backoff = (*backoff * 2).min(Duration::from_millis(500));
     jitter(*backoff) + *backoff / 2
+}
+
+/// How long a waiter sleeps before its next attempt when no wake-up comes: the holder's
+/// remaining TTL and a little jitter (so that waiters who saw the same TTL do not all ask at
+/// once), or the next backoff for a holder without one.
+fn timer(remaining: Option<Duration>, backoff: &mut Duration) -> Duration {
+    match remaining {
+        Some(r) => r + jitter(Duration::from_millis(5)),
+        None => next_backoff(backoff),
+    }
 }
 
 /// How many grants that came back after their validity end a waiting acquire.
@@ -322,6 +330,8 @@ enum Attempt<B: Backend + Clone> {
     Late,
 }
 
+/// An acquire in flight: dropped before its answer came (the caller's future dropped), it
+/// releases what the acquire may have granted.
 struct Abandoned<'a, B: Backend + Clone> {
     locker: &'a Locker<B>,
     key: &'a LockKey,
@@ -779,6 +789,8 @@ impl<B: Backend + Clone> Locker<B> {
             }
         };
         let mut watch = None;
+        // A subscription not yet confirmed, waited for again after an attempt its timer made.
+        let mut subscribing = None;
         let mut backoff = Duration::from_millis(5);
         let mut late = 0;
         loop {
@@ -854,16 +866,26 @@ impl<B: Backend + Clone> Locker<B> {
                 }
                 // Subscribe, then try once more at once: a release between the failed attempt
                 // and the subscription would otherwise go unseen until the timer. A slow
-                // subscription (it may wait a second for the server's confirmation) must not
-                // carry the wait past its deadline.
-                match tokio::time::timeout_at(give_up, self.core.backend.watch(&key)).await {
-                    Ok(w) => watch = Some(w.map_err(|e| turn.failed(e))?),
-                    Err(_) => {
-                        return Err(Error::WaitTimeout {
-                            key: key.key().to_owned(),
-                            waited: started.elapsed(),
-                        });
-                    }
+                // subscription (it may wait a second for the server's confirmation, more while
+                // its connection is made again) must carry the wait neither past its deadline
+                // nor past the holder's TTL: when the timer comes first the attempt is made
+                // then, and the subscription is waited for again after it.
+                let pending =
+                    subscribing.get_or_insert_with(|| Box::pin(self.core.backend.watch(&key)));
+                let retry_at = (Instant::now() + timer(remaining, &mut backoff)).min(give_up);
+                let subscribed = tokio::select! {
+                    biased;
+                    w = pending => Some(w),
+                    () = tokio::time::sleep_until(retry_at) => None,
+                };
+                if let Some(w) = subscribed {
+                    subscribing = None;
+                    watch = Some(w.map_err(|e| turn.failed(e))?);
+                } else if Instant::now() >= give_up {
+                    return Err(Error::WaitTimeout {
+                        key: key.key().to_owned(),
+                        waited: started.elapsed(),
+                    });
                 }
                 continue;
             }
@@ -874,11 +896,7 @@ impl<B: Backend + Clone> Locker<B> {
                     waited: now - started,
                 });
             }
-            let timer = match remaining {
-                Some(r) => r + jitter(Duration::from_millis(5)),
-                None => next_backoff(&mut backoff),
-            };
-            let wake_at = (now + timer).min(give_up);
+            let wake_at = (now + timer(remaining, &mut backoff)).min(give_up);
             let w = watch.as_mut().expect("watch was set above");
             tokio::select! {
                 _ = w.changed() => {},
@@ -887,7 +905,6 @@ impl<B: Backend + Clone> Locker<B> {
         }
     }
 
-    /// One acquire round trip.
     /// One acquire on the backend, keeping the fence as the options say.
     async fn grant(
         &self,
@@ -1337,6 +1354,75 @@ mod tests {
                 self.inner.wakeups()
             }
         };
+    }
+
+    /// The memory backend whose subscriptions take `delay` to be confirmed, as on a server
+    /// whose subscription connection is being made again.
+    #[derive(Clone)]
+    struct SlowWatch {
+        inner: MemoryBackend,
+        delay: Duration,
+    }
+
+    impl Backend for SlowWatch {
+        forward_grants_to_memory!();
+        fn extend(
+            &self,
+            items: &[(LockKey, Token)],
+            ttl: Duration,
+        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+            self.inner.extend(items, ttl)
+        }
+        fn admit(
+            &self,
+            gate_key: &str,
+            fence: u64,
+        ) -> impl Future<Output = Result<Option<u64>>> + Send {
+            self.inner.admit(gate_key, fence)
+        }
+        fn watch(&self, key: &LockKey) -> impl Future<Output = Result<crate::wake::Watch>> + Send {
+            let (inner, key, delay) = (self.inner.clone(), key.clone(), self.delay);
+            async move {
+                tokio::time::sleep(delay).await;
+                inner.watch(&key).await
+            }
+        }
+        fn wakeups(&self) -> &Arc<crate::wake::Wakeups> {
+            self.inner.wakeups()
+        }
+    }
+
+    /// A waiter whose subscription is slow to be confirmed still tries again once the
+    /// holder's TTL has run out (a holder that crashed, so no wake-up comes), rather than
+    /// waiting for the confirmation first: here past its own deadline, a wait ended
+    /// `WaitTimeout` on a key free for most of it.
+    #[tokio::test]
+    async fn a_slow_subscription_does_not_hold_back_the_retry_at_the_holders_ttl() {
+        let mem = MemoryBackend::new();
+        let locker = Locker::new(SlowWatch {
+            inner: mem.clone(),
+            delay: Duration::from_secs(30),
+        });
+        let key = locker.lock_key("crashed").expect("key");
+        let crashed = mem.token();
+        let held = mem
+            .acquire(&key, &crashed, Duration::from_millis(100))
+            .await;
+        assert!(matches!(held, Ok(AcquireReply::Granted { .. })), "{held:?}");
+        let started = Instant::now();
+        let lease = locker
+            .acquire(
+                "crashed",
+                &opts(Duration::from_secs(5)).wait(Duration::from_secs(2)),
+            )
+            .await
+            .expect("the key freed at its TTL, 1.9 s before the wait's deadline");
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "taken {:?} after the wait began, for a holder with 100 ms left",
+            started.elapsed()
+        );
+        lease.release().await.expect("release");
     }
 
     /// How [`Faulty`] answers acquires.
