@@ -319,6 +319,8 @@ impl Error {
                     | Error::Unavailable(_)
                     | Error::OutcomeUnknown { .. }
                     | Error::NoQuorum { .. }
+                    // Replicas lagging, paused or restarting; the grant was given back.
+                    | Error::NotReplicated { .. }
             ),
         }
     }

@@ -258,7 +258,10 @@ impl Flush for Acquires {
     /// A grant, or a call that may have made one, whose caller is gone: nobody will hold or
     /// renew it, so it is released at once instead of keeping the key for its TTL. The
     /// release is token-checked, so one for a grant that never happened changes nothing; and it
-    /// goes on the same connection after the acquire was handed to it, so it runs after it.
+    /// goes on the shared connection after the acquire was handed to it, so it runs after it,
+    /// unless that connection was replaced meanwhile (gone silent): an acquire held up on the
+    /// old one can then land after it and keep the key, held by nobody, for its TTL (the
+    /// README's "a stalled request can land late").
     fn unclaimed(&self, item: &Self::Item, answer: Option<Result<AcquireReply>>) {
         match answer {
             // Nothing was granted.
