@@ -969,12 +969,17 @@ async fn nothing_renews_after_release(h: Harness) {
 /// One driver keeps 10,000 leases alive: none is lost over several TTLs.
 async fn many_leases_renew(h: Harness) {
     let locker = h.locker().await;
-    // A quorum renews every lease on each of its members: three times one server's work. A
-    // 3 s TTL asks the same renewals per second of it as 1 s asks of one server, which is what
-    // this shared 2-core machine sustains beside the other tests.
+    // The TTLs are what a shared 2-core machine sustains in a debug build beside the other
+    // tests (the renewal's CPU is measured by `bench`, in a release build). On a server each
+    // renewal round must be answered within a quarter of the TTL: at 1 s, on a 2-core AMD
+    // EPYC machine, each of three runs of the ten harnesses two at a time had one or two
+    // server harnesses lose 213 to 2,002 of their leases (on older code too); at 2 s three
+    // runs lost none. A quorum renews every lease on each of its members: three times one
+    // server's work.
     let ttl_ms = match h {
+        Harness::Memory(_) => 1_000,
         Harness::Quorum(_) => 3_000,
-        _ => 1_000,
+        _ => 2_000,
     };
     let o = opts(ttl_ms);
     let mut leases = Vec::with_capacity(10_000);
