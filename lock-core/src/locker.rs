@@ -1324,9 +1324,13 @@ mod tests {
     }
 
     /// The parts of `Backend` a test backend leaves to the memory backend in its `inner`;
-    /// `(extend)`: the extends too.
+    /// `(extend)`: the extends too; `(extend, own watch)` and `(own watch)`: all but the watch.
     macro_rules! forward_to_memory {
         (extend) => {
+            forward_to_memory!(extend, own watch);
+            forward_to_memory!(watch);
+        };
+        (extend, own watch) => {
             fn extend(
                 &self,
                 items: &[(LockKey, Token)],
@@ -1334,9 +1338,9 @@ mod tests {
             ) -> impl Future<Output = Result<Vec<bool>>> + Send {
                 self.inner.extend(items, ttl)
             }
-            forward_to_memory!();
+            forward_to_memory!(own watch);
         };
-        () => {
+        (own watch) => {
             fn admit(
                 &self,
                 gate_key: &str,
@@ -1344,14 +1348,20 @@ mod tests {
             ) -> impl Future<Output = Result<Option<u64>>> + Send {
                 self.inner.admit(gate_key, fence)
             }
+            fn wakeups(&self) -> &Arc<crate::wake::Wakeups> {
+                self.inner.wakeups()
+            }
+        };
+        () => {
+            forward_to_memory!(own watch);
+            forward_to_memory!(watch);
+        };
+        (watch) => {
             fn watch(
                 &self,
                 key: &LockKey,
             ) -> impl Future<Output = Result<crate::wake::Watch>> + Send {
                 self.inner.watch(key)
-            }
-            fn wakeups(&self) -> &Arc<crate::wake::Wakeups> {
-                self.inner.wakeups()
             }
         };
     }
@@ -1366,29 +1376,13 @@ mod tests {
 
     impl Backend for SlowWatch {
         forward_grants_to_memory!();
-        fn extend(
-            &self,
-            items: &[(LockKey, Token)],
-            ttl: Duration,
-        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
-            self.inner.extend(items, ttl)
-        }
-        fn admit(
-            &self,
-            gate_key: &str,
-            fence: u64,
-        ) -> impl Future<Output = Result<Option<u64>>> + Send {
-            self.inner.admit(gate_key, fence)
-        }
+        forward_to_memory!(extend, own watch);
         fn watch(&self, key: &LockKey) -> impl Future<Output = Result<crate::wake::Watch>> + Send {
             let (inner, key, delay) = (self.inner.clone(), key.clone(), self.delay);
             async move {
                 tokio::time::sleep(delay).await;
                 inner.watch(&key).await
             }
-        }
-        fn wakeups(&self) -> &Arc<crate::wake::Wakeups> {
-            self.inner.wakeups()
         }
     }
 
