@@ -1423,6 +1423,54 @@ async fn an_endless_body_after_a_hang_up_frees_the_claim() {
     }
 }
 
+/// A caller who hangs up while the body is still under the cap, which it passes later: the
+/// claim TTL the body is read on for counts from the hang-up, not from when the relay above the
+/// cap first fails to hand a frame on (a TTL more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hang_up_below_the_cap_counts_from_the_hang_up() {
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    // Six bytes every 50 ms: the 360-byte cap is passed about 3 s in, within the 5 s TTL.
+    let app = Router::new()
+        .route(
+            "/hooks/stream",
+            post(move || {
+                let tx = tx.clone();
+                async move {
+                    let _ = tx.send(());
+                    Response::new(Body::new(Drip::new(Duration::from_millis(50), usize::MAX)))
+                }
+            }),
+        )
+        .layer(
+            DedupeLayer::new(lock_core::Locker::memory())
+                .claim_ttl(Duration::from_secs(5))
+                .stored_body_limit(360),
+        );
+    let addr = serve(app).await;
+    let key = r#""passes-the-cap""#;
+    let conn = raw_deliver(addr, "/hooks/stream", key).await;
+    entered.recv().await.expect("entered");
+    drop(conn);
+    let hung_up = std::time::Instant::now();
+    let again = eventually(Duration::from_secs(15), async || {
+        let retry = raw_deliver(addr, "/hooks/stream", key).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        drop(retry);
+        entered.try_recv().is_ok()
+    })
+    .await;
+    let freed = hung_up.elapsed();
+    assert!(
+        again,
+        "the claim was still held {freed:?} after the caller hung up"
+    );
+    // About 5 s; counted from the relay's first failed send it would be about 8 s.
+    assert!(
+        freed < Duration::from_millis(6_500),
+        "the claim was freed {freed:?} after the hang-up, more than a 5 s claim TTL"
+    );
+}
+
 /// The client hangs up after the handler answered, while the layer still reads the answer's
 /// body to store it. The handler's work is done, so its result is still stored and the claim
 /// released: the sender's retry gets the replay instead of a second run (or a 409 until the

@@ -522,7 +522,9 @@ impl Completion {
         // being written once the body ends.
         let hint = body.size_hint();
         let (tx, rx) = tokio::sync::mpsc::channel(1);
-        tokio::spawn(self.relay(rec, body, tx, left).in_current_span());
+        // A caller who hung up while the body was read below the cap: the relay's TTL after
+        // the hang-up counts from then, not from when it notices.
+        tokio::spawn(self.relay(rec, body, tx, left, give_up).in_current_span());
         Response::from_parts(head, LockBody::relayed(buf, rx, hint))
     }
 
@@ -577,8 +579,15 @@ impl Completion {
     /// the end; a body that fails stores nothing and frees the claim before the error goes on.
     /// `left` is what is still to come of a body whose length was declared: the server stops
     /// polling such a body at its last byte, so the frame that completes it is the end.
-    async fn relay<B>(self, rec: Record, mut body: B, tx: Relay, mut left: Option<u64>)
-    where
+    /// `give_up` is set when the caller is known to have hung up already.
+    async fn relay<B>(
+        self,
+        rec: Record,
+        mut body: B,
+        tx: Relay,
+        mut left: Option<u64>,
+        mut give_up: Option<tokio::time::Instant>,
+    ) where
         B: Body<Data = Bytes> + Unpin,
         B::Error: Into<BoxError>,
     {
@@ -588,7 +597,6 @@ impl Completion {
         // a body that never ends (a stream, a heartbeat) would otherwise keep the claim
         // renewed, and every retry of the delivery refused, for ever.
         let read_on = self.cfg.claim.ttl_value();
-        let mut give_up: Option<tokio::time::Instant> = None;
         // As below the cap: a claim lost while the body streams cuts it.
         let info = self.claim.info();
         let mut lost = std::pin::pin!(info.lost());
@@ -643,7 +651,7 @@ impl Completion {
                             // The caller hung up; the rest is read all the same, so that a body
                             // that ends well is still recorded.
                             tx = None;
-                            give_up = Some(tokio::time::Instant::now() + read_on);
+                            give_up.get_or_insert_with(|| tokio::time::Instant::now() + read_on);
                         }
                     }
                 }
