@@ -1380,45 +1380,16 @@ async fn raw_deliver(addr: std::net::SocketAddr, path: &str, key: &str) -> TcpSt
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endless_body_after_a_hang_up_frees_the_claim() {
     for cap in [Some(10), None] {
-        let (tx, mut entered) = mpsc::unbounded_channel();
         let layer = DedupeLayer::new(lock_core::Locker::memory()).claim_ttl(Duration::from_secs(1));
         let layer = match cap {
             Some(cap) => layer.stored_body_limit(cap),
             None => layer,
         };
-        let app = Router::new()
-            .route(
-                "/hooks/stream",
-                post(move || {
-                    let tx = tx.clone();
-                    async move {
-                        let _ = tx.send(());
-                        Response::new(Body::new(Drip::new(Duration::from_millis(50), usize::MAX)))
-                    }
-                }),
-            )
-            .layer(layer);
-        let addr = serve(app).await;
-        let key = r#""endless""#;
-        let conn = raw_deliver(addr, "/hooks/stream", key).await;
-        entered.recv().await.expect("entered");
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        drop(conn);
-        let hung_up = std::time::Instant::now();
-        // Retries, each left open long enough for its request to reach the handler (a
-        // connection closed at once can end the request before it does), until one runs the
-        // handler again.
-        let again = eventually(Duration::from_secs(8), async || {
-            let retry = raw_deliver(addr, "/hooks/stream", key).await;
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            drop(retry);
-            entered.try_recv().is_ok()
-        })
-        .await;
+        let freed =
+            freed_after_a_hang_up(layer, Duration::from_millis(300), Duration::from_secs(8)).await;
         assert!(
-            again,
-            "cap {cap:?}: the claim was still held {:?} after the caller hung up",
-            hung_up.elapsed()
+            freed.is_some(),
+            "cap {cap:?}: the claim was still held 8 s after the caller hung up"
         );
     }
 }
@@ -1428,8 +1399,29 @@ async fn an_endless_body_after_a_hang_up_frees_the_claim() {
 /// cap first fails to hand a frame on (a TTL more).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hang_up_below_the_cap_counts_from_the_hang_up() {
-    let (tx, mut entered) = mpsc::unbounded_channel();
     // Six bytes every 50 ms: the 360-byte cap is passed about 3 s in, within the 5 s TTL.
+    let layer = DedupeLayer::new(lock_core::Locker::memory())
+        .claim_ttl(Duration::from_secs(5))
+        .stored_body_limit(360);
+    let freed = freed_after_a_hang_up(layer, Duration::ZERO, Duration::from_secs(15))
+        .await
+        .expect("the claim was still held 15 s after the caller hung up");
+    // About 5 s; counted from the relay's first failed send it would be about 8 s.
+    assert!(
+        freed < Duration::from_millis(6_500),
+        "the claim was freed {freed:?} after the hang-up, more than a 5 s claim TTL"
+    );
+}
+
+/// Serves a route under `layer` whose body drips six bytes every 50 ms for ever, delivers one
+/// keyed request and hangs up `linger` after its handler started; then retries until one runs
+/// the handler again. How long after the hang-up that was, or `None` within `limit`.
+async fn freed_after_a_hang_up(
+    layer: DedupeLayer,
+    linger: Duration,
+    limit: Duration,
+) -> Option<Duration> {
+    let (tx, mut entered) = mpsc::unbounded_channel();
     let app = Router::new()
         .route(
             "/hooks/stream",
@@ -1441,34 +1433,24 @@ async fn a_hang_up_below_the_cap_counts_from_the_hang_up() {
                 }
             }),
         )
-        .layer(
-            DedupeLayer::new(lock_core::Locker::memory())
-                .claim_ttl(Duration::from_secs(5))
-                .stored_body_limit(360),
-        );
+        .layer(layer);
     let addr = serve(app).await;
-    let key = r#""passes-the-cap""#;
+    let key = r#""endless""#;
     let conn = raw_deliver(addr, "/hooks/stream", key).await;
     entered.recv().await.expect("entered");
+    tokio::time::sleep(linger).await;
     drop(conn);
     let hung_up = std::time::Instant::now();
-    let again = eventually(Duration::from_secs(15), async || {
+    // Retries, each left open long enough for its request to reach the handler (a connection
+    // closed at once can end the request before it does), until one runs the handler again.
+    let again = eventually(limit, async || {
         let retry = raw_deliver(addr, "/hooks/stream", key).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
         drop(retry);
         entered.try_recv().is_ok()
     })
     .await;
-    let freed = hung_up.elapsed();
-    assert!(
-        again,
-        "the claim was still held {freed:?} after the caller hung up"
-    );
-    // About 5 s; counted from the relay's first failed send it would be about 8 s.
-    assert!(
-        freed < Duration::from_millis(6_500),
-        "the claim was freed {freed:?} after the hang-up, more than a 5 s claim TTL"
-    );
+    again.then(|| hung_up.elapsed())
 }
 
 /// The client hangs up after the handler answered, while the layer still reads the answer's
