@@ -1129,6 +1129,11 @@ impl<B: Backend + Clone> Locker<B> {
     /// A fence-checking gate for `resource` (see [`FenceGate`]).
     /// The resource name obeys the rules of a key, else [`Error::InvalidKey`].
     ///
+    /// Fences are ordered per lock key, so give each lock key its own gate (the example names
+    /// both `"ledger"`): a gate shared by several keys compares fences that were never meant to
+    /// be compared, and refuses a live holder of one key whose fence is below one admitted for
+    /// another.
+    ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
     /// use lock_core::{Error, LockOptions, Locker};
@@ -1162,6 +1167,14 @@ impl<B: Backend + Clone> Locker<B> {
 /// same store as the data where you can; this gate is the reference form, on the locker's
 /// backend (a script on Redis).
 ///
+/// `admit` is a check, not a write: it protects a write only as far as nothing can come
+/// between the two. A holder paused after its `admit` and before its write (the very pause a
+/// fence is for) still writes late, over a newer holder's data. Where the data's own store can
+/// take the fence in the same operation as the write, check it there: a conditional update on a
+/// fence column (`UPDATE ... SET .., fence = $1 WHERE id = $2 AND fence <= $1`), or a script
+/// that compares and writes in one call. The gate is exact for writes that are themselves
+/// idempotent or that a later holder's write supersedes, and narrows the window for the rest.
+///
 /// The highest fence admitted is one key on the backend, and it is only as durable as that
 /// key: a restart without persistence, or a failover to a replica that had not received the
 /// last admit, forgets it, and the gate then admits a fence lower than one it admitted before
@@ -1169,7 +1182,10 @@ impl<B: Backend + Clone> Locker<B> {
 /// on). Where writes must stay fenced through them, run the gate on a server with
 /// `appendonly yes` and `appendfsync always`, or keep the check beside the data (a conditional
 /// update on a fence column), which survives with it. On a Redlock quorum the gate needs a
-/// majority of members to admit, so a minority restarting empty does not forget. A key at the
+/// majority of members to admit and refuses a fence that any member answering has seen
+/// beaten, so members restarting empty make it forget only when they and the members that
+/// missed the highest admit (down or too slow at the time) are together a majority: a
+/// minority restarting after an admit every member took does not forget. A key at the
 /// gate's place that holds anything but a fence (another type, or a string that is not a
 /// canonical decimal up to 2^64 - 1: no sign, no leading zero) is refused with
 /// [`Error::WrongType`] and left as it is.
