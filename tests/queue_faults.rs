@@ -487,6 +487,45 @@ async fn a_counter_far_behind_costs_a_few_probes(flavor: Flavor) {
     assert_eq!(after, before, "a job of the refused call was stored");
 }
 
+/// A job id counter set from outside to what ids cannot be drawn from (not a decimal, or so
+/// high that Lua's doubles would round two ids of one call to the same) refuses the enqueue
+/// with `WrongType`, not transient, adding nothing; the highest counter allowed still works.
+async fn a_counter_past_exact_ids_is_refused(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let q = Queue::redis(&server.url(), "cx").await.expect("connect");
+    let limit = (1u64 << 53) - (1u64 << 43);
+    for bad in [
+        "9007199254740994".to_owned(),
+        limit.to_string(),
+        "abc".to_owned(),
+        "-5".to_owned(),
+        "007".to_owned(),
+        "".to_owned(),
+    ] {
+        let _: () = server.cmd(&["SET", "{leasehold:cx}:seq", &bad]);
+        match q.enqueue_many(["a", "b"]).await {
+            Err(e @ Error::WrongType { .. }) => {
+                assert!(!e.is_transient(), "{e}");
+                let Error::WrongType { server_key, .. } = &e else {
+                    unreachable!()
+                };
+                assert_eq!(server_key, "{leasehold:cx}:seq");
+            }
+            other => panic!("counter {bad:?}: expected WrongType, got {other:?}"),
+        }
+        let kept: String = server.cmd(&["GET", "{leasehold:cx}:seq"]);
+        assert_eq!(kept, bad, "the counter was changed");
+        assert_eq!(q.counts().await.expect("counts").pending, 0, "counter {bad:?}");
+    }
+    let _: () = server.cmd(&["SET", "{leasehold:cx}:seq", &(limit - 1).to_string()]);
+    let ids = q.enqueue_many(["a", "b"]).await.expect("enqueue");
+    assert_eq!(ids, [JobId(limit), JobId(limit + 1)]);
+    for (id, payload) in ids.iter().zip(["a", "b"]) {
+        let job = q.job(*id).await.expect("job");
+        assert_eq!(job.payload, Some(payload.as_bytes().to_vec()));
+    }
+}
+
 /// The same for a `Worker`: after the server lost its writes and another worker claimed the
 /// new job under the old id and attempt, the first worker's renewal is refused, its handler is
 /// cancelled, and it does not complete the new job.
@@ -1585,6 +1624,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_counter_far_behind_costs_a_few_probes() {
                 super::a_counter_far_behind_costs_a_few_probes($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_counter_past_exact_ids_is_refused() {
+                super::a_counter_past_exact_ids_is_refused($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn foreign_types() {

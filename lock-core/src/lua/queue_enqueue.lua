@@ -1,6 +1,15 @@
 -- ARGV[3] max attempts (0 = no limit), ARGV[4..] payloads. Returns {1, id...}.
 local bad = check_keys()
 if bad then return bad end
+-- Ids pass through Lua as doubles, exact only below 2^53: a counter past that (or not a
+-- number at all, which INCR would refuse with an error that names no key) was set from
+-- outside, and ids drawn from it could repeat within this call, one job overwriting another.
+-- The bound leaves room for the search below (at most 2^42 ids on) and the call's payloads.
+local seq = redis.call('GET', KEYS[5])
+if seq and not ((seq == '0' or string.match(seq, '^[1-9]%d*$')) and #seq <= 16
+    and tonumber(seq) < 2 ^ 53 - 2 ^ 43) then
+  return {-1, KEYS[5], 'string that is not a job id counter (a decimal below 2^53 - 2^43)'}
+end
 local out = {1}
 -- Every id is found before any job is written: a search that gives up (below) then leaves no
 -- job of this call stored, so the caller's retry after the error stores none twice.

@@ -795,7 +795,10 @@ impl Queue {
 
     /// Adds a job at the back of the queue and wakes waiting claimers. Returns its id.
     ///
-    /// Payloads above [`MAX_PAYLOAD`] are refused with [`Error::PayloadTooLarge`].
+    /// Payloads above [`MAX_PAYLOAD`] are refused with [`Error::PayloadTooLarge`]. On Redis,
+    /// a queue key of a foreign type, or a job id counter set from outside to anything but a
+    /// decimal below 2^53 - 2^43 (ids pass through the server's Lua as doubles), is refused
+    /// with [`Error::WrongType`] and nothing is added.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
