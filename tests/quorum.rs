@@ -930,6 +930,30 @@ async fn a_slow_member_does_not_hold_up_a_short_lease(flavor: Flavor) {
     }
 }
 
+/// A member slow enough to vote within the round's patience (half the validity) but not
+/// needed for the quorum does not cost the lease its slowness a second time in the fence
+/// write-back: the grant comes once the patience is over, with about half the validity left.
+async fn a_slow_voter_does_not_hold_up_the_write_back(flavor: Flavor) {
+    let servers = start(flavor, 3);
+    let config = QuorumConfig::default().member_timeout(Duration::from_secs(5));
+    let (proxies, locker) = through_proxies_with(&servers, config).await;
+    let ttl = Duration::from_secs(1);
+    // Replies 400 ms late: its vote lands inside the patience (about 494 ms), its write-back
+    // answer 400 ms after that.
+    proxies[2].delay_replies(Duration::from_millis(400));
+    let lease = locker
+        .try_acquire("slow-voter", &LockOptions::new().ttl(ttl).renew(false))
+        .await
+        .expect("2 fast members of 3 are a quorum");
+    let left = lease.remaining();
+    assert!(
+        left > ttl.mul_f64(0.35),
+        "granted with {left:?} of a {ttl:?} lease left"
+    );
+    proxies[2].delay_replies(Duration::ZERO);
+    lease.release().await.expect("release");
+}
+
 /// A hung member (replies held back for seconds) does not slow renewal down: extend returns
 /// as soon as the other members decide every lease.
 async fn extend_does_not_wait_for_a_hung_member(flavor: Flavor) {
@@ -1861,6 +1885,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_slow_member_does_not_hold_up_a_short_lease() {
                 super::a_slow_member_does_not_hold_up_a_short_lease($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_slow_voter_does_not_hold_up_the_write_back() {
+                super::a_slow_voter_does_not_hold_up_the_write_back($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn extend_does_not_wait_for_a_hung_member() {

@@ -15,6 +15,8 @@
 //! 2. with a quorum of grants and validity left (`ttl - elapsed - drift`, drift = 1% of the TTL
 //!    plus 2 ms, elapsed counted from step 1), picks the fence `F` and writes it back to the
 //!    granting members (below), and needs a quorum of those writes, still within the validity;
+//!    the other writes are waited for only until the same half of the validity is gone, so a
+//!    member that voted just in time does not cost the lease its slowness a second time;
 //! 3. on any failure releases the key on every member that might hold it (all but those that
 //!    answered "held by another"), then retries after a random delay
 //!    ([`QuorumConfig::retries`], [`QuorumConfig::retry_delay`]) while the first half of the TTL
@@ -764,12 +766,33 @@ impl QuorumBackend {
         }
         if granted.len() >= quorum && Instant::now() < valid_until {
             let fence = max_stored.saturating_add(1).max(max_now);
-            let writes = self
-                .on_members(&granted, self.step_timeout(valid_until), |m| {
+            let mut writes: futures_util::stream::FuturesUnordered<_> = self
+                .member_calls(&granted, self.step_timeout(valid_until), |m| {
                     self.write_fence(m, key, token, fence)
                 })
-                .await;
-            let written = writes.iter().filter(|(_, w)| matches!(w, Ok(true))).count();
+                .into_iter()
+                .collect();
+            // The same patience as for the votes, and the same deadline: a member whose vote
+            // came just in time answers its write as slowly, and waiting for that one as well
+            // would cost the lease its slowness twice. A quorum holding the fence is what the
+            // next grant needs; a write left unanswered is token-checked and only raises the
+            // stored fence, so it may land or not.
+            let mut written = 0;
+            loop {
+                let next = if written >= quorum {
+                    match tokio::time::timeout_at(patient_until, writes.next()).await {
+                        Ok(next) => next,
+                        Err(_) => break,
+                    }
+                } else {
+                    writes.next().await
+                };
+                let Some((_, write)) = next else { break };
+                if matches!(write, Ok(true)) {
+                    written += 1;
+                }
+            }
+            drop(writes);
             if written >= quorum && Instant::now() < valid_until {
                 return Round::Granted(fence);
             }
