@@ -515,7 +515,11 @@ async fn a_counter_past_exact_ids_is_refused(flavor: Flavor) {
         }
         let kept: String = server.cmd(&["GET", "{leasehold:cx}:seq"]);
         assert_eq!(kept, bad, "the counter was changed");
-        assert_eq!(q.counts().await.expect("counts").pending, 0, "counter {bad:?}");
+        assert_eq!(
+            q.counts().await.expect("counts").pending,
+            0,
+            "counter {bad:?}"
+        );
     }
     let _: () = server.cmd(&["SET", "{leasehold:cx}:seq", &(limit - 1).to_string()]);
     let ids = q.enqueue_many(["a", "b"]).await.expect("enqueue");
