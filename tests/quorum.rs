@@ -954,6 +954,40 @@ async fn a_slow_voter_does_not_hold_up_the_write_back(flavor: Flavor) {
     lease.release().await.expect("release");
 }
 
+/// Members that cannot run the vote at all (`SET` removed with `rename-command`, standing in
+/// for a server older than leasehold needs) refuse for good: when they leave too few members to
+/// ever agree, the acquire answers with the server's refusal, not transient, instead of a "no
+/// quorum" that reads as worth retrying; one such member among enough good ones costs nothing.
+/// A single server answers the same refusal.
+async fn members_lacking_a_command_refuse_for_good(flavor: Flavor) {
+    let lacking = || Server::start_with_args(flavor, &["--rename-command", "SET", ""]);
+    let refused_for_good = |r: leasehold::Result<leasehold::Lease>| match r {
+        Err(e @ Error::Refused { .. }) => assert!(!e.is_transient(), "{e:?}"),
+        other => panic!("expected a refusal for good, got {other:?}"),
+    };
+    let servers = vec![lacking(), lacking(), Server::start(flavor)];
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    refused_for_good(locker.try_acquire("lacking", &opts(5_000)).await);
+    assert!(
+        !holds(&servers[2], &locker, "lacking"),
+        "the vote was not given back"
+    );
+    refused_for_good(
+        Locker::redis(&servers[0].url())
+            .await
+            .expect("connect")
+            .try_acquire("lacking", &opts(5_000))
+            .await,
+    );
+    let servers = vec![lacking(), Server::start(flavor), Server::start(flavor)];
+    let locker = redlock(&urls(&servers), QuorumConfig::default()).await;
+    let lease = locker
+        .try_acquire("lacking", &opts(5_000))
+        .await
+        .expect("two members of three are a quorum");
+    lease.release().await.expect("release");
+}
+
 /// A hung member (replies held back for seconds) does not slow renewal down: extend returns
 /// as soon as the other members decide every lease.
 async fn extend_does_not_wait_for_a_hung_member(flavor: Flavor) {
@@ -1889,6 +1923,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_slow_voter_does_not_hold_up_the_write_back() {
                 super::a_slow_voter_does_not_hold_up_the_write_back($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn members_lacking_a_command_refuse_for_good() {
+                super::members_lacking_a_command_refuse_for_good($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn extend_does_not_wait_for_a_hung_member() {

@@ -350,6 +350,10 @@ fn lacks_the_command(e: &redis::RedisError) -> bool {
             "unknown command",
             "unknown subcommand",
             "wrong number of arguments",
+            // The same inside a script (removed with `rename-command`), as Redis 7 and Valkey
+            // word it.
+            "Unknown Redis command called from script",
+            "Unknown command called from script",
         ]
         .iter()
         .any(|lacking| text.contains(lacking))
@@ -453,6 +457,8 @@ mod tests {
             "ERR syntax error",
             "ERR unknown command 'hpexpire', with args beginning with: ",
             "ERR wrong number of arguments for 'set' command",
+            "ERR Unknown Redis command called from script script: 8f1c, on @user_script:16.",
+            "ERR Unknown command called from script script: 8f1c, on @user_script:16.",
         ] {
             let e = refusal(lacking);
             assert!(

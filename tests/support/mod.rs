@@ -99,6 +99,12 @@ impl Server {
         Server::start_full(flavor, persist, free_port, Vec::new())
     }
 
+    /// Starts a server without persistence, with `extra` arguments on its command line.
+    pub fn start_with_args(flavor: Flavor, extra: &[&str]) -> Server {
+        let extra = extra.iter().map(|a| (*a).to_owned()).collect();
+        Server::start_full(flavor, false, free_port, extra)
+    }
+
     /// Starts a replica of `master` and waits until its replication link is up.
     pub fn start_replica_of(master: &Server) -> Server {
         // The default waits 5 s for more replicas before a diskless full sync.

@@ -709,6 +709,10 @@ impl QuorumBackend {
         let mut answered = 0;
         let mut refusal = None;
         let mut foreign = 0;
+        // Members that refused for good (a server without a command the vote needs): the same
+        // on every retry, so like a foreign key they can never vote yes.
+        let mut lacking: Option<Error> = None;
+        let mut lacks = 0;
         for (i, vote) in votes {
             match vote {
                 Ok(Vote::Granted { stored, now_us }) => {
@@ -737,6 +741,10 @@ impl QuorumBackend {
                     // It may have granted before the reply was lost or late.
                     debug!(member = i, error = %e, "quorum vote failed");
                     may_hold.push(i);
+                    if matches!(e, Error::Refused { .. }) && !e.is_transient() {
+                        lacks += 1;
+                        lacking = Some(e);
+                    }
                 }
             }
         }
@@ -819,6 +827,14 @@ impl QuorumBackend {
             if self.members() - foreign < quorum {
                 return Round::Refused(e);
             }
+        }
+        // The same for members that cannot run the vote at all: a retry meets the same refusal,
+        // and the server's own words say more than "no quorum" (which reads as transient).
+        if let Some(e) = lacking
+            && granted.len() < quorum
+            && self.members().saturating_sub(foreign + lacks) < quorum
+        {
+            return Round::Refused(e);
         }
         Round::Failed {
             agreed,
