@@ -988,6 +988,40 @@ async fn members_lacking_a_command_refuse_for_good(flavor: Flavor) {
     lease.release().await.expect("release");
 }
 
+/// Renewal needs a majority within the validity: when the answers of all but one member come
+/// only after the new TTL (less drift) has run out, the extend is an error, not a renewal the
+/// holder could count on, and answered within that TTL; the lease is then lost.
+async fn a_majority_renewing_too_late_is_no_renewal(flavor: Flavor) {
+    let servers = start(flavor, 3);
+    let config = QuorumConfig::default().member_timeout(Duration::from_secs(5));
+    let (proxies, locker) = through_proxies_with(&servers, config).await;
+    let lease = locker
+        .try_acquire(
+            "late-renewal",
+            &LockOptions::new().ttl(Duration::from_secs(10)).renew(false),
+        )
+        .await
+        .expect("all members up");
+    proxies[1].delay_replies(Duration::from_millis(600));
+    proxies[2].delay_replies(Duration::from_millis(600));
+    let t = Instant::now();
+    let late = lease.extend(Duration::from_millis(500)).await;
+    assert!(
+        matches!(late, Err(Error::NoQuorum { op: "extend", .. })),
+        "{late:?}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_millis(600),
+        "the extend waited for answers past its validity: {:?}",
+        t.elapsed()
+    );
+    // The shorter TTL may well have landed on every member (here it did, late): the holder
+    // must not go on counting on the 10 s it had.
+    assert!(lease.is_lost(), "{:?} left", lease.remaining());
+    proxies[1].delay_replies(Duration::ZERO);
+    proxies[2].delay_replies(Duration::ZERO);
+}
+
 /// A hung member (replies held back for seconds) does not slow renewal down: extend returns
 /// as soon as the other members decide every lease.
 async fn extend_does_not_wait_for_a_hung_member(flavor: Flavor) {
@@ -1927,6 +1961,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn members_lacking_a_command_refuse_for_good() {
                 super::members_lacking_a_command_refuse_for_good($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_majority_renewing_too_late_is_no_renewal() {
+                super::a_majority_renewing_too_late_is_no_renewal($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn extend_does_not_wait_for_a_hung_member() {
