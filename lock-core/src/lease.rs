@@ -131,8 +131,10 @@ impl<B: Backend + Clone> Lease<B> {
     }
 
     /// Time left on the lease, measured on the local monotonic clock from before the request
-    /// that granted or last renewed it, less the drift allowance. Never more than the truth;
-    /// zero once the lease is lost (which, unrenewed, it is a little before this reaches zero).
+    /// that granted or last renewed it, less the drift allowance. Never more than the truth
+    /// while that clock runs (a suspended machine's does not count the suspension, while the
+    /// server's TTL does); zero once the lease is lost (which, unrenewed, it is a little before
+    /// this reaches zero).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {

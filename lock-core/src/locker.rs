@@ -1071,7 +1071,8 @@ impl<B: Backend + Clone> Locker<B> {
         });
     }
 
-    /// Runs `body` while holding the lease on `key`, renewing it meanwhile, then releases it.
+    /// Runs `body` while holding the lease on `key`, renewing it meanwhile (unless
+    /// `opts.renew(false)`: then the body must finish within the TTL), then releases it.
     ///
     /// If the lease is lost while the body runs, the body is dropped (cancelled) and the call
     /// returns [`Error::LeaseLost`]: the body never runs past the lease's validity as this
