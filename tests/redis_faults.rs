@@ -70,6 +70,47 @@ async fn a_gate_forgets_at_a_restart_without_persistence(flavor: Flavor) {
     assert!(admitted.is_ok(), "{admitted:?}");
 }
 
+/// The server-time half of `max(stored + 1, server time in µs)`: a key's first fence is the
+/// server's clock in microseconds at the grant (between two `TIME` readings around it), and
+/// with the counter lost (deleted, as by a restart without persistence) the next grant's fence
+/// comes from the clock again, above the first.
+async fn a_fence_is_the_servers_clock_when_none_is_stored(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let k = locker.lock_key("clocked").expect("key");
+    let server_us = || -> u64 {
+        let t: Vec<String> = server.cmd(&["TIME"]);
+        let secs: u64 = t[0].parse().expect("seconds");
+        let micros: u64 = t[1].parse().expect("microseconds");
+        secs * 1_000_000 + micros
+    };
+    let before = server_us();
+    let first = locker
+        .try_acquire("clocked", &opts(1_000))
+        .await
+        .expect("a");
+    let after = server_us();
+    let f1 = first.fence().get();
+    assert!(
+        (before..=after).contains(&f1),
+        "fence {f1} outside the server's clock {before}..={after}"
+    );
+    first.release().await.expect("release");
+    let _: i64 = server.cmd(&["DEL", k.fence_key()]);
+    std::thread::sleep(Duration::from_millis(2));
+    let before = server_us();
+    let second = locker
+        .try_acquire("clocked", &opts(1_000))
+        .await
+        .expect("a");
+    let f2 = second.fence().get();
+    assert!(
+        f2 >= before && f2 > f1,
+        "fence {f2} after the counter was lost: clock {before}, first {f1}"
+    );
+    second.release().await.expect("release");
+}
+
 /// The `stored + 1` half of `max(stored + 1, server time)`: a fence stored ahead of the clock
 /// (a clock stepped back, or fences written by another scheme) still rises by exactly one per
 /// grant, also above 2^53, where a script computing in Lua doubles would round it. (That a lost
@@ -1701,6 +1742,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn fence_survives_restart() {
                 super::fence_survives_restart($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_fence_is_the_servers_clock_when_none_is_stored() {
+                super::a_fence_is_the_servers_clock_when_none_is_stored($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn fence_ahead_of_the_clock_rises_by_one() {
