@@ -1377,6 +1377,49 @@ async fn raw_deliver(addr: std::net::SocketAddr, path: &str, key: &str) -> TcpSt
 /// handler again instead of getting 409 for ever (the claim stayed renewed while the body
 /// streamed). Above the stored cap (streamed to the caller as it came) and below it (buffered,
 /// the head not yet sent: a trickle under the default 256 KiB cap).
+/// An unconfigured layer holds a keyed request's body to `DEFAULT_REQUEST_BODY_LIMIT` (1 MiB):
+/// a body of exactly that size runs, one byte more is 413 with the handler not run. An unkeyed
+/// body passed through (`pass_through_without_key`) is not held to it, whatever its size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_request_body_limit_is_one_mib() {
+    use lock_tower::dedupe::DEFAULT_REQUEST_BODY_LIMIT;
+    assert_eq!(DEFAULT_REQUEST_BODY_LIMIT, 1 << 20);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = DedupeLayer::new(lock_core::Locker::memory());
+    let addr = serve(counting(layer, runs.clone(), Duration::ZERO)).await;
+    let at = "y".repeat(DEFAULT_REQUEST_BODY_LIMIT);
+    let r = send(
+        addr,
+        Method::POST,
+        "/hooks/a",
+        &[("idempotency-key", r#""at""#)],
+        at,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text());
+    assert!(r.text().contains(r#""len":1048576"#), "{}", r.text());
+    let over = "y".repeat(DEFAULT_REQUEST_BODY_LIMIT + 1);
+    let r = send(
+        addr,
+        Method::POST,
+        "/hooks/a",
+        &[("idempotency-key", r#""over""#)],
+        over,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", r.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // 1.5 MiB: above the layer's default, below axum's own 2 MB for the handler's `Bytes`.
+    let layer = DedupeLayer::new(lock_core::Locker::memory()).pass_through_without_key();
+    let addr = serve(counting(layer, runs.clone(), Duration::ZERO)).await;
+    let unkeyed = "y".repeat(DEFAULT_REQUEST_BODY_LIMIT * 3 / 2);
+    let r = send(addr, Method::POST, "/hooks/a", &[], unkeyed).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text());
+    assert!(r.text().contains(r#""len":1572864"#), "{}", r.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endless_body_after_a_hang_up_frees_the_claim() {
     for cap in [Some(10), None] {

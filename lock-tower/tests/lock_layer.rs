@@ -1270,6 +1270,34 @@ async fn an_invalid_key_is_refused_even_when_passing_through() {
         assert_eq!(res.status, StatusCode::OK, "{body:?}: {}", res.text());
     }
     assert_eq!(ran.load(Ordering::SeqCst), 4);
+    // A JSON body id is held to `MAX_IDEMPOTENCY_KEY_LEN` (255 bytes), well below a key's own
+    // 512: at the limit it locks and runs, one byte over it is a 400 and does not.
+    let at = "e".repeat(lock_tower::MAX_IDEMPOTENCY_KEY_LEN);
+    let res = send(
+        addr,
+        Method::POST,
+        "/by-json",
+        &[],
+        format!(r#"{{"id": "{at}"}}"#),
+    )
+    .await;
+    assert_eq!(res.status, StatusCode::OK, "{}", res.text());
+    assert_eq!(ran.load(Ordering::SeqCst), 5);
+    let over = "e".repeat(lock_tower::MAX_IDEMPOTENCY_KEY_LEN + 1);
+    let res = send(
+        addr,
+        Method::POST,
+        "/by-json",
+        &[],
+        format!(r#"{{"id": "{over}"}}"#),
+    )
+    .await;
+    assert_eq!(res.status, StatusCode::BAD_REQUEST, "{}", res.text());
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        5,
+        "a handler ran on an over-long id"
+    );
 }
 
 /// A key header sent twice is an invalid key for every header extractor (`header`,
