@@ -1602,6 +1602,8 @@ mod tests {
         items: Arc<std::sync::Mutex<std::collections::HashMap<String, u64>>>,
         miscount: Arc<AtomicU64>,
         unanswered: Option<&'static str>,
+        /// The TTL of every renewal (`extend_each`) call, in order.
+        renewals: Arc<std::sync::Mutex<Vec<Duration>>>,
     }
 
     impl Backend for Extends {
@@ -1637,6 +1639,7 @@ mod tests {
             items: &[(LockKey, Token)],
             ttl: Duration,
         ) -> impl Future<Output = Result<Vec<Option<bool>>>> + Send {
+            self.renewals.lock().expect("renewals").push(ttl);
             let unanswered: Vec<bool> = items
                 .iter()
                 .map(|(key, _)| Some(key.key()) == self.unanswered)
@@ -1652,6 +1655,40 @@ mod tests {
             }
         }
         forward_to_memory!();
+    }
+
+    /// No renewal is sent while an explicit `extend` is on its way (it renews the lease itself):
+    /// with the extend travelling from 100 ms to about 1 s, past the renewal due at 400 ms, the
+    /// driver sends nothing; once it is answered, renewals go on, carrying its TTL.
+    #[tokio::test(start_paused = true)]
+    async fn no_renewal_is_sent_while_an_extend_travels() {
+        let backend = Extends {
+            before: Duration::from_millis(900),
+            ..Extends::default()
+        };
+        let renewals = backend.renewals.clone();
+        let locker = Locker::new(backend);
+        let opts = LockOptions::new().ttl(Duration::from_millis(1_200));
+        let lease = Arc::new(locker.try_acquire("k", &opts).await.expect("acquire"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let extending = tokio::spawn({
+            let lease = lease.clone();
+            async move { lease.extend(Duration::from_secs(2)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(850)).await;
+        assert!(
+            renewals.lock().expect("renewals").is_empty(),
+            "renewed while the extend travelled: {:?}",
+            renewals.lock().expect("renewals")
+        );
+        extending.await.expect("task").expect("extend");
+        // The next renewal is due a third of the new TTL after the extend was answered.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let sent = renewals.lock().expect("renewals").clone();
+        assert!(
+            !sent.is_empty() && sent.iter().all(|&ttl| ttl == Duration::from_secs(2)),
+            "renewals after the extend: {sent:?}"
+        );
     }
 
     /// Two tasks extending one lease in loops, so that one extend is always on its way: every
