@@ -680,15 +680,10 @@ impl QuorumBackend {
         let now = Instant::now();
         let patient_until = now + valid_until.saturating_duration_since(now) / 2;
         while no < quorum {
-            let next = if yes >= quorum {
-                match tokio::time::timeout_at(patient_until, calls.next()).await {
-                    Ok(next) => next,
-                    Err(_) => break,
-                }
-            } else {
-                calls.next().await
+            let patience = (yes >= quorum).then_some(patient_until);
+            let Some((i, vote)) = next_by(&mut calls, patience).await else {
+                break;
             };
-            let Some((i, vote)) = next else { break };
             match &vote {
                 Ok(Vote::Granted { .. }) => yes += 1,
                 Ok(Vote::Held { .. }) => no += 1,
@@ -786,16 +781,9 @@ impl QuorumBackend {
             // next grant needs; a write left unanswered is token-checked and only raises the
             // stored fence, so it may land or not.
             let mut written = 0;
-            loop {
-                let next = if written >= quorum {
-                    match tokio::time::timeout_at(patient_until, writes.next()).await {
-                        Ok(next) => next,
-                        Err(_) => break,
-                    }
-                } else {
-                    writes.next().await
-                };
-                let Some((_, write)) = next else { break };
+            while let Some((_, write)) =
+                next_by(&mut writes, (written >= quorum).then_some(patient_until)).await
+            {
                 if matches!(write, Ok(true)) {
                     written += 1;
                 }
@@ -857,6 +845,21 @@ impl QuorumBackend {
                 .on_members(&which, limit, |m| m.release(&key, &token))
                 .await;
         });
+    }
+}
+
+/// The next answer of `calls`; with `until`, only one that comes by then. `None` when none is
+/// left, or none came in time.
+async fn next_by<S>(calls: &mut S, until: Option<Instant>) -> Option<S::Item>
+where
+    S: futures_util::Stream + Unpin,
+{
+    match until {
+        Some(until) => tokio::time::timeout_at(until, calls.next())
+            .await
+            .ok()
+            .flatten(),
+        None => calls.next().await,
     }
 }
 
