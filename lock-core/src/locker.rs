@@ -1173,8 +1173,8 @@ impl<B: Backend + Clone> Locker<B> {
 /// fence is for) still writes late, over a newer holder's data. Where the data's own store can
 /// take the fence in the same operation as the write, check it there: a conditional update on a
 /// fence column (`UPDATE ... SET .., fence = $1 WHERE id = $2 AND fence <= $1`), or a script
-/// that compares and writes in one call. The gate is exact for writes that are themselves
-/// idempotent or that a later holder's write supersedes, and narrows the window for the rest.
+/// that compares and writes in one call. A separate gate narrows the window to the time
+/// between the two calls; it does not close it.
 ///
 /// The highest fence admitted is one key on the backend, and it is only as durable as that
 /// key: a restart without persistence, or a failover to a replica that had not received the
