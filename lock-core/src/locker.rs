@@ -1691,6 +1691,65 @@ mod tests {
         );
     }
 
+    /// Explicit extends that never answer, and a first renewal refused at once (a brief
+    /// refusal); the rest goes to the memory backend.
+    #[derive(Clone, Default)]
+    struct HungExtend {
+        inner: MemoryBackend,
+        renewals: Arc<AtomicU64>,
+    }
+
+    impl Backend for HungExtend {
+        forward_grants_to_memory!();
+        fn extend(
+            &self,
+            _items: &[(LockKey, Token)],
+            _ttl: Duration,
+        ) -> impl Future<Output = Result<Vec<bool>>> + Send {
+            std::future::pending()
+        }
+        fn extend_each(
+            &self,
+            items: &[(LockKey, Token)],
+            ttl: Duration,
+        ) -> impl Future<Output = Result<Vec<Option<bool>>>> + Send {
+            let first = self.renewals.fetch_add(1, Ordering::SeqCst) == 0;
+            let answers = self.inner.extend(items, ttl);
+            async move {
+                if first {
+                    return Err(unavailable("refused once"));
+                }
+                Ok(answers.await?.into_iter().map(Some).collect())
+            }
+        }
+        forward_to_memory!();
+    }
+
+    /// A renewal that fails is tried again before the lease's alarm, even when the TTL it
+    /// renews with is far longer than what is left: a 30 s lease whose extend to 100 ms was
+    /// given up on (outcome unknown, so the deadline is capped near 100 ms) and whose next
+    /// renewal is refused once survives on the retry. (The retry was filed a tenth of the TTL,
+    /// up to 250 ms, after the failure, past the alarm: the lease was reported lost at about
+    /// 90 ms though the backend answered again a millisecond later.)
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_renewal_is_retried_before_the_alarm() {
+        let backend = HungExtend::default();
+        let renewals = backend.renewals.clone();
+        let locker = Locker::new(backend);
+        let opts = LockOptions::new().ttl(Duration::from_secs(30));
+        let lease = locker.try_acquire("k", &opts).await.expect("acquire");
+        let extend = lease.extend(Duration::from_millis(100));
+        let gave_up = tokio::time::timeout(Duration::from_millis(20), extend).await;
+        assert!(gave_up.is_err(), "the extend answered: {gave_up:?}");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert!(
+            renewals.load(Ordering::SeqCst) >= 2,
+            "renewals sent: {renewals:?}"
+        );
+        assert!(!lease.is_lost(), "lost after one refused renewal");
+        assert!(lease.remaining() > Duration::ZERO);
+    }
+
     /// Two tasks extending one lease in loops, so that one extend is always on its way: every
     /// extend succeeds, and the lease stays held. (While two travelled at once, each answer
     /// was capped at the earliest deadline of any extend sent since none travelled, which

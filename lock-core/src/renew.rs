@@ -477,6 +477,17 @@ fn halfway_bound(planned: Instant, alarm: Instant) -> Instant {
     planned.min(now + alarm.saturating_duration_since(now) / 2)
 }
 
+/// When a failed renewal is tried again: soon, and by halfway to the lease's alarm. The TTL
+/// it renews with can be far longer than what is left (an extend to a short TTL of unknown
+/// outcome caps the deadline, not the TTL), and a retry filed after the alarm would let one
+/// brief refusal cost the lease. A millisecond at least, so an error that comes back at once
+/// does not spin just before the alarm.
+fn retry_at(e: &Entry) -> Instant {
+    let now = Instant::now();
+    let soon = now + (e.ttl / 10).min(Duration::from_millis(250));
+    halfway_bound(soon, e.state.alarm()).max(now + Duration::from_millis(1))
+}
+
 pub(crate) enum Cmd {
     Add {
         id: u64,
@@ -1126,7 +1137,7 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                 let Some(held) = held else {
                     // This lease's part of the batch failed: retry it like a failed batch.
                     e.state.renewal_unknown(sent_at + ttl - drift(ttl), ttl);
-                    let retry = Instant::now() + (e.ttl / 10).min(Duration::from_millis(250));
+                    let retry = retry_at(e);
                     debug!(key = e.key.key(), "renewal outcome unknown; retrying");
                     d.file_retry(*id, retry);
                     continue;
@@ -1175,7 +1186,7 @@ fn settle(d: &mut Driver, (sent_at, ttl, ids, result): BatchResult) {
                 let Some(e) = d.entries.get(id) else { continue };
                 e.state.renewal_unknown(sent_at + ttl - drift(ttl), ttl);
                 // Retry soon; the deadline timer marks the lease lost if none succeeds in time.
-                let retry = Instant::now() + (e.ttl / 10).min(Duration::from_millis(250));
+                let retry = retry_at(e);
                 debug!(key = e.key.key(), error = %err, "renewal failed; retrying");
                 d.file_retry(*id, retry);
             }
