@@ -1617,6 +1617,85 @@ async fn enqueue_many_failing_midway_names_what_landed(flavor: Flavor) {
     assert!(q.claim(ms(5_000)).await.expect("claim").is_none());
 }
 
+/// Script calls (`EVALSHA` and `EVAL`) the server has run so far.
+fn script_calls(server: &Server) -> u64 {
+    ["cmdstat_evalsha", "cmdstat_eval"]
+        .iter()
+        .map(|field| {
+            let line = server.info_field("commandstats", field);
+            line.split(',')
+                .find_map(|f| f.strip_prefix("calls="))
+                .map_or(0, |n| n.parse().expect("a count"))
+        })
+        .sum()
+}
+
+/// A worker of 200 slots, idle, asks the server like a small one: a few claimers poll on the
+/// fallback beat and answer an enqueue's wake-up, not every slot (200 claims a second idle,
+/// and 200 claims to hand out one job, on the connection the running jobs' extends share).
+async fn idle_slots_do_not_each_ask_the_server(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let q = Queue::redis(&server.url(), "idle").await.expect("connect");
+    let ran = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let worker = Worker::new(q.clone())
+        .concurrency(200)
+        .reap_every(Duration::from_secs(3_600))
+        .start({
+            let ran = ran.clone();
+            move |_job| {
+                ran.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async { Ok(()) }
+            }
+        })
+        .expect("start");
+    // Every slot has had its first look by then.
+    sleep(ms(500)).await;
+    let before = script_calls(&server);
+    sleep(ms(2_500)).await;
+    let idle = script_calls(&server) - before;
+    // Eight claimers polling once a second: about 20 in 2.5 s.
+    assert!(idle <= 60, "{idle} script calls in 2.5 s idle");
+
+    let before = script_calls(&server);
+    q.enqueue(b"one").await.expect("enqueue");
+    let report = report_once(&worker, |r| r.completed).await;
+    assert_eq!((report.claimed, report.errors), (1, 0), "{report:?}");
+    sleep(ms(200)).await;
+    // The enqueue, a claim per claimer woken, the complete.
+    let handing_out = script_calls(&server) - before;
+    assert!(
+        handing_out <= 30,
+        "{handing_out} script calls to hand out one job"
+    );
+    assert_eq!(ran.load(std::sync::atomic::Ordering::SeqCst), 1);
+    worker.shutdown(Duration::from_secs(1)).await;
+}
+
+/// Claims that fail for good are counted in the report (the log says why), and a worker of
+/// many slots retries them at one backoff per claimer, not one per slot.
+async fn failing_claims_are_counted(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let q = Queue::redis(&server.url(), "failing")
+        .await
+        .expect("connect");
+    let _: () = server.cmd(&["SET", "{leasehold:failing}:pending", "mine"]);
+    let worker = Worker::new(q)
+        .concurrency(200)
+        .reap_every(Duration::from_secs(3_600))
+        .start(|_job| async { Ok(()) })
+        .expect("start");
+    sleep(ms(1_500)).await;
+    let report = worker.report();
+    assert_eq!(report.claimed, 0, "{report:?}");
+    // Eight claimers backing off from 50 ms: five tries or so each in 1.5 s.
+    assert!(
+        (1..=80).contains(&report.errors),
+        "claim errors counted: {report:?}"
+    );
+    let report = worker.shutdown(Duration::from_secs(1)).await;
+    assert!(report.errors >= 1, "{report:?}");
+}
+
 macro_rules! faults {
     ($modname:ident, $flavor:expr) => {
         mod $modname {
@@ -1632,6 +1711,14 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_counter_past_exact_ids_is_refused() {
                 super::a_counter_past_exact_ids_is_refused($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn idle_slots_do_not_each_ask_the_server() {
+                super::idle_slots_do_not_each_ask_the_server($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn failing_claims_are_counted() {
+                super::failing_claims_are_counted($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn foreign_types() {

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_util::FutureExt;
+use tokio::sync::Semaphore;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, sleep, sleep_until};
 use tokio_util::sync::CancellationToken;
@@ -361,6 +362,11 @@ pub struct WorkerReport {
     /// Handlers still running when the report was taken; after a shutdown, the ones cut off at
     /// the grace deadline (their jobs are left to the reaper).
     pub in_flight: u64,
+    /// Claims and reaps that failed (the server refused or did not answer); each is tried
+    /// again after a backoff. A count that keeps rising while `claimed` does not says the
+    /// worker cannot take work (a queue key of a foreign type, an ACL refusal, a server down):
+    /// the log says why.
+    pub errors: u64,
 }
 
 #[derive(Default)]
@@ -371,6 +377,7 @@ struct Stats {
     failed: AtomicU64,
     lost: AtomicU64,
     in_flight: AtomicU64,
+    errors: AtomicU64,
 }
 
 impl Stats {
@@ -382,6 +389,7 @@ impl Stats {
             failed: self.failed.load(Ordering::Relaxed),
             lost: self.lost.load(Ordering::Relaxed),
             in_flight: self.in_flight.load(Ordering::Relaxed),
+            errors: self.errors.load(Ordering::Relaxed),
         }
     }
 }
@@ -398,6 +406,11 @@ fn bump(c: &AtomicU64) {
 /// ```
 pub const MAX_CONCURRENCY: usize = 10_000;
 
+/// How many of a worker's idle slots ask the server for a job at once: enough to claim
+/// several jobs per round trip when work arrives in bulk, few enough that an idle worker of
+/// thousands of slots polls like a small one.
+const MAX_CLAIMERS: usize = 8;
+
 /// Runs a handler over a [`Queue`] with `concurrency` jobs at a time.
 ///
 /// Each job's lease is extended every third of the lease while its handler runs. If an extend
@@ -410,8 +423,11 @@ pub const MAX_CONCURRENCY: usize = 10_000;
 /// [`Queue::reap`] on a beat, so crashed workers' jobs come back without a separate process.
 ///
 /// Renewal runs on a task of its own, so a handler that blocks its thread (CPU work, a
-/// synchronous call) keeps its lease on a multi-threaded runtime; on a current-thread runtime
-/// nothing else runs while it blocks. Cancellation, like any future's, takes effect at the
+/// synchronous call) keeps its lease on a multi-threaded runtime while another of the
+/// runtime's threads is free to run the renewal (and the connection it uses): with as many
+/// blocking handlers as worker threads nothing renews, and the lease runs out under them. Put
+/// blocking work in `spawn_blocking` (or `block_in_place`) to keep it off the runtime's
+/// threads. On a current-thread runtime nothing else runs while a handler blocks. Cancellation, like any future's, takes effect at the
 /// handler's next `.await`: a handler that blocks past a lost lease runs on until it yields,
 /// which is why writes should check the job's fence.
 ///
@@ -479,6 +495,10 @@ impl Worker {
 
     /// How many handlers run at once (at least one; above [`MAX_CONCURRENCY`],
     /// [`start`](Self::start) refuses with [`Error::InvalidCount`]).
+    ///
+    /// Idle slots take turns asking the queue for work, eight at a time at most, so a worker
+    /// of thousands of slots costs an idle server what a small one does; a slot that claims a
+    /// job hands its turn on before running the job.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lock_core::Result<()> {
@@ -845,15 +865,24 @@ async fn run<F, Fut>(
 {
     // Everything lives in this set, so aborting this task drops every handler with it.
     let mut tasks = JoinSet::new();
+    let claimers = Arc::new(Semaphore::new(worker.concurrency.min(MAX_CLAIMERS)));
     for slot in 0..worker.concurrency {
         let span = info_span!("worker_slot", queue = worker.queue.name(), slot);
+        let claimers = claimers.clone();
         tasks.spawn(
-            slot_loop(worker.clone(), handler.clone(), stop.clone(), stats.clone())
-                .instrument(span),
+            slot_loop(
+                worker.clone(),
+                handler.clone(),
+                stop.clone(),
+                stats.clone(),
+                claimers,
+            )
+            .instrument(span),
         );
     }
     let reaper_stop = stop.clone();
     let reaper = worker.clone();
+    let reaper_stats = stats.clone();
     tasks.spawn(async move {
         loop {
             tokio::select! {
@@ -869,7 +898,10 @@ async fn run<F, Fut>(
                     )
                 }
                 Ok(_) => {}
-                Err(e) => warn!(queue = reaper.queue.name(), error = %e, "reap failed"),
+                Err(e) => {
+                    bump(&reaper_stats.errors);
+                    warn!(queue = reaper.queue.name(), error = %e, "reap failed");
+                }
             }
         }
     });
@@ -896,12 +928,27 @@ async fn slot_loop<F, Fut>(
     handler: Arc<F>,
     stop: CancellationToken,
     stats: Arc<Stats>,
+    claimers: Arc<Semaphore>,
 ) where
     F: Fn(Job) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = std::result::Result<(), JobError>> + Send + 'static,
 {
     let mut pause = Duration::from_millis(50);
+    let mut place = None;
     while !stop.is_cancelled() {
+        // Idle slots queue for a claimer's place rather than each asking the server: a
+        // thousand idle slots would otherwise each poll on the fallback beat and each claim on
+        // every enqueue's wake-up, on the connection the running jobs' extends share.
+        if place.is_none() {
+            let taken = tokio::select! {
+                biased;
+                _ = stop.cancelled() => return,
+                taken = claimers.acquire() => taken,
+            };
+            // Never closed: the semaphore lives as long as the slots.
+            let Ok(taken) = taken else { return };
+            place = Some(taken);
+        }
         // Wait in bounded rounds so the loop re-checks `stop` even if no wake-up comes.
         let give_up = Instant::now() + Duration::from_secs(30);
         match worker
@@ -910,15 +957,21 @@ async fn slot_loop<F, Fut>(
             .await
         {
             Ok(Some(claim)) => {
+                // The next idle slot claims while this one runs its job.
+                place = None;
                 pause = Duration::from_millis(50);
                 bump(&stats.claimed);
                 stats.in_flight.fetch_add(1, Ordering::Relaxed);
                 run_job(&worker, &*handler, claim, &stats).await;
                 stats.in_flight.fetch_sub(1, Ordering::Relaxed);
             }
-            Ok(None) => {}
+            // A round that found nothing lets the other idle slots have their turn.
+            Ok(None) => place = None,
             Err(e) => {
+                bump(&stats.errors);
                 warn!(error = %e, "claim failed; retrying");
+                // The place is kept through the pause and the retry, so a failing server sees
+                // this slot's backoff, not every idle slot trying in turn from the first.
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     _ = sleep(pause) => {},
@@ -1039,8 +1092,20 @@ where
                 warn!(error = %e, "result refused: the lease was lost before it landed");
                 bump(&stats.lost);
             }
+            Err(e @ (Error::UnknownJob { .. } | Error::WrongType { .. })) => {
+                // Nothing the reaper can return: the job's key was deleted or replaced.
+                warn!(error = %e, "could not settle the job: its record is gone or foreign");
+                bump(&stats.lost);
+            }
             Err(e) => {
-                warn!(error = %e, "could not settle the job; the reaper will return it");
+                // A settle given up on while in doubt may have landed; otherwise the job's
+                // lease runs out and the reaper returns it.
+                warn!(
+                    error = %e,
+                    in_doubt,
+                    "could not settle the job; unless a try landed, the reaper returns it once \
+                     its lease runs out"
+                );
                 bump(&stats.lost);
             }
         }
