@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use leasehold::{AnyBackend, Fence, LockOptions, Locker};
 use support::{Cluster, Flavor};
-use tokio::time::{Instant, sleep};
+use tokio::time::{Instant, sleep, sleep_until};
 
 /// One grant as the client saw it.
 #[derive(Clone, Debug)]
@@ -1313,6 +1313,85 @@ async fn a_stalled_master_delays_the_wake_up_round_once(flavor: Flavor) {
     );
 }
 
+/// A waiter whose subscription is confirmed only after it stopped waiting for that (a second:
+/// here the subscription task was held up by an unsubscribe sent to a stalled master) is woken
+/// when the subscription lands (by the node's confirmation push), so a release it missed in the
+/// meantime does not leave it asleep on its timer until the holder's TTL or its own deadline.
+/// Fails with the confirmation push not waking a watched channel's waiters (seen).
+async fn a_subscription_confirmed_late_still_wakes(flavor: Flavor) {
+    let cluster = Cluster::start(flavor, 3, 0);
+    for node in &cluster.nodes {
+        let _: () = node.cmd(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
+    }
+    let urls = cluster.urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let holder_side = Locker::redis_cluster(&urls).await.expect("connect");
+    // Patient enough that the stalled master's unsubscribe is answered, not timed out (a
+    // timeout would break the connection, and the wake-all after it would hide the miss).
+    let waiter_side =
+        timed_locker(&cluster, Duration::from_secs(5), Duration::from_millis(300)).await;
+    let held = LockOptions::new().ttl(Duration::from_secs(60)).renew(false);
+    let wait = LockOptions::new()
+        .ttl(Duration::from_secs(5))
+        .wait(Duration::from_secs(20));
+    let on_stalled = names_on(&cluster, &holder_side, 2, 1).await.remove(0);
+    let on_healthy = names_on(&cluster, &holder_side, 0, 1).await.remove(0);
+    let _a = holder_side
+        .try_acquire(&on_stalled, &held)
+        .await
+        .expect("a");
+    let b = holder_side
+        .try_acquire(&on_healthy, &held)
+        .await
+        .expect("b");
+    let b_fence = b.fence();
+
+    let leaving = tokio::spawn({
+        let (locker, name, wait) = (waiter_side.clone(), on_stalled.clone(), wait.clone());
+        async move { locker.acquire(&name, &wait).await.map(|l| l.fence()) }
+    });
+    let a_key = holder_side.lock_key(&on_stalled).expect("key");
+    assert!(
+        subscribed_on(&cluster, 2, a_key.channel()).await,
+        "never subscribed"
+    );
+    let stalled = cluster.nodes[2].pause();
+    let paused_at = Instant::now();
+    // Its last waiter gone, the channel's unsubscribe goes to the stalled master and waits.
+    leaving.abort();
+    sleep(Duration::from_millis(100)).await;
+    let waiter = tokio::spawn({
+        let (locker, name, wait) = (waiter_side.clone(), on_healthy.clone(), wait.clone());
+        async move { locker.acquire(&name, &wait).await.map(|l| l.fence()) }
+    });
+    // Its subscription waits behind the unsubscribe, past the second its waiter waits for it.
+    sleep(Duration::from_millis(1_400)).await;
+    let b_key = holder_side.lock_key(&on_healthy).expect("key");
+    assert_eq!(
+        subscribers(&cluster, 0, b_key.channel()),
+        0,
+        "subscribed early"
+    );
+    assert_eq!(
+        b.release().await.expect("release"),
+        leasehold::Release::Released
+    );
+    sleep_until(paused_at + Duration::from_millis(2_500)).await;
+    drop(stalled);
+    let resumed = Instant::now();
+    let got = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the waiter slept on past the subscription")
+        .expect("waiter task")
+        .expect("acquire");
+    assert!(got > b_fence, "fence did not rise");
+    assert!(
+        resumed.elapsed() < Duration::from_secs(3),
+        "woken {:?} after the stalled master resumed",
+        resumed.elapsed()
+    );
+}
+
 /// Every scenario above on a Redis cluster and on a Valkey cluster, as
 /// `on_redis::<scenario>` and `on_valkey::<scenario>`.
 macro_rules! on_each_flavor {
@@ -1338,6 +1417,7 @@ macro_rules! on_each_flavor {
 
 on_each_flavor!(
     master_killed_under_load,
+    a_subscription_confirmed_late_still_wakes,
     waiter_woken_after_resubscribe,
     nothing_runs_twice_when_connections_drop,
     acquire_follows_a_moving_slot,
