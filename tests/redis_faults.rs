@@ -547,6 +547,59 @@ async fn waiters_woken_after_resubscribe(flavor: Flavor) {
     drop(held);
 }
 
+/// A server that drops the subscription connection as soon as it is made (here killed every
+/// 50 ms for 2 s): the subscriber reconnects with backoff, not at once, so the waiter it wakes
+/// on every reconnect asks the server a handful of times, not once per kill. Once the kills
+/// stop, a release still wakes the waiter.
+async fn a_subscription_dropped_at_once_is_paced(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let holder_side = Locker::redis(&server.url()).await.expect("connect");
+    let waiter_side = Locker::redis(&server.url()).await.expect("connect");
+    let held = holder_side
+        .try_acquire("churn", &opts(30_000).renew(false))
+        .await
+        .expect("holder");
+    let waiter = tokio::spawn(async move {
+        let lease = waiter_side
+            .acquire("churn", &opts(1_000).wait(Duration::from_secs(20)))
+            .await;
+        (lease.map(|l| l.fence()), Instant::now())
+    });
+    let channel = holder_side
+        .lock_key("churn")
+        .expect("key")
+        .channel()
+        .to_owned();
+    server.wait_for_subscriber(&channel).await;
+    let attempts_before = calls(&server, "evalsha");
+    let churn = Instant::now();
+    while churn.elapsed() < Duration::from_secs(2) {
+        let _: i64 = server.cmd(&["CLIENT", "KILL", "TYPE", "pubsub"]);
+        sleep(Duration::from_millis(50)).await;
+    }
+    let attempts = calls(&server, "evalsha") - attempts_before;
+    // Backing off from 20 ms to 1 s: about eight reconnects in 2 s, against forty kills.
+    assert!(
+        attempts <= 16,
+        "{attempts} attempts by one waiter in 2 s of dropped subscriptions"
+    );
+    assert!(!waiter.is_finished(), "the waiter got a held key");
+    server.wait_for_subscriber(&channel).await;
+    let held_fence = held.fence();
+    let released = Instant::now();
+    assert_eq!(
+        held.release().await.expect("release"),
+        leasehold::Release::Released
+    );
+    let (fence, granted) = waiter.await.expect("waiter task");
+    assert!(fence.expect("the waiter got the key") > held_fence);
+    assert!(
+        granted - released < Duration::from_secs(1),
+        "woken {:?} after the release",
+        granted - released
+    );
+}
+
 /// A lock key someone else set with a plain `SET` (no expiry): `Busy` with no remaining time,
 /// the value left alone, and a waiter that backs off rather than spinning until its deadline.
 async fn held_without_expiry(flavor: Flavor) {
@@ -1778,6 +1831,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn waiters_woken_after_resubscribe() {
                 super::waiters_woken_after_resubscribe($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_subscription_dropped_at_once_is_paced() {
+                super::a_subscription_dropped_at_once_is_paced($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn renewal_is_batched() {

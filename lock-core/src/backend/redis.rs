@@ -1377,6 +1377,9 @@ fn take_run(rx: &mut mpsc::UnboundedReceiver<SubCmd>, first: SubCmd) -> (Run, Op
     }
 }
 
+/// How long a subscription session must have lasted for the reconnect backoff to start over.
+const STEADY_SESSION: Duration = Duration::from_secs(1);
+
 /// How often the subscription connection is checked with a `PING`.
 const SUBSCRIPTION_CHECK: Duration = Duration::from_secs(5);
 
@@ -1416,7 +1419,7 @@ async fn subscriber(
             backoff = (backoff * 2).min(Duration::from_secs(1));
             continue;
         }
-        backoff = Duration::from_millis(20);
+        let session = tokio::time::Instant::now();
         wakeups.wake_all();
         let mut check = tokio::time::interval_at(
             tokio::time::Instant::now() + SUBSCRIPTION_CHECK,
@@ -1490,6 +1493,17 @@ async fn subscriber(
                     }
                 }
             }
+        }
+        if session.elapsed() >= STEADY_SESSION {
+            backoff = Duration::from_millis(20);
+        } else {
+            // Ended as soon as it started (a server or proxy that drops pub/sub clients after
+            // the handshake): paced like a failed connect, since each new session wakes every
+            // waiter, and each woken waiter asks the server again.
+            if !drain_while_down(&mut rx, backoff).await {
+                return;
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(1));
         }
     }
 }
