@@ -63,11 +63,30 @@ where
             Reason::BodyTooLarge,
             format!("the request body is larger than {cap} bytes"),
         )),
+        // A limit set outside this layer (tower-http's `RequestBodyLimitLayer`, axum's
+        // `DefaultBodyLimit` around a chunked body) comes wrapped in the body's own error type,
+        // as axum's extractors find it: still too large, not unreadable.
+        Err(e) if over_a_limit(&*e) => Err((
+            Reason::BodyTooLarge,
+            "the request body is larger than a limit set before this layer".to_owned(),
+        )),
         Err(e) => Err((
             Reason::BodyUnreadable,
             format!("the request body could not be read: {e}"),
         )),
     }
+}
+
+/// Whether `e` or an error it wraps is a body's length limit.
+fn over_a_limit(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(err) = next {
+        if err.is::<LengthLimitError>() {
+            return true;
+        }
+        next = err.source();
+    }
+    false
 }
 
 /// Whether a response with this status sends no body, whatever length it names: 1xx, 204,
@@ -144,4 +163,30 @@ fn misconfigured<B>(rejections: &Rejections, detail: &'static str) -> Response<L
         .setup_logged
         .log("the layer is misconfigured", &detail);
     reject(rejections, Reason::Misconfigured, None, detail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A limit set outside the layer, its error wrapped in axum's body error (as a
+    /// `RequestBodyLimitLayer` or `DefaultBodyLimit` in front of a chunked body gives it), is
+    /// a body too large (413), not an unreadable one (400). The layer's own cap says its size.
+    #[tokio::test]
+    async fn a_limit_set_outside_is_a_body_too_large() {
+        let outer = Limited::new(Full::new(Bytes::from(vec![b'x'; 200])), 100);
+        let wrapped = axum::body::Body::new(outer);
+        let (reason, detail) = read_capped(wrapped, 1 << 20)
+            .await
+            .expect_err("over the limit");
+        assert_eq!(reason, Reason::BodyTooLarge, "{detail}");
+
+        let ours = read_capped(Full::new(Bytes::from(vec![b'x'; 200])), 100).await;
+        let (reason, detail) = ours.expect_err("over the cap");
+        assert_eq!(reason, Reason::BodyTooLarge);
+        assert!(detail.contains("100 bytes"), "{detail}");
+
+        let fine = read_capped(axum::body::Body::from("{}"), 100).await;
+        assert_eq!(fine.expect("read"), Bytes::from_static(b"{}"));
+    }
 }
