@@ -544,12 +544,17 @@ fn no_field(value: &serde_json::Value, pointer: &str) -> KeyProblem {
                 None => return absent(),
             },
             Value::Null => return absent(),
-            Value::Array(items) => match token.parse::<usize>() {
-                Ok(i) => match items.get(i) {
+            // serde_json's rule for an index (no sign, no leading zero): a token it reads as
+            // no index must not be read as one here, or `/items/01` would count as missing.
+            Value::Array(items) => match Some(&token)
+                .filter(|t| !t.starts_with('+') && (t.len() == 1 || !t.starts_with('0')))
+                .map(|t| t.parse::<usize>())
+            {
+                Some(Ok(i)) => match items.get(i) {
                     Some(next) => next,
                     None => return absent(),
                 },
-                Err(_) => {
+                _ => {
                     return invalid(format!(
                         "the body has an array where `{pointer}` names a field"
                     ));
@@ -762,6 +767,9 @@ mod tests {
             ("/account", &br#"["7",10]"#[..]),
             ("/account/id", br#"{"account":["7"]}"#),
             ("/account/id", br#"{"account":"7"}"#),
+            // Not indexes to serde_json, so the path names no element: not a missing key.
+            ("/items/01", br#"{"items":["a","b"]}"#),
+            ("/items/+1", br#"{"items":["a","b"]}"#),
         ] {
             let got = extract_json(ptr, body);
             assert!(
