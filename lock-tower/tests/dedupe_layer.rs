@@ -1458,6 +1458,30 @@ async fn a_hang_up_below_the_cap_counts_from_the_hang_up() {
     );
 }
 
+/// A body above the cap that sends one frame and then nothing, neither ending nor failing (a
+/// stream whose producer hangs): the relay never gets a frame to fail to hand on, so it must
+/// see the caller hang up by itself. The claim is freed a claim TTL after the hang-up. (It was
+/// held for ever: every retry 409, the relay task and its renewing lease kept.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_body_above_the_cap_after_a_hang_up_frees_the_claim() {
+    let layer = DedupeLayer::new(lock_core::Locker::memory())
+        .claim_ttl(Duration::from_secs(1))
+        .stored_body_limit(10);
+    let silent = || Body::new(common::Lingering(Some(Bytes::from(vec![b'x'; 64]))));
+    let freed = freed_after_a_hang_up_with(
+        layer,
+        Duration::from_millis(300),
+        Duration::from_secs(8),
+        silent,
+    )
+    .await
+    .expect("the claim was still held 8 s after the caller hung up");
+    assert!(
+        freed < Duration::from_millis(3_000),
+        "the claim was freed {freed:?} after the hang-up, against a 1 s claim TTL"
+    );
+}
+
 /// Serves a route under `layer` whose body drips six bytes every 50 ms for ever, delivers one
 /// keyed request and hangs up `linger` after its handler started; then retries until one runs
 /// the handler again. How long after the hang-up that was, or `None` within `limit`.
@@ -1465,6 +1489,17 @@ async fn freed_after_a_hang_up(
     layer: DedupeLayer,
     linger: Duration,
     limit: Duration,
+) -> Option<Duration> {
+    let drip = || Body::new(Drip::new(Duration::from_millis(50), usize::MAX));
+    freed_after_a_hang_up_with(layer, linger, limit, drip).await
+}
+
+/// As [`freed_after_a_hang_up`], the route answering with the body `make` gives.
+async fn freed_after_a_hang_up_with(
+    layer: DedupeLayer,
+    linger: Duration,
+    limit: Duration,
+    make: fn() -> Body,
 ) -> Option<Duration> {
     let (tx, mut entered) = mpsc::unbounded_channel();
     let app = Router::new()
@@ -1474,7 +1509,7 @@ async fn freed_after_a_hang_up(
                 let tx = tx.clone();
                 async move {
                     let _ = tx.send(());
-                    Response::new(Body::new(Drip::new(Duration::from_millis(50), usize::MAX)))
+                    Response::new(make())
                 }
             }),
         )

@@ -619,6 +619,13 @@ impl Completion {
                     let cut = "the response body outlasted the caller by a claim TTL".into();
                     return self.cut_off(tx, cut).await;
                 }
+                // A body that goes quiet gives no frame whose send would fail: the hang-up is
+                // watched for, or the claim would be held (and renewed) for ever.
+                () = hung_up(tx.as_ref()), if give_up.is_none() => {
+                    tx = None;
+                    give_up = Some(tokio::time::Instant::now() + read_on);
+                    continue;
+                }
                 next = next_frame(&mut body) => next,
             };
             match next {
@@ -756,6 +763,14 @@ fn replay<B>(cfg: &DedupeConfig, rec: &Record, fingerprint: &str) -> Response<Lo
 }
 
 /// Sleeps until `deadline`, or for ever without one.
+/// Resolves once the caller at the other end of `tx` has gone (never when there is none).
+async fn hung_up(tx: Option<&Relay>) {
+    match tx {
+        Some(t) => t.closed().await,
+        None => std::future::pending().await,
+    }
+}
+
 async fn sleep_until_some(deadline: Option<tokio::time::Instant>) {
     match deadline {
         Some(at) => tokio::time::sleep_until(at).await,
