@@ -1599,6 +1599,54 @@ pub(super) async fn drain_while_down(
 mod tests {
     use super::*;
 
+    /// No script formats a number with `%d`: the server's Lua formats it through a C `long`,
+    /// 32 bits on some builds (ARMv7, 32-bit x86), where a clock in microseconds, a fence or
+    /// a large expiry would wrap (a fence would go backwards). `%.0f` is exact to 2^53 on
+    /// every build.
+    #[test]
+    fn no_script_formats_an_integer_through_a_c_long() {
+        for (name, script) in [
+            ("acquire.lua", include_str!("../lua/acquire.lua")),
+            ("extend.lua", include_str!("../lua/extend.lua")),
+            ("extend_node.lua", include_str!("../lua/extend_node.lua")),
+            ("fence_gate.lua", include_str!("../lua/fence_gate.lua")),
+            ("queue_claim.lua", include_str!("../lua/queue_claim.lua")),
+            ("queue_common.lua", include_str!("../lua/queue_common.lua")),
+            (
+                "queue_complete.lua",
+                include_str!("../lua/queue_complete.lua"),
+            ),
+            (
+                "queue_enqueue.lua",
+                include_str!("../lua/queue_enqueue.lua"),
+            ),
+            ("queue_extend.lua", include_str!("../lua/queue_extend.lua")),
+            ("queue_fail.lua", include_str!("../lua/queue_fail.lua")),
+            (
+                "queue_inspect.lua",
+                include_str!("../lua/queue_inspect.lua"),
+            ),
+            ("queue_purge.lua", include_str!("../lua/queue_purge.lua")),
+            ("queue_reap.lua", include_str!("../lua/queue_reap.lua")),
+            ("queue_retry.lua", include_str!("../lua/queue_retry.lua")),
+            (
+                "quorum_acquire.lua",
+                include_str!("../lua/quorum_acquire.lua"),
+            ),
+            ("quorum_fence.lua", include_str!("../lua/quorum_fence.lua")),
+            ("release.lua", include_str!("../lua/release.lua")),
+        ] {
+            for (i, line) in script.lines().enumerate() {
+                let code = line.split("--").next().unwrap_or_default();
+                assert!(
+                    !code.contains("format('%d'") && !code.contains("format(\"%d\""),
+                    "{name}:{}: {line}",
+                    i + 1
+                );
+            }
+        }
+    }
+
     /// A call refused for a key, as Redis 7.0 and Redis 7.2+/Valkey word it, is told from a
     /// command refused to a user whose name holds "key", and from other refusals.
     #[test]

@@ -34,7 +34,7 @@ local function put_fence(key, value, keep, now)
   local ahead_ms = math.ceil((tonumber(value) - now) / 1000)
   if ahead_ms > 31536000000 then return redis.pcall('SET', key, value) end
   local px = tonumber(keep) + math.max(ahead_ms, 0)
-  return redis.pcall('SET', key, value, 'PX', string.format('%d', px))
+  return redis.pcall('SET', key, value, 'PX', string.format('%.0f', px))
 end
 
 -- A canonical decimal string plus one, exactly: fences go to 2^64 - 1, and Lua numbers are
@@ -67,7 +67,10 @@ end
 -- Wall-clock microseconds keep the fence rising even when the counter was lost (restart
 -- without persistence, failover to a lagging replica), provided the clock does not step back.
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local now_text = string.format('%d', now)
+-- '%.0f', not '%d': the server's Lua formats '%d' through a C long, 32 bits on some builds
+-- (ARMv7, 32-bit x86), where a clock in microseconds would wrap; a double's integer part is
+-- exact to 2^53 on every build.
+local now_text = string.format('%.0f', now)
 
 for i = 1, #KEYS / 2 do
   local lock, fence_key = KEYS[2 * i - 1], KEYS[2 * i]

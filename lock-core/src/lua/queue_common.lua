@@ -45,9 +45,10 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- Integers as Redis wants them in keys and members (Lua numbers are doubles).
+-- Integers as Redis wants them in keys and members (Lua numbers are doubles). '%.0f', not
+-- '%d', which goes through a C long (32 bits on some builds).
 local function s(n)
-  return string.format('%d', n)
+  return string.format('%.0f', n)
 end
 
 -- nil when the caller, at attempt `want`, still holds the job's lease; otherwise the refusal.
