@@ -185,6 +185,38 @@ async fn unresolved_grant_is_released(flavor: Flavor) {
         .expect("release");
 }
 
+/// An acquire whose caller left while it travelled (a timeout around it): the grant that may
+/// exist is released in the background at once, on the same connection, and when the grant's
+/// reply is lost (the connection closed) that release's reply goes with it. The release is
+/// sent again, as a dropped guard's is. Its first delete ran here, so the key is gone either
+/// way: the count of script calls tells whether it was sent again.
+async fn an_abandoned_grants_release_gone_wrong_is_sent_again(flavor: Flavor) {
+    let (server, proxy, locker) = through_proxy(flavor).await;
+    let before = script_calls(&server);
+    proxy.delay_replies(Duration::from_millis(300));
+    proxy.drop_replies(GRANT, 1);
+    let left = tokio::time::timeout(
+        Duration::from_millis(100),
+        locker.try_acquire("abandoned", &opts()),
+    )
+    .await;
+    assert!(left.is_err(), "the acquire answered: {left:?}");
+    let give_up = Instant::now() + Duration::from_secs(5);
+    while script_calls(&server) < before + 3 && Instant::now() < give_up {
+        sleep(Duration::from_millis(20)).await;
+    }
+    // Time for a fourth call, had there been one.
+    sleep(Duration::from_millis(700)).await;
+    assert_eq!(proxy.dropped.load(Ordering::SeqCst), 1, "the grant's reply");
+    assert_eq!(
+        script_calls(&server) - before,
+        3,
+        "the acquire, its release, and that release once more"
+    );
+    let k = locker.lock_key("abandoned").expect("key");
+    assert_eq!(server.cmd::<i64>(&["EXISTS", k.lock_key()]), 0);
+}
+
 /// The release's reply is lost: the repeated release finds the key gone, and since the first
 /// may or may not have been the one that deleted it, the caller is told `OutcomeUnknown`; the
 /// key is not left held either way.
@@ -1054,6 +1086,10 @@ macro_rules! lost_replies {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_retry_after_the_fence_key_went_gets_a_fence() {
                 super::a_retry_after_the_fence_key_went_gets_a_fence($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_abandoned_grants_release_gone_wrong_is_sent_again() {
+                super::an_abandoned_grants_release_gone_wrong_is_sent_again($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn unresolved_grant_is_released() {

@@ -275,7 +275,13 @@ impl Flush for Acquires {
         let (mut conn, scripts) = (self.0.conn.clone(), self.0.scripts.clone());
         let (key, token) = (item.0.clone(), item.1.clone());
         runtime.spawn(async move {
-            match ops::release(&mut conn, &scripts, &key, &token, "PUBLISH").await {
+            let mut released = ops::release(&mut conn, &scripts, &key, &token, "PUBLISH").await;
+            // As a dropped guard's release: one that got no verdict (sent on the connection
+            // the grant's reply was lost with, say) may never have reached the server.
+            if released.as_ref().is_err_and(Error::may_have_landed) {
+                released = ops::release(&mut conn, &scripts, &key, &token, "PUBLISH").await;
+            }
+            match released {
                 Ok(held) => debug!(key = key.key(), held, "abandoned grant released"),
                 Err(e) => warn!(key = key.key(), error = %e, "abandoned grant not released; it expires with its TTL"),
             }
