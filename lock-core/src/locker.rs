@@ -353,7 +353,10 @@ impl<B: Backend + Clone> Drop for Abandoned<'_, B> {
 /// The renewal driver is a task on the runtime that first used the locker (started again on a
 /// later one once that runtime has shut down): use a locker from one runtime at a time, and
 /// give runtimes that run side by side a locker each. Leases taken on a second runtime are
-/// renewed only while the first one is driven.
+/// renewed only while the first one is driven, and on Redis the calls that queue behind one in
+/// flight (acquires and releases sent together) are sent from a task on the runtime of the
+/// call that queued first: if that runtime stops being driven but is not shut down (a
+/// current-thread runtime between `block_on` calls), they wait until it is driven again.
 ///
 /// ```
 /// use lock_core::{Locker, LockOptions};

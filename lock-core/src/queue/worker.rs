@@ -431,6 +431,12 @@ const MAX_CLAIMERS: usize = 8;
 /// handler's next `.await`: a handler that blocks past a lost lease runs on until it yields,
 /// which is why writes should check the job's fence.
 ///
+/// A claim answered after its validity is given back with its attempt counted, as the reaper
+/// would (see [`Queue::claim`]): a worker whose round trips to the server are slower than
+/// its lease (a TTL under the response timeout and a stalled server, a starved runtime) can
+/// send jobs to the dead set after `max_attempts` such claims without their handler running.
+/// Keep the TTL well above the round trip.
+///
 /// ```
 /// use lock_core::queue::{Queue, Worker};
 /// use std::time::Duration;
