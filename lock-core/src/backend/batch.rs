@@ -192,12 +192,15 @@ impl<F: Flush> Batcher<F> {
     ) {
         if !F::SEND_ABANDONED && replies.iter().any(|tx| tx.is_closed()) {
             // Not sent, so not in line: those items' calls are dropped uncalled.
+            // Read once: a caller leaving between two reads would keep its place in line for an
+            // item that is not sent.
             let kept: Vec<bool> = replies.iter().map(|tx| !tx.is_closed()).collect();
             in_line.retain(|(i, _)| kept[*i]);
             (items, replies) = items
                 .into_iter()
                 .zip(replies)
-                .filter(|(_, tx)| !tx.is_closed())
+                .zip(&kept)
+                .filter_map(|(pair, &keep)| keep.then_some(pair))
                 .unzip();
         }
         let answers = {
