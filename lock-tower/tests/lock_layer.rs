@@ -82,6 +82,43 @@ fn gated(layer: LockLayer, entered: mpsc::UnboundedSender<u64>, go: Arc<Semaphor
         .route_layer(layer)
 }
 
+/// A finished response waits for its lease's release before it goes out (so the client's next
+/// request finds the key free), but not for a server that stopped answering: the proxy stalls
+/// as the handler returns, and the response still comes within about a second, not after the
+/// release's response timeout and its resend (2 s each). The release lands once the stall ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_server_does_not_hold_a_finished_response() {
+    let server = support::Server::start(support::Flavor::Redis);
+    let proxy = support::proxy::Proxy::start(server.port).await;
+    let locker = lock_core::Locker::redis(&proxy.url())
+        .await
+        .expect("connect through the proxy");
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let go = Arc::new(Semaphore::new(0));
+    let layer = LockLayer::new(locker.clone(), KeyExtractor::route_param("id"))
+        .ttl(Duration::from_secs(30));
+    let addr = serve(gated(layer, tx, go.clone())).await;
+    let first = tokio::spawn(async move { post_to(addr, "/accounts/7/withdraw").await });
+    entered.recv().await.expect("entered");
+    proxy.stall(true);
+    let finished = Instant::now();
+    go.add_permits(1);
+    let first = first.await.expect("join");
+    let waited = finished.elapsed();
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+    assert!(
+        waited < Duration::from_millis(1_800),
+        "the response waited {waited:?} for a release the server did not answer"
+    );
+    proxy.stall(false);
+    let k = locker.lock_key("7").expect("key");
+    let released = eventually(Duration::from_secs(10), async || {
+        server.cmd::<i64>(&["EXISTS", k.lock_key()]) == 0
+    })
+    .await;
+    assert!(released, "the release never landed");
+}
+
 async fn held_key_gets_409_with_retry_after(h: Harness) {
     let locker = h.locker().await;
     let (tx, mut entered) = mpsc::unbounded_channel();

@@ -393,10 +393,15 @@ fn release_now(lease: Lease) {
 /// a release dropped in flight would leave the key held until its TTL ran out. A task carries
 /// on regardless of who awaits it.
 async fn release_remote(lease: Lease) {
-    if let Ok(outcome) = tokio::spawn(lease.release()).await {
-        log_release(outcome);
-    }
+    let release = tokio::spawn(async move { log_release(lease.release().await) });
+    // The release goes on in its task past this bound: a server that stopped answering would
+    // otherwise hold a finished response for its timeouts (a response timeout, and another
+    // for the resend of a release of unknown outcome), though the work is done.
+    let _ = tokio::time::timeout(RELEASE_BEFORE_HEAD, release).await;
 }
+
+/// How long a finished response waits for its lease's release before it goes out anyway.
+const RELEASE_BEFORE_HEAD: std::time::Duration = std::time::Duration::from_secs(1);
 
 pub(crate) fn log_release(outcome: lock_core::Result<lock_core::Release>) {
     match outcome {
