@@ -23,12 +23,9 @@ struct Grant {
 }
 
 async fn master_killed_under_load(flavor: Flavor) {
-    let mut cluster = Cluster::start(flavor, 3, 1);
     // The surviving shards keep serving while the failed one fails over (the default stops the
     // whole cluster until every slot is covered again, and nothing could be renewed anywhere).
-    for node in &cluster.nodes {
-        let _: () = node.cmd(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
-    }
+    let mut cluster = serving_in_part(flavor, 3, 1);
     let urls = cluster.urls();
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     let locker = Locker::redis_cluster(&urls).await.expect("connect");
@@ -869,11 +866,8 @@ async fn renewal_is_batched_per_master_out_of_memory(flavor: Flavor) {
 /// answers) and its replica takes over: the lease is renewed on the new master before its
 /// validity runs out, and is not lost.
 async fn a_renewing_lease_outlives_a_stalled_masters_failover(flavor: Flavor) {
-    let cluster = Cluster::start(flavor, 3, 1);
     // The other shards keep serving while the stalled one fails over.
-    for node in &cluster.nodes {
-        let _: () = node.cmd(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
-    }
+    let cluster = serving_in_part(flavor, 3, 1);
     let urls = cluster.urls();
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     let locker = Locker::redis_cluster(&urls).await.expect("connect");
@@ -1034,13 +1028,12 @@ async fn an_unanswered_extend_is_of_unknown_outcome(flavor: Flavor) {
 /// replica): a new connection cannot reach it either, and is taken all the same, as it reaches
 /// node 0 where the old one did not.
 async fn silent_node_connection_replaced(flavor: Flavor, dead_master: bool) {
-    let mut cluster = Cluster::start(flavor, 3, 0);
-    if dead_master {
-        // The other shards keep serving while one is down.
-        for node in &cluster.nodes {
-            let _: () = node.cmd(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
-        }
-    }
+    // With a master down, the other shards keep serving.
+    let mut cluster = if dead_master {
+        serving_in_part(flavor, 3, 0)
+    } else {
+        Cluster::start(flavor, 3, 0)
+    };
     // Node 0 is reached through a proxy: it announces the proxy's port as its own.
     let proxy = support::proxy::Proxy::start(cluster.nodes[0].port).await;
     let port = proxy.port.to_string();
@@ -1132,6 +1125,16 @@ async fn timed_locker(cluster: &Cluster, response: Duration, connection: Duratio
         .await
         .expect("connect");
     Locker::new(AnyBackend::Cluster(backend))
+}
+
+/// A cluster whose other shards keep serving while one is down or stalled
+/// (`cluster-require-full-coverage no`).
+fn serving_in_part(flavor: Flavor, masters: usize, replicas: usize) -> Cluster {
+    let cluster = Cluster::start(flavor, masters, replicas);
+    for node in &cluster.nodes {
+        let _: () = node.cmd(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
+    }
+    cluster
 }
 
 /// `n` lock names whose keys node `node` serves (each taken and released once to find out).
@@ -1254,10 +1257,7 @@ async fn a_key_the_user_may_no_longer_touch_loses_only_its_own_lease(flavor: Fla
 /// is woken within a few patiences (here 0.3 s each; eight channels one after another took
 /// about 2.7 s), long before its holder's TTL.
 async fn a_stalled_master_delays_the_wake_up_round_once(flavor: Flavor) {
-    let cluster = Cluster::start(flavor, 3, 0);
-    for node in &cluster.nodes {
-        let _: () = node.cmd(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
-    }
+    let cluster = serving_in_part(flavor, 3, 0);
     let urls = cluster.urls();
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     let holder_side = Locker::redis_cluster(&urls).await.expect("connect");
@@ -1319,10 +1319,7 @@ async fn a_stalled_master_delays_the_wake_up_round_once(flavor: Flavor) {
 /// meantime does not leave it asleep on its timer until the holder's TTL or its own deadline.
 /// Fails with the confirmation push not waking a watched channel's waiters (seen).
 async fn a_subscription_confirmed_late_still_wakes(flavor: Flavor) {
-    let cluster = Cluster::start(flavor, 3, 0);
-    for node in &cluster.nodes {
-        let _: () = node.cmd(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
-    }
+    let cluster = serving_in_part(flavor, 3, 0);
     let urls = cluster.urls();
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     let holder_side = Locker::redis_cluster(&urls).await.expect("connect");
@@ -1834,10 +1831,7 @@ fn a_valkey_cluster_locker_outlives_the_runtime_it_connected_on() {
 #[tokio::test]
 async fn checks_pause_while_a_master_is_stalled() {
     let (log, _logging) = captured::capture(tracing::Level::WARN);
-    let cluster = Cluster::start(Flavor::Redis, 3, 0);
-    for node in &cluster.nodes {
-        let _: () = node.cmd(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]);
-    }
+    let cluster = serving_in_part(Flavor::Redis, 3, 0);
     let locker = timed_locker(
         &cluster,
         Duration::from_millis(300),
