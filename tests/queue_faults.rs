@@ -1617,19 +1617,6 @@ async fn enqueue_many_failing_midway_names_what_landed(flavor: Flavor) {
     assert!(q.claim(ms(5_000)).await.expect("claim").is_none());
 }
 
-/// Script calls (`EVALSHA` and `EVAL`) the server has run so far.
-fn script_calls(server: &Server) -> u64 {
-    ["cmdstat_evalsha", "cmdstat_eval"]
-        .iter()
-        .map(|field| {
-            let line = server.info_field("commandstats", field);
-            line.split(',')
-                .find_map(|f| f.strip_prefix("calls="))
-                .map_or(0, |n| n.parse().expect("a count"))
-        })
-        .sum()
-}
-
 /// A worker of 200 slots, idle, asks the server like a small one: a few claimers poll on the
 /// fallback beat and answer an enqueue's wake-up, not every slot (200 claims a second idle,
 /// and 200 claims to hand out one job, on the connection the running jobs' extends share).
@@ -1650,19 +1637,19 @@ async fn idle_slots_do_not_each_ask_the_server(flavor: Flavor) {
         .expect("start");
     // Every slot has had its first look by then.
     sleep(ms(500)).await;
-    let before = script_calls(&server);
+    let before = server.script_calls();
     sleep(ms(2_500)).await;
-    let idle = script_calls(&server) - before;
+    let idle = server.script_calls() - before;
     // Eight claimers polling once a second: about 20 in 2.5 s.
     assert!(idle <= 60, "{idle} script calls in 2.5 s idle");
 
-    let before = script_calls(&server);
+    let before = server.script_calls();
     q.enqueue(b"one").await.expect("enqueue");
     let report = report_once(&worker, |r| r.completed).await;
     assert_eq!((report.claimed, report.errors), (1, 0), "{report:?}");
     sleep(ms(200)).await;
     // The enqueue, a claim per claimer woken, the complete.
-    let handing_out = script_calls(&server) - before;
+    let handing_out = server.script_calls() - before;
     assert!(
         handing_out <= 30,
         "{handing_out} script calls to hand out one job"

@@ -1473,7 +1473,7 @@ async fn waiter_woken_when_a_member_resubscribes() {
         .try_acquire("gap", &opts(20_000))
         .await
         .expect("holder");
-    let votes_before: Vec<u64> = servers.iter().map(script_calls).collect();
+    let votes_before: Vec<u64> = servers.iter().map(Server::script_calls).collect();
     let waiter = tokio::spawn(async move {
         let started = Instant::now();
         let lease = waiter_side
@@ -1491,7 +1491,7 @@ async fn waiter_woken_when_a_member_resubscribes() {
     while servers
         .iter()
         .zip(&votes_before)
-        .any(|(s, &before)| script_calls(s) < before + 2)
+        .any(|(s, &before)| s.script_calls() < before + 2)
     {
         assert!(
             counting.elapsed() < Duration::from_secs(10),
@@ -1736,15 +1736,6 @@ async fn fence_write_back_only_where_the_token_holds(flavor: Flavor) {
     assert_eq!(stored(&server).as_deref(), Some("1000"));
 }
 
-/// Script calls `server` has run so far (`EVALSHA`).
-fn script_calls(server: &Server) -> u64 {
-    let stats = server.info_field("commandstats", "cmdstat_evalsha");
-    stats
-        .split(',')
-        .find_map(|f| f.strip_prefix("calls="))
-        .map_or(0, |n| n.parse().expect("a count"))
-}
-
 /// A waiter of another process while the holder keeps the key on a bare majority (its copy on
 /// the third member gone, as after that member restarted empty). Each attempt wins the third
 /// member's vote, loses the round and gives the vote back, and the give-back publishes a
@@ -1761,7 +1752,7 @@ async fn a_waiter_is_not_sent_back_by_its_own_give_back(flavor: Flavor) {
     let _: i64 = servers[2].cmd(&["DEL", key.lock_key()]);
     let waiter = redlock(&urls(&servers), QuorumConfig::default()).await;
     warm_up(&waiter).await;
-    let before = script_calls(&servers[0]);
+    let before = servers[0].script_calls();
     let waited = waiter
         .acquire("bare", &opts(1_000).wait(Duration::from_secs(1)))
         .await;
@@ -1769,7 +1760,7 @@ async fn a_waiter_is_not_sent_back_by_its_own_give_back(flavor: Flavor) {
         matches!(waited, Err(Error::WaitTimeout { .. })),
         "{waited:?}"
     );
-    let votes = script_calls(&servers[0]) - before;
+    let votes = servers[0].script_calls() - before;
     assert!(votes < 50, "{votes} attempts in a one-second wait");
     assert_eq!(lease.release().await.expect("release"), Release::Released);
 }
@@ -1805,7 +1796,7 @@ async fn a_release_in_a_waiters_pause_still_wakes_it(flavor: Flavor) {
         sleep(Duration::from_millis(800)).await;
     }
     assert!(!waiting.is_finished(), "the waiter got a held key");
-    let votes_before: Vec<u64> = servers.iter().map(script_calls).collect();
+    let votes_before: Vec<u64> = servers.iter().map(Server::script_calls).collect();
     let _: i64 = servers[0].cmd(&["PUBLISH", &channel, "1"]);
     // Its attempt, seen landing on every member (rather than given a fixed time); then it
     // pauses at least 250 ms.
@@ -1813,7 +1804,7 @@ async fn a_release_in_a_waiters_pause_still_wakes_it(flavor: Flavor) {
     while servers
         .iter()
         .zip(&votes_before)
-        .any(|(s, &before)| script_calls(s) == before)
+        .any(|(s, &before)| s.script_calls() == before)
     {
         assert!(
             counting.elapsed() < Duration::from_secs(5),

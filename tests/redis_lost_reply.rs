@@ -192,7 +192,7 @@ async fn unresolved_grant_is_released(flavor: Flavor) {
 /// way: the count of script calls tells whether it was sent again.
 async fn an_abandoned_grants_release_gone_wrong_is_sent_again(flavor: Flavor) {
     let (server, proxy, locker) = through_proxy(flavor).await;
-    let before = script_calls(&server);
+    let before = server.script_calls();
     proxy.delay_replies(Duration::from_millis(300));
     proxy.drop_replies(GRANT, 1);
     let left = tokio::time::timeout(
@@ -202,14 +202,14 @@ async fn an_abandoned_grants_release_gone_wrong_is_sent_again(flavor: Flavor) {
     .await;
     assert!(left.is_err(), "the acquire answered: {left:?}");
     let give_up = Instant::now() + Duration::from_secs(5);
-    while script_calls(&server) < before + 3 && Instant::now() < give_up {
+    while server.script_calls() < before + 3 && Instant::now() < give_up {
         sleep(Duration::from_millis(20)).await;
     }
     // Time for a fourth call, had there been one.
     sleep(Duration::from_millis(700)).await;
     assert_eq!(proxy.dropped.load(Ordering::SeqCst), 1, "the grant's reply");
     assert_eq!(
-        script_calls(&server) - before,
+        server.script_calls() - before,
         3,
         "the acquire, its release, and that release once more"
     );
@@ -286,14 +286,14 @@ async fn a_dropped_lease_release_gone_wrong_is_sent_again(
         .try_acquire("dropped-rel", &opts().renew(renew))
         .await
         .expect("lease");
-    let before = script_calls(&server);
+    let before = server.script_calls();
     match reply {
         Reply::Lost => proxy.drop_replies(RELEASED, 1),
         Reply::Garbled => proxy.replace_replies(RELEASED, b"*1\r\n:7\r\n", 1),
     }
     drop(lease);
     let give_up = Instant::now() + Duration::from_secs(5);
-    while script_calls(&server) < before + 2 && Instant::now() < give_up {
+    while server.script_calls() < before + 2 && Instant::now() < give_up {
         sleep(Duration::from_millis(20)).await;
     }
     // Time for a third call, had there been one.
@@ -304,7 +304,7 @@ async fn a_dropped_lease_release_gone_wrong_is_sent_again(
         "the reply was {reply:?}"
     );
     assert_eq!(
-        script_calls(&server) - before,
+        server.script_calls() - before,
         2,
         "the release was not sent again once"
     );
@@ -672,20 +672,6 @@ async fn a_cancelled_extend_shortens_the_lease(flavor: Flavor) {
     );
 }
 
-/// Script calls the server has run so far (`EVALSHA` and `EVAL`).
-fn script_calls(server: &Server) -> u64 {
-    ["evalsha", "eval"]
-        .iter()
-        .map(|c| {
-            let stats = server.info_field("commandstats", &format!("cmdstat_{c}"));
-            stats
-                .split(',')
-                .find_map(|f| f.strip_prefix("calls="))
-                .map_or(0, |n| n.parse().expect("a count"))
-        })
-        .sum()
-}
-
 /// An acquire whose caller gives up while the call is in flight (a `timeout` around it, a
 /// client that went away): the grant still lands on the server, and nobody holds it. It is
 /// released at once instead of keeping the key for its 30 s TTL.
@@ -897,7 +883,7 @@ async fn a_cancelled_release_is_sent_again(flavor: Flavor) {
         .try_acquire("dropped", &opts())
         .await
         .expect("acquire");
-    let before = script_calls(&server);
+    let before = server.script_calls();
     proxy.stall(true);
     let gave_up = tokio::time::timeout(Duration::from_millis(100), lease.release()).await;
     assert!(
@@ -908,11 +894,11 @@ async fn a_cancelled_release_is_sent_again(flavor: Flavor) {
     proxy.stall(false);
     let k = locker.lock_key("dropped").expect("key");
     let give_up = Instant::now() + Duration::from_secs(5);
-    while script_calls(&server) < before + 2 && Instant::now() < give_up {
+    while server.script_calls() < before + 2 && Instant::now() < give_up {
         sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(
-        script_calls(&server) - before,
+        server.script_calls() - before,
         2,
         "the release was not sent again"
     );

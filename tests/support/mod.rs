@@ -377,6 +377,19 @@ impl Server {
         info_line(&info, field).unwrap_or_default().to_owned()
     }
 
+    /// Script calls (`EVALSHA` and `EVAL`) this server has run so far.
+    pub fn script_calls(&self) -> u64 {
+        ["cmdstat_evalsha", "cmdstat_eval"]
+            .iter()
+            .map(|field| {
+                let line = self.info_field("commandstats", field);
+                line.split(',')
+                    .find_map(|f| f.strip_prefix("calls="))
+                    .map_or(0, |n| n.parse().expect("a count"))
+            })
+            .sum()
+    }
+
     /// Waits up to 5 s for `channel` to have a subscriber on this server.
     pub async fn wait_for_subscriber(&self, channel: &str) {
         let started = Instant::now();
