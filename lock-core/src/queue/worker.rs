@@ -427,9 +427,10 @@ const MAX_CLAIMERS: usize = 8;
 /// runtime's threads is free to run the renewal (and the connection it uses): with as many
 /// blocking handlers as worker threads nothing renews, and the lease runs out under them. Put
 /// blocking work in `spawn_blocking` (or `block_in_place`) to keep it off the runtime's
-/// threads. On a current-thread runtime nothing else runs while a handler blocks. Cancellation, like any future's, takes effect at the
-/// handler's next `.await`: a handler that blocks past a lost lease runs on until it yields,
-/// which is why writes should check the job's fence.
+/// threads. On a current-thread runtime nothing else runs while a handler blocks.
+/// Cancellation, like any future's, takes effect at the handler's next `.await`: a handler
+/// that blocks past a lost lease runs on until it yields, which is why writes should check the
+/// job's fence.
 ///
 /// A claim answered after its validity is given back with its attempt counted, as the reaper
 /// would (see [`Queue::claim`]): a worker whose round trips to the server are slower than
