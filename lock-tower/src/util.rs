@@ -63,9 +63,9 @@ where
             Reason::BodyTooLarge,
             format!("the request body is larger than {cap} bytes"),
         )),
-        // A limit set outside this layer (tower-http's `RequestBodyLimitLayer`, axum's
-        // `DefaultBodyLimit` around a chunked body) comes wrapped in the body's own error type,
-        // as axum's extractors find it: still too large, not unreadable.
+        // A limit set outside this layer (tower-http's `RequestBodyLimitLayer` on a chunked
+        // body) comes wrapped in the body's own error type, where axum's extractors look for
+        // it too: still too large, not unreadable.
         Err(e) if over_a_limit(&*e) => Err((
             Reason::BodyTooLarge,
             "the request body is larger than a limit set before this layer".to_owned(),
@@ -170,8 +170,8 @@ mod tests {
     use super::*;
 
     /// A limit set outside the layer, its error wrapped in axum's body error (as a
-    /// `RequestBodyLimitLayer` or `DefaultBodyLimit` in front of a chunked body gives it), is
-    /// a body too large (413), not an unreadable one (400). The layer's own cap says its size.
+    /// `RequestBodyLimitLayer` in front of a chunked body gives it), is a body too large
+    /// (413), not an unreadable one (400). The layer's own cap says its size.
     #[tokio::test]
     async fn a_limit_set_outside_is_a_body_too_large() {
         let outer = Limited::new(Full::new(Bytes::from(vec![b'x'; 200])), 100);

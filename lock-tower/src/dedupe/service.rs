@@ -762,7 +762,6 @@ fn replay<B>(cfg: &DedupeConfig, rec: &Record, fingerprint: &str) -> Response<Lo
     res
 }
 
-/// Sleeps until `deadline`, or for ever without one.
 /// Resolves once the caller at the other end of `tx` has gone (never when there is none).
 async fn hung_up(tx: Option<&Relay>) {
     match tx {
@@ -771,6 +770,7 @@ async fn hung_up(tx: Option<&Relay>) {
     }
 }
 
+/// Sleeps until `deadline`, or for ever without one.
 async fn sleep_until_some(deadline: Option<tokio::time::Instant>) {
     match deadline {
         Some(at) => tokio::time::sleep_until(at).await,
