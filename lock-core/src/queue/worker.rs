@@ -1253,6 +1253,44 @@ async fn keep_alive(
 mod tests {
     use super::*;
 
+    /// Idle slots take turns to claim, eight at a time, but a slot hands its turn on before it
+    /// runs its job: with more slots than claimers, every slot still runs a job at once (were
+    /// the turn kept while the job runs, twelve slots would run eight jobs at a time).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_slot_runs_a_job_though_few_claim_at_once() {
+        let queue = Queue::memory("turns").expect("queue");
+        let slots = MAX_CLAIMERS + 4;
+        for _ in 0..slots {
+            queue.enqueue(b"job").await.expect("enqueue");
+        }
+        let release = Arc::new(Semaphore::new(0));
+        let worker = Worker::new(queue)
+            .concurrency(slots)
+            .start({
+                let release = release.clone();
+                move |_job| {
+                    let release = release.clone();
+                    async move {
+                        release.acquire().await.expect("open").forget();
+                        Ok(())
+                    }
+                }
+            })
+            .expect("start");
+        let give_up = Instant::now() + Duration::from_secs(5);
+        while worker.report().in_flight < slots as u64 {
+            assert!(
+                Instant::now() < give_up,
+                "jobs running at once: {:?}",
+                worker.report()
+            );
+            sleep(Duration::from_millis(10)).await;
+        }
+        release.add_permits(slots);
+        let report = worker.shutdown(Duration::from_secs(2)).await;
+        assert_eq!(report.completed, slots as u64, "{report:?}");
+    }
+
     /// A handler cut off at the end of a shutdown's grace is dropped, guards and all, before
     /// the shutdown returns (aborting the worker's task only asked for the handlers to be
     /// dropped: on another thread, a guard whose drop takes a while was still held after the
