@@ -91,10 +91,35 @@ fn over_a_limit(e: &(dyn std::error::Error + 'static)) -> bool {
 
 /// Whether a response with this status sends no body, whatever length it names: 1xx, 204,
 /// and 304 (whose `Content-Length` is the representation's).
-pub(crate) fn bodiless(status: http::StatusCode) -> bool {
+pub(crate) fn bodiless_status(status: http::StatusCode) -> bool {
     status.is_informational()
         || status == http::StatusCode::NO_CONTENT
         || status == http::StatusCode::NOT_MODIFIED
+}
+
+/// What a request's method means for its response's body: taken before the request goes to the
+/// handler, which gets the method with the rest of its head.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ReplyBody {
+    /// A HEAD request: its answer names the length of a body that is not sent.
+    head: bool,
+    /// A CONNECT request: a 2xx answer turns the connection into a tunnel and sends no body.
+    connect: bool,
+}
+
+impl ReplyBody {
+    pub(crate) fn of(method: &http::Method) -> ReplyBody {
+        ReplyBody {
+            head: method == http::Method::HEAD,
+            connect: method == http::Method::CONNECT,
+        }
+    }
+
+    /// Whether the server sends no body with a response of `status` to this request, whatever
+    /// the body holds or the head declares (hyper drops such a body unpolled).
+    pub(crate) fn omitted(self, status: http::StatusCode) -> bool {
+        self.head || (self.connect && status.is_success()) || bodiless_status(status)
+    }
 }
 
 pub(crate) fn reject<B>(

@@ -561,7 +561,8 @@ async fn a_timeout_answer_is_not_stored(h: Harness) {
 /// A response that declares a `Content-Length` and ends before it (below the stored-body cap,
 /// and above it, where the rest is relayed): the caller cannot be sent it whole, so nothing is
 /// stored and the sender's retry runs the handler again, instead of getting the short body
-/// replayed as a success.
+/// replayed as a success. A status that sends no body (304, 204) is never short, and is
+/// answered without waiting for its body.
 async fn a_body_shorter_than_its_length_stores_nothing(h: Harness) {
     let runs = Arc::new(AtomicUsize::new(0));
     let (r, r2) = (runs.clone(), runs.clone());
@@ -606,6 +607,18 @@ async fn a_body_shorter_than_its_length_stores_nothing(h: Harness) {
                     .status(StatusCode::NOT_MODIFIED)
                     .header("content-length", "100")
                     .body(Body::empty())
+                    .expect("response")
+            })
+            .layer(DedupeLayer::new(h.locker().await)),
+        )
+        // A 204 sends no body whatever its body would yield: one that never ends is not waited
+        // for (the server drops it unpolled).
+        .route(
+            "/hooks/no-content",
+            post(|| async {
+                Response::builder()
+                    .status(StatusCode::NO_CONTENT)
+                    .body(Body::new(common::Lingering(Some(Bytes::from_static(b"x")))))
                     .expect("response")
             })
             .layer(DedupeLayer::new(h.locker().await)),
@@ -691,6 +704,18 @@ async fn a_body_shorter_than_its_length_stores_nothing(h: Harness) {
         (replay.status, replay.header("idempotent-replayed")),
         (StatusCode::NOT_MODIFIED, Some("true"))
     );
+    for replayed in [None, Some("true")] {
+        let answer = tokio::time::timeout(
+            Duration::from_secs(5),
+            deliver_to(addr, "/hooks/no-content", r#""nc""#),
+        )
+        .await
+        .expect("the 204 was held back waiting for a body it does not send");
+        assert_eq!(
+            (answer.status, answer.header("idempotent-replayed")),
+            (StatusCode::NO_CONTENT, replayed)
+        );
+    }
 }
 
 async fn oversized_bodies(h: Harness) {

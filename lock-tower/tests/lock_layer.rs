@@ -1395,8 +1395,8 @@ async fn head_is_locked_where_get_is(h: Harness) {
     held.release().await.expect("release");
 }
 
-/// A response that sends no body (to a HEAD request, or a 204 or 304) frees its lease before
-/// it is returned, not when the server drops the body it never polls: the client's next
+/// A response that sends no body (to a HEAD request, a 2xx to CONNECT, a 204 or 304, or one
+/// whose head declares a length of zero) frees its lease before it is returned, not when the server drops the body it never polls: the client's next
 /// request on the key must not find its own lease still held.
 async fn a_response_without_a_body_frees_the_lease_before_it_goes_out(h: Harness) {
     use tower_service::Service;
@@ -1419,6 +1419,21 @@ async fn a_response_without_a_body_frees_the_lease_before_it_goes_out(h: Harness
             "/socket/{id}",
             get(streaming(StatusCode::SWITCHING_PROTOCOLS)),
         )
+        .route(
+            "/tunnel/{id}",
+            axum::routing::on(axum::routing::MethodFilter::CONNECT, streaming(StatusCode::OK)),
+        )
+        // A head that declares no body, over a body whose first frame is ready at once: the
+        // server sends the head alone and drops the body, frame and all.
+        .route(
+            "/blank/{id}",
+            post(|| async {
+                Response::builder()
+                    .header(http::header::CONTENT_LENGTH, 0)
+                    .body(Body::new(common::Lingering(Some(Bytes::new()))))
+                    .expect("response")
+            }),
+        )
         .route_layer(LockLayer::new(
             locker.clone(),
             KeyExtractor::route_param("id"),
@@ -1428,6 +1443,9 @@ async fn a_response_without_a_body_frees_the_lease_before_it_goes_out(h: Harness
         (Method::POST, "/empty/2", "2"),
         (Method::POST, "/same/3", "3"),
         (Method::GET, "/socket/4", "4"),
+        // A 2xx to CONNECT: the connection becomes a tunnel, no body is sent.
+        (Method::CONNECT, "/tunnel/5", "5"),
+        (Method::POST, "/blank/6", "6"),
     ] {
         let req = http::Request::builder()
             .method(method.clone())

@@ -760,6 +760,35 @@ pub(crate) mod tests {
         }
     }
 
+    /// A fence whose keep ran out is forgotten on this backend only when a sweep drops its
+    /// entry (README, Clocks): until then the next grant's fence rises from it, even where
+    /// the clock has fallen behind it (a clock stepped back after the keep ran out), rather
+    /// than coming from the clock alone as on a server whose fence key expired.
+    #[test]
+    fn a_forgotten_fence_not_yet_swept_still_rises() {
+        let memory = MemoryBackend::new();
+        let key = crate::Locker::memory().lock_key("stepped").expect("key");
+        let fence = now_micros() + 10_000_000;
+        memory.state().keys.insert(
+            key.clone(),
+            Slot {
+                holder: None,
+                fence,
+                forget_at: Some(Instant::now() - Duration::from_millis(1)),
+            },
+        );
+        let granted = at_once(memory.acquire_keeping_fence(
+            &key,
+            &Token::generate(),
+            Duration::from_millis(10),
+            Duration::from_millis(100),
+        ));
+        assert!(
+            matches!(granted, Ok(AcquireReply::Granted { fence: f, .. }) if f == fence + 1),
+            "{granted:?}, the forgotten fence was {fence}"
+        );
+    }
+
     /// A sweep drops exactly the entries no lease holds whose keep is over, and runs only
     /// once the map has grown past its threshold.
     #[test]

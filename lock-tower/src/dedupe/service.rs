@@ -20,7 +20,7 @@ use crate::key::KeyProblem;
 use crate::lock::service::{declared_len, refuse, release};
 use crate::reject::Reason;
 use crate::util::{
-    MethodFilter, RequestBody, bodiless, empty_methods, no_room_for_key, read_capped, reject,
+    MethodFilter, ReplyBody, RequestBody, empty_methods, no_room_for_key, read_capped, reject,
 };
 
 /// Marks a response that is a replay of a stored result.
@@ -327,7 +327,7 @@ where
     );
     // axum answers a HEAD request with the GET handler's head: the length of a body it then
     // drops, as a 304 names the length of one it never sends.
-    let head_request = parts.method == http::Method::HEAD;
+    let reply = ReplyBody::of(&parts.method);
     let mut held = parts.extensions.remove::<ClaimsHeld>().unwrap_or_default();
     held.0.push(lock_key.clone());
     parts.extensions.insert(held);
@@ -362,7 +362,7 @@ where
         result_key,
         fingerprint,
         in_process,
-        head_request,
+        reply,
     };
     let (head, body) = res.into_parts();
     // Dropped with this future when the caller hangs up, which the task sees as its receiver
@@ -389,8 +389,9 @@ struct Completion {
     result_key: String,
     fingerprint: String,
     in_process: bool,
-    /// The request was a HEAD: no body is to come, whatever length the head declares.
-    head_request: bool,
+    /// What the request's method means for the body: none is to come after the head of a
+    /// HEAD request, or of a 2xx to CONNECT, whatever length the head declares.
+    reply: ReplyBody,
 }
 
 impl Completion {
@@ -416,9 +417,17 @@ impl Completion {
         // hold up the answer, nor keep the claim for ever.
         // A status that carries no body (1xx, 204, 304) may still name the length of one
         // (a 304's `Content-Length` is the representation's), as may the answer to a HEAD
-        // request: nothing is to come.
-        let declared = declared_len(&head, &body, None)
-            .filter(|_| !bodiless(head.status) && !self.head_request);
+        // request: nothing is to come, and the server drops the body unpolled. A body of known
+        // size is read to its end all the same (it is all here, and stored its size gives a
+        // replayed HEAD the length); a stream is not read at all, since one that never ends
+        // would hold the answer back for good.
+        let declared = if !self.reply.omitted(head.status) {
+            declared_len(&head, &body, None)
+        } else if body.size_hint().exact().is_some() {
+            None
+        } else {
+            Some(0)
+        };
         // The body may still be doing the handler's work; a claim lost meanwhile lets a
         // duplicate run beside it, so the body is dropped rather than answered as handled.
         let info = self.claim.info();

@@ -3,7 +3,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{Method, Request, Response};
+use http::{Request, Response};
 use http_body::Body;
 use http_body_util::{Either, Full};
 use lock_core::{AnyBackend, Error, Lease};
@@ -17,7 +17,7 @@ use crate::future::ResponseFuture;
 use crate::key::{Key, KeyProblem};
 use crate::reject::Reason;
 use crate::util::{
-    MethodFilter, RequestBody, bodiless, empty_methods, no_room_for_key, read_capped, reject,
+    MethodFilter, ReplyBody, RequestBody, empty_methods, no_room_for_key, read_capped, reject,
 };
 
 /// The service [`LockLayer`](super::LockLayer) wraps around an inner service.
@@ -105,7 +105,7 @@ where
 {
     let (mut parts, body) = req.into_parts();
     // A HEAD request's response goes out without its body, as a 204's or a 304's does.
-    let head_request = parts.method == Method::HEAD;
+    let reply = ReplyBody::of(&parts.method);
     // HTTP/1 servers stop polling a body at its declared length; HTTP/2 ones poll it to its
     // end (trailers, work after the last byte), which must still run under the lease.
     let ends_at_length = parts.version <= http::Version::HTTP_11;
@@ -233,7 +233,7 @@ where
         // 40 ms to every response.
         let remote = {
             let (head, mut body) = res?.into_parts();
-            let no_body = head_request || bodiless(head.status);
+            let no_body = reply.omitted(head.status);
             let first = if no_body {
                 // Not polled: the server sends no body here, whatever length it names.
                 Poll::Pending
@@ -274,9 +274,13 @@ where
                     Err(frame) => (LockBody::pass(body).after(Ok(frame)), Some(lease)),
                 },
                 Poll::Ready(Some(frame)) => {
-                    let declared =
-                        declared_len(&head, &body, Some(&frame)).filter(|_| ends_at_length);
-                    (LockBody::holding(body, lease, declared).after(frame), None)
+                    match declared_len(&head, &body, Some(&frame)).filter(|_| ends_at_length) {
+                        // A head that declares no body (`Content-Length: 0`) is all the server
+                        // sends: it drops the body unpolled, frame and all, so the lease goes
+                        // now, as in the pending case above.
+                        Some(0) => (LockBody::pass(body).after(frame), Some(lease)),
+                        declared => (LockBody::holding(body, lease, declared).after(frame), None),
+                    }
                 }
             };
             match done {
