@@ -364,8 +364,15 @@ impl std::fmt::Display for DropWitness {
     }
 }
 
+/// A parameter whose body uses one field of it.
+struct Order {
+    id: u64,
+    _witness: DropWitness,
+}
+
 /// Parameters the body never mentions: one by a `_` name, one in a pattern, one the key's
-/// format string reads, a `_` one, and `self` by value.
+/// format string reads, a `_` one, and `self` by value; and one the body uses only through a
+/// field (an `async move` block would take that field alone).
 #[locked(key = "drops:{id}:{keyed}", locker = locker)]
 async fn leaves_its_parameters(
     locker: &Locker,
@@ -374,8 +381,9 @@ async fn leaves_its_parameters(
     (_in_pattern, _n): (DropWitness, u8),
     keyed: DropWitness,
     _: DropWitness,
-) -> Result<(), Error> {
-    Ok(())
+    order: Order,
+) -> Result<u64, Error> {
+    Ok(order.id)
 }
 
 impl DropWitness {
@@ -386,7 +394,8 @@ impl DropWitness {
 }
 
 /// The parameters the body never mentions are dropped when it ends, under the lease, as the
-/// macro's docs promise; only a `_` one, which has no name to take, after the release.
+/// macro's docs promise, and so is the whole of one the body reads a field of; only a `_`
+/// one, which has no name to take, after the release.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parameters_the_body_leaves_are_dropped_under_the_lease() {
     let locker = Locker::memory();
@@ -399,6 +408,10 @@ async fn parameters_the_body_leaves_are_dropped_under_the_lease() {
         (w("_in_pattern"), 0),
         w("keyed"),
         w("_"),
+        Order {
+            id: 9,
+            _witness: w("order"),
+        },
     )
     .await
     .expect("ran");
@@ -412,6 +425,7 @@ async fn parameters_the_body_leaves_are_dropped_under_the_lease() {
             ("_guard", true),
             ("_in_pattern", true),
             ("keyed", true),
+            ("order", true),
             ("self", true)
         ]
     );

@@ -92,6 +92,7 @@ fn parse_args(args: TokenStream2) -> syn::Result<Args> {
                     Expr::Lit(ExprLit {
                         lit: Lit::Str(s), ..
                     }) => {
+                        no_suffix(&s)?;
                         let d = duration::parse(&s.value())
                             .map_err(|why| syn::Error::new(s.span(), why))?;
                         // Only `ttl`: lock-core accepts any `wait`, up to `Duration::MAX`
@@ -128,7 +129,9 @@ fn parse_args(args: TokenStream2) -> syn::Result<Args> {
                 }
                 let value = meta.value()?;
                 out.krate = Some(if value.peek(LitStr) {
-                    value.parse::<LitStr>()?.parse()?
+                    let path = value.parse::<LitStr>()?;
+                    no_suffix(&path)?;
+                    path.parse()?
                 } else {
                     Path::parse_mod_style(value)?
                 });
@@ -248,6 +251,18 @@ fn respan(tokens: TokenStream2, span: Span) -> TokenStream2 {
         .collect()
 }
 
+/// A string literal the macro reads and does not emit: rustc never sees it, so a suffix on it
+/// (`"30s"ms`) would pass unreported, where on any literal it compiles it is an error.
+fn no_suffix(lit: &LitStr) -> syn::Result<()> {
+    if lit.suffix().is_empty() {
+        return Ok(());
+    }
+    Err(syn::Error::new(
+        lit.span(),
+        format_args!("a string literal here takes no suffix (`{}`)", lit.suffix()),
+    ))
+}
+
 fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
     let args = parse_args(args)?;
     let func: LockedFn = syn::parse2(item).map_err(|e| {
@@ -257,7 +272,7 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
         )
     })?;
     let sig = &func.sig;
-    let taken = taken_params(sig, &args);
+    let taken = taken_params(sig, &args, &func.body);
     if sig.asyncness.is_none() {
         return Err(syn::Error::new(
             sig.fn_token.span,
@@ -407,16 +422,20 @@ fn expand(args: TokenStream2, item: TokenStream2) -> syn::Result<TokenStream2> {
     Ok(quote!(#(#outer_attrs)* #vis #sig #body))
 }
 
-/// The parameters the body is made to own, beside those it mentions: `self` taken by value,
-/// and owned names (see [`owned_params`]) that start with `_` or that the key's format string
-/// captures (`format!` only borrows them). Left out, to be dropped after the release as
-/// before:
+/// The parameters the body is made to own: owned names (see [`owned_params`]) that the body
+/// mentions, that start with `_` or that the key's format string captures (`format!` only
+/// borrows them), and `self` taken by value. One the body mentions is named too: an `async
+/// move` block takes only the places its body uses, so a body that reads `job.id` alone
+/// would take that field and leave the rest of `job` to be dropped after the release. Left
+/// out, to be dropped after the release as before:
 /// - a name an argument expression mentions (`key = into_key(order)`): the expression may
 ///   move it, before the body runs, and a later borrow would not compile;
 /// - a parameter with an attribute (`#[cfg(...)]`): it may not exist;
 /// - a name used nowhere, without a leading `_`: named in the body, it would no longer be
 ///   unused, and rustc's warning (or the user's `#[expect(unused_variables)]`) would go.
-fn taken_params(sig: &Signature, args: &Args) -> Vec<Ident> {
+fn taken_params(sig: &Signature, args: &Args, body: &TokenStream2) -> Vec<Ident> {
+    let mut in_body = Vec::new();
+    idents_in(body.clone(), &mut in_body);
     let mut in_exprs = Vec::new();
     let exprs = [
         match &args.key {
@@ -447,7 +466,10 @@ fn taken_params(sig: &Signature, args: &Args) -> Vec<Ident> {
             let text = name.to_string();
             let bare = text.strip_prefix("r#").unwrap_or(&text);
             !in_exprs.contains(&text)
-                && (text == "self" || bare.starts_with('_') || captured.iter().any(|c| c == bare))
+                && (text == "self"
+                    || bare.starts_with('_')
+                    || captured.iter().any(|c| c == bare)
+                    || in_body.contains(&text))
         })
         .collect()
 }
@@ -618,14 +640,15 @@ mod tests {
     }
 
     /// Which parameters the body is made to own: owned names (by name, in a pattern, under
-    /// `mut`; not `ref`, not a reference `self`, not one under an attribute) that start with `_`
-    /// or that the key's format string captures, and `self` by value; never one an argument
-    /// expression mentions, nor one used nowhere (rustc's unused warning stays).
+    /// `mut`; not `ref`, not a reference `self`, not one under an attribute) that start with
+    /// `_`, that the key's format string captures or that the body mentions, and `self` by
+    /// value; never one an argument expression mentions, nor one used nowhere (rustc's unused
+    /// warning stays).
     #[test]
     fn the_body_is_made_to_own_the_right_parameters() {
         let taken = |args: TokenStream2, sig: Signature| -> Vec<String> {
             let args = parse_args(args).expect("args");
-            taken_params(&sig, &args)
+            taken_params(&sig, &args, &quote!({ Ok(()) }))
                 .iter()
                 .map(ToString::to_string)
                 .collect()
@@ -647,6 +670,23 @@ mod tests {
         assert_eq!(taken(quote!(key = "k"), by_value), ["self"]);
         let by_ref: Signature = syn::parse_quote!(async fn m(&self, _z: Z));
         assert_eq!(taken(quote!(key = "k"), by_ref), ["_z"]);
+        // Mentioned in the body, even through a field only (inside a group too): taken whole;
+        // not when an argument expression mentions it as well.
+        let args = parse_args(quote!(key = key_of(&other))).expect("args");
+        let sig: Signature =
+            syn::parse_quote!(async fn f(job: Job, other: Other, unused: U, r#ref: R));
+        let body = quote!({
+            work(job.id).await;
+            if r#ref.ok {
+                other.go()
+            }
+            Ok(())
+        });
+        let names: Vec<String> = taken_params(&sig, &args, &body)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(names, ["job", "r#ref"]);
         assert_eq!(
             format_captures("{{a}}:{b}:{ c :>4}:{}:{1}:{r#d}"),
             ["b", "c", "d"]

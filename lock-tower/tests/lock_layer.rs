@@ -1421,7 +1421,10 @@ async fn a_response_without_a_body_frees_the_lease_before_it_goes_out(h: Harness
         )
         .route(
             "/tunnel/{id}",
-            axum::routing::on(axum::routing::MethodFilter::CONNECT, streaming(StatusCode::OK)),
+            axum::routing::on(
+                axum::routing::MethodFilter::CONNECT,
+                streaming(StatusCode::OK),
+            ),
         )
         // A head that declares no body, over a body whose first frame is ready at once: the
         // server sends the head alone and drops the body, frame and all.

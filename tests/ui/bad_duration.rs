@@ -40,6 +40,11 @@ async fn overflow() -> Result<(), Error> {
     Ok(())
 }
 
+#[locked(key = "job", ttl = "30s"ms)]
+async fn suffixed() -> Result<(), Error> {
+    Ok(())
+}
+
 fn main() {
     let _ = no_unit();
     let _ = fraction();
@@ -49,4 +54,5 @@ fn main() {
     let _ = empty();
     let _ = negative();
     let _ = overflow();
+    let _ = suffixed();
 }
