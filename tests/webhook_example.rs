@@ -150,3 +150,33 @@ async fn the_readme_session() {
     assert_eq!(last.status, 200, "{}", last.body);
     assert!(last.body.contains(r#""balance":0,"#), "{}", last.body);
 }
+
+/// Amounts the bank cannot take are answered, not a panic that drops the connection (and,
+/// with the claim freed, every redelivery's too): a credit past `i64::MAX` is refused, and a
+/// credit that is not positive is a bad request rather than a debit outside the account's
+/// lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credits_the_bank_cannot_take_are_refused() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, webhook::app(Locker::memory())).await });
+    let huge = format!(r#"{{"account":"3","amount":{}}}"#, i64::MAX);
+    for _ in 0..2 {
+        let refused = post(
+            addr,
+            "/hooks/payments",
+            &[("webhook-id", "msg_huge")],
+            &huge,
+        )
+        .await;
+        assert_eq!(refused.status, 422, "{}", refused.body);
+    }
+    for (id, amount) in [("msg_neg", "-500"), ("msg_zero", "0")] {
+        let body = format!(r#"{{"account":"3","amount":{amount}}}"#);
+        let bad = post(addr, "/hooks/payments", &[("webhook-id", id)], &body).await;
+        assert_eq!(bad.status, 400, "{amount}: {}", bad.body);
+    }
+    let all = post(addr, "/accounts/3/withdraw", &[], "10000").await;
+    assert_eq!(all.status, 200, "{}", all.body);
+    assert!(all.body.contains(r#""balance":0,"#), "{}", all.body);
+}
