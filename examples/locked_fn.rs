@@ -41,6 +41,13 @@ impl fmt::Display for JobError {
 
 impl std::error::Error for JobError {}
 
+/// One run of the job: its fence, and when its body began and ended.
+struct Run {
+    fence: Fence,
+    began: Instant,
+    ended: Instant,
+}
+
 /// Runs `job` once the lease on it is ours, waiting up to 10 s for other workers.
 #[locked(key = "job:{job}", ttl = "2s", wait = "10s")]
 async fn run_job(
@@ -48,7 +55,8 @@ async fn run_job(
     worker: &str,
     ledger: &FenceGate,
     started: Instant,
-) -> Result<Fence, JobError> {
+) -> Result<Run, JobError> {
+    let began = Instant::now();
     let fence = current_fence().ok_or(JobError::NoFence)?;
     println!(
         "  {:>5} ms  worker {worker}: running {job} with fence {fence}",
@@ -57,7 +65,11 @@ async fn run_job(
     sleep(Duration::from_millis(120)).await;
     // The write is fenced: a worker that lost its lease and came back late would be refused.
     ledger.admit(fence).await?;
-    Ok(fence)
+    Ok(Run {
+        fence,
+        began,
+        ended: Instant::now(),
+    })
 }
 
 /// Runs `job` only if nobody else is on it right now.
@@ -104,16 +116,33 @@ async fn main() -> Result<(), BoxError> {
             (worker, run_job(&job, worker, &ledger, started).await)
         }));
     }
-    let mut fences = Vec::new();
+    let mut runs = Vec::new();
     for t in tasks {
         let (worker, result) = t.await?;
-        let fence = result?;
-        fences.push((fence, worker));
+        runs.push((result?, worker));
     }
-    fences.sort();
-    let order: Vec<String> = fences.iter().map(|(f, w)| format!("{w}:{f}")).collect();
+    // The story, checked: in the order the bodies ran, each began after the one before it
+    // ended, and under a higher fence.
+    runs.sort_by_key(|(run, _)| run.began);
+    for pair in runs.windows(2) {
+        let ((before, a), (after, b)) = (&pair[0], &pair[1]);
+        if after.began < before.ended {
+            return Err(format!("worker {b} began before worker {a} had ended").into());
+        }
+        if after.fence <= before.fence {
+            return Err(format!(
+                "worker {b} ran after worker {a} under fence {}, not above {}",
+                after.fence, before.fence
+            )
+            .into());
+        }
+    }
+    let order: Vec<String> = runs
+        .iter()
+        .map(|(run, w)| format!("{w}:{}", run.fence))
+        .collect();
     println!(
-        "  one at a time, fences strictly increasing: {}",
+        "  one at a time, fences strictly increasing in the order they ran: {}",
         order.join(" < ")
     );
 
