@@ -81,6 +81,12 @@ for demo in race locked_fn claim_worker; do
   }
   tail -1 "$tools/$demo.out"
 done
+# Whether the server answering on port $1 is process $2. A here-string, not a pipe into grep:
+# under pipefail, grep -q stopping at its match could fail the pipe behind it.
+serves() {
+  grep -qx "process_id:$2" <<< "$(redis-cli -p "$1" info server 2>/dev/null | tr -d '\r')"
+}
+
 # The same demos with the README's `--redis URL`, against a Redis and a Valkey server of their
 # own on a free loopback port: the same stories, told by a server.
 demo_server() {
@@ -91,12 +97,14 @@ demo_server() {
     "$server" --port "$port" --bind 127.0.0.1 --save '' --appendonly no --dir "$dir" \
       > "$dir/server.log" 2>&1 &
     pid=$!
+    # Ours, not merely a server: another one already on the port (a parallel job) would
+    # answer PING while ours fails to bind and exits, and the demos would run against it.
     for _ in $(seq 50); do
-      redis-cli -p "$port" ping 2>/dev/null | grep -q PONG && break
+      serves "$port" "$pid" && break
       kill -0 "$pid" 2>/dev/null || break
       sleep 0.1
     done
-    if redis-cli -p "$port" ping 2>/dev/null | grep -q PONG; then
+    if serves "$port" "$pid"; then
       break
     fi
     kill "$pid" 2>/dev/null || true
