@@ -2249,3 +2249,40 @@ async fn a_quorum_held_by_another_is_not_retried() {
         "busy after {took:?}: retried"
     );
 }
+
+/// A renewal batch with a lease whose key the ACL user may no longer touch on a majority of
+/// members: that lease is told it is lost before its deadline, and the lease beside it keeps
+/// being renewed on every member, as on one server (each member sends the leases of a call it
+/// refuses for one key again alone). With the whole call refused by those members, the kept
+/// lease depended on them too and was lost with the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_the_members_no_longer_allow_loses_only_its_own_lease() {
+    let servers = start(Flavor::Redis, 3);
+    for s in &servers {
+        support::some_keys(s, &["~*"]);
+    }
+    let user_urls: Vec<String> = urls(&servers)
+        .iter()
+        .map(|u| u.replacen("://", "://some-keys:pw@", 1))
+        .collect();
+    let locker = redlock(&user_urls, QuorumConfig::default()).await;
+    let o = opts(1_500);
+    let (kept, revoked) = tokio::join!(
+        locker.try_acquire("ok:kept", &o),
+        locker.try_acquire("denied:revoked", &o)
+    );
+    let (kept, revoked) = (kept.expect("acquire"), revoked.expect("acquire"));
+    for s in &servers[..2] {
+        support::some_keys(s, &["~*ok:*"]);
+    }
+    tokio::time::timeout(Duration::from_secs(3), revoked.lost())
+        .await
+        .expect("the lease the members no longer allow was not told it is lost");
+    // Two TTLs more: the other lease must have been renewed all along, on every member.
+    sleep(Duration::from_millis(3_000)).await;
+    assert!(!kept.is_lost(), "the lease beside the refused key was lost");
+    for (i, s) in servers.iter().enumerate() {
+        assert!(holds(s, &locker, "ok:kept"), "member {i} lost the kept key");
+    }
+    assert_eq!(kept.release().await.expect("release"), Release::Released);
+}

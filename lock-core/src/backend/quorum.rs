@@ -424,14 +424,16 @@ impl QuorumBackend {
             .min(valid_until.saturating_duration_since(Instant::now()))
     }
 
-    /// How many members renewed each lease, and how many members did not answer (they may
-    /// have renewed too); an error when the round outlasted the validity.
+    /// How many members renewed each lease, and for each lease how many members gave no answer
+    /// for it (they may have renewed it too): those that did not answer at all, and those that
+    /// refused that lease's key alone (see below); an error when the round outlasted the
+    /// validity.
     async fn extend_counts(
         &self,
         items: &[(LockKey, Token)],
         ttl: Duration,
         wait: Duration,
-    ) -> Result<(Vec<usize>, usize)> {
+    ) -> Result<(Vec<usize>, Vec<usize>)> {
         crate::types::validate_ttl(ttl)?;
         let started = Instant::now();
         let limit = ttl.saturating_sub(drift(ttl));
@@ -447,16 +449,21 @@ impl QuorumBackend {
             // the batch is decided completes anyway: a call dropped between `NOSCRIPT` and its
             // retry would leave that member without the script, always the slowest, and never
             // renewing again.
+            // Per lease, as on one server: a member that refuses the whole call for one key
+            // the ACL user may no longer touch sends each lease again alone, so the leases
+            // beside it are still counted (with the call refused whole, each of them would
+            // depend on that member, and on two such members none would be renewed).
             let task = tokio::spawn(async move {
-                tokio::time::timeout(limit, member.extend(&items, ttl)).await
+                tokio::time::timeout(limit, member.extend_each(&items, ttl)).await
             });
             calls.push(async move { (i, task.await) });
         }
         let quorum = self.inner.quorum;
         let mut counts = vec![0usize; items.len()];
-        // Members that have not answered yet, or failed: either may still have renewed. Not
-        // one that never connected: it was sent no grant, so it holds none.
-        let mut unknown = calls.len();
+        // Per lease, the members that have not answered for it yet, or failed: either may
+        // still have renewed. Not one that never connected: it was sent no grant, so it holds
+        // none.
+        let mut unknown = vec![calls.len(); items.len()];
         let mut outstanding = calls.len();
         // The members still out when the wait ends stay unknown; their calls run on.
         let give_up = started + wait.min(limit);
@@ -469,9 +476,11 @@ impl QuorumBackend {
             };
             match answer {
                 Ok(held) if held.len() == items.len() => {
-                    unknown -= 1;
-                    for (c, h) in counts.iter_mut().zip(held) {
-                        *c += usize::from(h);
+                    for ((c, u), h) in counts.iter_mut().zip(unknown.iter_mut()).zip(held) {
+                        if let Some(h) = h {
+                            *u -= 1;
+                            *c += usize::from(h);
+                        }
                     }
                 }
                 Ok(_) => warn!(member = i, "extend answered for a different batch size"),
@@ -1099,7 +1108,9 @@ impl Backend for QuorumBackend {
     /// and giving up early would only send the same work again.
     async fn extend(&self, items: &[(LockKey, Token)], ttl: Duration) -> Result<Vec<bool>> {
         let (counts, unknown) = self.extend_counts(items, ttl, ttl).await?;
-        let decided: Option<Vec<bool>> = counts.iter().map(|&c| self.renewed(c, unknown)).collect();
+        let decided: Option<Vec<bool>> = (counts.iter().zip(&unknown))
+            .map(|(&c, &u)| self.renewed(c, u))
+            .collect();
         decided.ok_or_else(|| {
             let batch_key = items.first().map_or("(batch)", |(k, _)| k.key());
             let agreed = counts.iter().copied().min().unwrap_or(0);
@@ -1119,9 +1130,8 @@ impl Backend for QuorumBackend {
         ttl: Duration,
     ) -> Result<Vec<Option<bool>>> {
         let (counts, unknown) = self.extend_counts(items, ttl, ttl / 4).await?;
-        Ok(counts
-            .into_iter()
-            .map(|c| self.renewed(c, unknown))
+        Ok((counts.into_iter().zip(unknown))
+            .map(|(c, u)| self.renewed(c, u))
             .collect())
     }
 
