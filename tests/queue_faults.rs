@@ -255,8 +255,9 @@ async fn corrupt_attempts(flavor: Flavor) {
     }
     // Attempts changed from outside while the job is leased, and its holder settles it: told
     // its lease is over (as by a reap), not a server fault, which a worker would keep
-    // retrying until its lease ran out.
-    for found in ["-5", "2.5", "nan", "1e30"] {
+    // retrying until its lease ran out. Text that Lua reads as 1 but the claim's `HINCRBY`
+    // refuses ('1.0', '0x1', ' 1', '01') is as corrupt here as there: it used to settle.
+    for found in ["-5", "2.5", "nan", "1e30", "1.0", "0x1", " 1", "01"] {
         let leased = q.enqueue(b"settled").await.expect("enqueue");
         let got = q.claim(ms(5_000)).await.expect("claim").expect("job");
         assert_eq!(got.id(), leased);

@@ -64,10 +64,12 @@ local function guard(jk, want, done_ok, holder)
   local h = redis.call('HMGET', jk, 'state', 'attempts', 'holder')
   local att = tonumber(h[2]) or 0
   -- Changed from outside to a count no reply can carry as a fence (below zero, not an
-  -- integer, NaN, 2^53 or more): no claim can hold the job by it, and the next claim that
-  -- finds it sets it aside. Reported as not held (the caller's lease is over), not as a count
-  -- the client would fail to read and take for a server fault.
-  if h[2] and not (att == att and att >= 0 and att < 9007199254740992 and att == math.floor(att)) then
+  -- integer, NaN, 2^53 or more), or to text the claim's HINCRBY would refuse though tonumber
+  -- reads it ('1.0', '0x1', ' 1', '01'): no claim can hold the job by it, and the next claim
+  -- that finds it sets it aside. Reported as not held (the caller's lease is over), not as a
+  -- count the client would fail to read and take for a server fault.
+  local canonical = h[2] and (h[2] == '0' or string.match(h[2], '^[1-9]%d*$'))
+  if h[2] and not (canonical and att < 9007199254740992) then
     return {-4, 'attempts corrupt'}
   end
   -- Higher than the latest attempt: nothing superseded it, so it is not stale.
