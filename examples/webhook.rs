@@ -136,31 +136,6 @@ async fn payment_hook(State(bank): State<Bank>, body: Bytes) -> Answer {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::{Bank, Refused};
-
-    /// A withdrawal under a fence older than one the account has seen is refused and moves
-    /// nothing; the same fence again (one lease writing twice) and a newer one pass.
-    #[test]
-    fn an_older_fence_is_refused() {
-        let bank = Bank::default();
-        assert!(matches!(bank.apply("1", -100, Some(7)), Ok(9_900)));
-        assert!(matches!(
-            bank.apply("1", -100, Some(6)),
-            Err(Refused::Stale)
-        ));
-        assert!(matches!(bank.apply("1", -100, Some(7)), Ok(9_800)));
-        assert!(matches!(bank.apply("1", 50, None), Ok(9_850)));
-        assert!(matches!(bank.apply("1", -100, Some(8)), Ok(9_750)));
-        assert!(matches!(bank.apply("1", -1, Some(7)), Err(Refused::Stale)));
-        assert!(matches!(
-            bank.apply("1", i64::MAX, None),
-            Err(Refused::Funds(9_750))
-        ));
-    }
-}
-
 /// The service: a locked withdrawal route and a deduplicated payment webhook on `locker`.
 /// (`tests/webhook_example.rs` replays the README's session against it.)
 pub fn app(locker: Locker) -> Router {
@@ -224,4 +199,29 @@ async fn main() -> Result<(), BoxError> {
     );
     axum::serve(listener, app).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Bank, Refused};
+
+    /// A withdrawal under a fence older than one the account has seen is refused and moves
+    /// nothing; the same fence again (one lease writing twice) and a newer one pass.
+    #[test]
+    fn an_older_fence_is_refused() {
+        let bank = Bank::default();
+        assert!(matches!(bank.apply("1", -100, Some(7)), Ok(9_900)));
+        assert!(matches!(
+            bank.apply("1", -100, Some(6)),
+            Err(Refused::Stale)
+        ));
+        assert!(matches!(bank.apply("1", -100, Some(7)), Ok(9_800)));
+        assert!(matches!(bank.apply("1", 50, None), Ok(9_850)));
+        assert!(matches!(bank.apply("1", -100, Some(8)), Ok(9_750)));
+        assert!(matches!(bank.apply("1", -1, Some(7)), Err(Refused::Stale)));
+        assert!(matches!(
+            bank.apply("1", i64::MAX, None),
+            Err(Refused::Funds(9_750))
+        ));
+    }
 }
