@@ -238,10 +238,23 @@ async fn client_kill(flavor: Flavor) {
 /// password is back, requests succeed again. (redis-rs's manager reconnects by itself only
 /// after an I/O error, and answered every later request "authentication failed", for good.)
 async fn a_refused_reconnect_is_tried_again(flavor: Flavor) {
+    refused_reconnect_tried_again(flavor, "").await
+}
+
+/// As [`a_refused_reconnect_is_tried_again`], over RESP3 (`?protocol=resp3`), where the
+/// refused reconnect's `HELLO 3 AUTH` comes back as the server's `WRONGPASS` error rather than
+/// as a failed authentication: it was taken for an answer, the connection never checked, and
+/// every later call refused until the process restarted.
+async fn a_refused_reconnect_over_resp3_is_tried_again(flavor: Flavor) {
+    refused_reconnect_tried_again(flavor, "?protocol=resp3").await
+}
+
+/// The user's password is changed and its connection killed, then the password put back: the
+/// locker (its URL ending in `query`) answers again.
+async fn refused_reconnect_tried_again(flavor: Flavor, query: &str) {
     let server = Server::start(flavor);
-    let locker = Locker::redis(&server.acl_user_url())
-        .await
-        .expect("connect");
+    let url = server.acl_user_url() + query;
+    let locker = Locker::redis(&url).await.expect("connect");
     drop(
         locker
             .try_acquire("before", &opts(5_000))
@@ -1819,6 +1832,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_refused_reconnect_is_tried_again() {
                 super::a_refused_reconnect_is_tried_again($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_refused_reconnect_over_resp3_is_tried_again() {
+                super::a_refused_reconnect_over_resp3_is_tried_again($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn wrong_type() {
