@@ -42,6 +42,9 @@ pub enum Release {
 /// Either way, the next waiter of the same [`Locker`](crate::Locker) takes its turn once the
 /// release is in line ahead of its acquire (see [`release`](Lease::release)), or answered on
 /// a backend that cannot tell; for a dropped guard, at the latest when the lease runs out.
+/// The background release is work on the runtime: a guard dropped as the runtime shuts down
+/// (at the end of `main`) is usually not released, and its key stays held for its TTL, so
+/// release it before the program ends.
 ///
 /// ```
 /// use lock_core::{Locker, LockOptions, Release};
@@ -226,11 +229,18 @@ impl<B: Backend + Clone> Lease<B> {
     /// counts once answered. Returns [`Error::LeaseLost`] (and marks the lease lost) if this
     /// holder no longer holds it, or if the lease was already lost: loss is final.
     ///
-    /// Once a renewal or extend of this lease went unanswered (or its acquire was answered
-    /// only by a retry), that request may still reach the server later and set its own TTL
-    /// from then, so from that point the lease counts every deadline, this one's included, with
-    /// no longer a TTL than that request's: a longer extend is set on the server, but
-    /// `remaining` does not count past what the stray request could leave.
+    /// Once a renewal or extend of this lease went unanswered or failed (or its acquire was
+    /// answered only by a retry), that request may still reach the server later and set its
+    /// own TTL from then, so from that point the lease counts every deadline, this one's
+    /// included, with no longer a TTL than that request's: a longer extend is set on the
+    /// server, but `remaining` does not count past what the stray request could leave. (Every
+    /// failed extend counts so, even one the server refused outright: on a quorum, members
+    /// may have run what the majority did not.)
+    ///
+    /// Poll the returned future to its end, or drop it: automatic renewal waits while an
+    /// extend is on its way, so one left pending and unpolled (a `select!` branch that lost,
+    /// kept for later) holds renewal off until it is polled again or dropped, and the lease
+    /// can be lost meanwhile.
     ///
     /// Extends of one lease run one at a time: a second caller waits for the first's answer
     /// before sending its own. While two travel at once, neither answer can tell which ran
