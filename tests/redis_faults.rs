@@ -297,6 +297,55 @@ async fn refused_reconnect_tried_again(flavor: Flavor, query: &str) {
     }
 }
 
+/// A server busy with a long script refuses every request with `BUSY`, and would answer a
+/// connection check's `PING` the same: the refusals are passed on (transient) and the shared
+/// connection is kept, not replaced on each one (the check is for reconnects refused at their
+/// login, which stay a connection's answer for good).
+async fn a_server_busy_with_a_script_keeps_the_connection(flavor: Flavor) {
+    let server = Server::start_with_args(flavor, &["--busy-reply-threshold", "50"]);
+    let locker = Locker::redis(&server.url()).await.expect("connect");
+    let warm = locker
+        .try_acquire("warm", &opts(5_000))
+        .await
+        .expect("warm");
+    warm.release().await.expect("release");
+    let connections = || -> u64 {
+        let n = server.info_field("stats", "total_connections_received");
+        n.parse().expect("a connection count")
+    };
+    let before = connections();
+    let mut busy = server.conn();
+    let script = std::thread::spawn(move || {
+        ::redis::cmd("EVAL")
+            .arg("while true do end")
+            .arg(0)
+            .query::<()>(&mut busy)
+    });
+    sleep(Duration::from_millis(300)).await;
+    for _ in 0..10 {
+        match locker.try_acquire("during", &opts(5_000)).await {
+            Err(e) => assert!(e.is_transient(), "{e}"),
+            Ok(_) => panic!("granted while the server ran a script"),
+        }
+        sleep(Duration::from_millis(50)).await;
+    }
+    // Room for checks the refusals might have started.
+    sleep(Duration::from_millis(500)).await;
+    let _: () = server.cmd(&["SCRIPT", "KILL"]);
+    assert!(script.join().expect("script thread").is_err(), "killed");
+    // Three of the test's own: the script's, `SCRIPT KILL`'s and this count's.
+    let opened = connections() - before - 3;
+    assert_eq!(
+        opened, 0,
+        "the locker opened {opened} connections while the server was busy"
+    );
+    let after = locker
+        .try_acquire("after", &opts(5_000))
+        .await
+        .expect("after");
+    after.release().await.expect("release");
+}
+
 /// A key holding another type is reported and left untouched.
 async fn wrong_type(flavor: Flavor) {
     let server = Server::start(flavor);
@@ -1832,6 +1881,10 @@ macro_rules! faults {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_refused_reconnect_is_tried_again() {
                 super::a_refused_reconnect_is_tried_again($flavor).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_server_busy_with_a_script_keeps_the_connection() {
+                super::a_server_busy_with_a_script_keeps_the_connection($flavor).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_refused_reconnect_over_resp3_is_tried_again() {

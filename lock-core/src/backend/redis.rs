@@ -567,16 +567,17 @@ impl RedisConn {
 }
 
 /// Whether a failed request calls for a check of its connection: a timeout (a silent
-/// connection), or any failure but an I/O error. redis-rs's manager reconnects by itself after
-/// an I/O error (checking then too would race its reconnect); a reconnect that failed
-/// otherwise (its `AUTH` refused, as while a password is rotated or the server is at
-/// `maxclients`) stays its answer to every later request, for good, unless the connection is
-/// replaced. That answer can be a server's error reply as well as a client-side one: over
-/// RESP3 a refused `HELLO 3 AUTH` is `WRONGPASS`, a refused `SELECT` on reconnect is `ERR`, so
-/// a reply with a code is checked too. The check's `PING` tells the two apart: a connection
-/// that merely carried a refusal (`NOPERM`, `OOM`, `NOSCRIPT`) answers it and is kept.
+/// connection), or a failure that is neither the server's answer nor an I/O error. redis-rs's
+/// manager reconnects by itself after an I/O error (checking then too would race its
+/// reconnect); a reconnect that failed otherwise (its `AUTH` refused, as while a password is
+/// rotated or the server is at `maxclients`) stays its answer to every later request, for
+/// good, unless the connection is replaced. Over RESP3 that answer is the server's own reply
+/// to the refused `HELLO 3 AUTH` (`WRONGPASS`, or `NOAUTH` without a password), so those
+/// codes are checked too. Not other replies: a server busy with a script or loading its data
+/// answers the check's `PING` with the same refusal, and each check would replace a working
+/// connection for as long as that lasts.
 fn needs_a_check(e: &redis::RedisError) -> bool {
-    e.is_timeout() || !e.is_io_error()
+    e.is_timeout() || (!e.is_io_error() && matches!(e.code(), None | Some("WRONGPASS" | "NOAUTH")))
 }
 
 impl redis::aio::ConnectionLike for RedisConn {
