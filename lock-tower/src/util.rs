@@ -91,7 +91,7 @@ fn over_a_limit(e: &(dyn std::error::Error + 'static)) -> bool {
 
 /// Whether a response with this status sends no body, whatever length it names: 1xx, 204,
 /// and 304 (whose `Content-Length` is the representation's).
-pub(crate) fn bodiless_status(status: http::StatusCode) -> bool {
+fn bodiless_status(status: http::StatusCode) -> bool {
     status.is_informational()
         || status == http::StatusCode::NO_CONTENT
         || status == http::StatusCode::NOT_MODIFIED
